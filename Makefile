@@ -1,0 +1,18 @@
+# The two entry points of the README.  Both set up everything they need.
+PY := .venv/bin/python
+DEMO_ARGS ?=
+TEST_ARGS ?=
+
+.PHONY: demo test setup bench clean
+
+setup:
+	bash scripts/bootstrap.sh
+
+demo: setup
+	$(PY) -m training demo $(DEMO_ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(TEST_ARGS)
+
+clean:
+	rm -rf .venv data runs cache artifacts

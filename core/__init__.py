@@ -1,0 +1,1 @@
+"""Small pieces every package needs: atomic writes, robust image loading, errors."""

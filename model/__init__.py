@@ -1,0 +1,1 @@
+"""Backbones, the embedding neck W (M = WᵀW), the embedding model and checkpoint I/O."""

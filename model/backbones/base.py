@@ -1,0 +1,69 @@
+"""What every backbone provides: a trunk feature of size `dim` and its preprocessing."""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from core.errors import UserError
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class Backbone(nn.Module):
+    """Wraps a trunk network; `forward(images) -> (B, dim)` trunk features."""
+
+    def __init__(self, name: str, trunk: nn.Module, dim: int, mean, std, weights: str):
+        super().__init__()
+        self.name = name
+        self.trunk = trunk
+        self.dim = int(dim)
+        self.mean = tuple(float(m) for m in mean)
+        self.std = tuple(float(s) for s in std)
+        self.weights = weights  # "imagenet", "none" or a file path: where the weights came from
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.trunk(x)
+
+    def fingerprint(self) -> str:
+        """Hash of the exact parameter values: part of every feature-cache key."""
+        h = hashlib.sha256(self.name.encode())
+        for k, v in self.trunk.state_dict().items():
+            h.update(k.encode())
+            h.update(v.detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]
+
+
+def load_state_file(path: str | os.PathLike) -> dict:
+    """Load a weights file safely (tensors only, never arbitrary pickles)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"weights file not found: {path}")
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
+        raise UserError(f"cannot load weights from {path}: {e}") from None
+    if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
+        sd = sd["state_dict"]
+    if not isinstance(sd, dict):
+        raise UserError(f"{path} does not hold a state dict")
+    return sd
+
+
+def load_complete(module: nn.Module, sd: dict, source: str) -> None:
+    """Load a state dict and refuse a partial load: every key and shape must match."""
+    own = module.state_dict()
+    missing = [k for k in own if k not in sd]
+    unexpected = [k for k in sd if k not in own]
+    shapes = [k for k in own if k in sd and tuple(own[k].shape) != tuple(sd[k].shape)]
+    if missing or unexpected or shapes:
+        raise UserError(
+            f"weights in {source} do not fit this network: "
+            f"{len(missing)} missing (e.g. {missing[:3]}), {len(unexpected)} unexpected "
+            f"(e.g. {unexpected[:3]}), {len(shapes)} with other shapes (e.g. {shapes[:3]})"
+        )
+    module.load_state_dict(sd, strict=True)

@@ -1,0 +1,43 @@
+"""A small CNN for training from scratch (and as the random-init floor)."""
+from __future__ import annotations
+
+from torch import nn
+
+from core.errors import UserError
+
+from .base import Backbone, load_complete, load_state_file
+from .registry import register
+
+
+def _block(cin: int, cout: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
+        nn.Conv2d(cout, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
+        nn.MaxPool2d(2),
+    )
+
+
+class SmallCNN(nn.Module):
+    def __init__(self, widths=(32, 64, 128, 256)):
+        super().__init__()
+        layers, cin = [], 3
+        for w in widths:
+            layers.append(_block(cin, w))
+            cin = w
+        self.features = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.out_dim = cin
+
+    def forward(self, x):
+        return self.pool(self.features(x)).flatten(1)
+
+
+@register("small_cnn")
+def small_cnn(weights: str | None = None) -> Backbone:
+    weights = weights or "none"
+    if weights == "imagenet":
+        raise UserError("small_cnn has no pretrained weights; use --weights none or a file")
+    net = SmallCNN()
+    if weights != "none":
+        load_complete(net, load_state_file(weights), weights)
+    return Backbone("small_cnn", net, net.out_dim, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), weights)

@@ -1,0 +1,83 @@
+"""torchvision ResNet-18/50 and GoogLeNet.  Weights never download at run time:
+they come from a file the user names, or from the torch hub cache
+(`$TORCH_HOME/hub/checkpoints/`) where torchvision itself would have put them.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torchvision
+from torch import nn
+
+from core.errors import UserError
+
+from .base import IMAGENET_MEAN, IMAGENET_STD, Backbone, load_complete, load_state_file
+from .registry import register
+
+_SPECS = {
+    # name: (constructor, weights enum, feature dim)
+    "resnet18": (torchvision.models.resnet18, torchvision.models.ResNet18_Weights.IMAGENET1K_V1, 512),
+    "resnet50": (torchvision.models.resnet50, torchvision.models.ResNet50_Weights.IMAGENET1K_V1, 2048),
+    "googlenet": (torchvision.models.googlenet, torchvision.models.GoogLeNet_Weights.IMAGENET1K_V1, 1024),
+}
+
+
+def cached_weights_path(name: str) -> Path:
+    """Where torchvision caches this model's ImageNet weights."""
+    fname = os.path.basename(_SPECS[name][1].url)
+    return Path(torch.hub.get_dir()) / "checkpoints" / fname
+
+
+def _resolve(name: str, weights: str) -> Path | None:
+    if weights == "none":
+        return None
+    if weights == "imagenet":
+        p = cached_weights_path(name)
+        if not p.is_file():
+            raise UserError(
+                f"no ImageNet weights for {name} on this machine (no downloads at run time). "
+                f"Put the file {p.name} at {p} (or set TORCH_HOME), pass --weights PATH, "
+                f"or use --weights none for a randomly initialised {name}."
+            )
+        return p
+    return Path(weights)
+
+
+def _build(name: str, weights: str) -> Backbone:
+    ctor, _, dim = _SPECS[name]
+    path = _resolve(name, weights)
+    if name == "googlenet":
+        # The ImageNet checkpoint includes the auxiliary heads and expects
+        # transform_input=True; build that layout, load, then drop the heads.
+        net = ctor(weights=None, aux_logits=path is not None, transform_input=path is not None,
+                   init_weights=path is None)
+    else:
+        net = ctor(weights=None)
+    if path is not None:
+        load_complete(net, load_state_file(path), str(path))
+    if name == "googlenet":
+        net.aux_logits = False
+        net.aux1 = None
+        net.aux2 = None
+    net.fc = nn.Identity()
+    return Backbone(name, net, dim, IMAGENET_MEAN, IMAGENET_STD, weights)
+
+
+@register("resnet18")
+def resnet18(weights: str | None = None) -> Backbone:
+    weights = weights or "imagenet"
+    return _build("resnet18", weights)
+
+
+@register("resnet50")
+def resnet50(weights: str | None = None) -> Backbone:
+    weights = weights or "imagenet"
+    return _build("resnet50", weights)
+
+
+@register("googlenet")
+def googlenet(weights: str | None = None) -> Backbone:
+    weights = weights or "imagenet"
+    return _build("googlenet", weights)

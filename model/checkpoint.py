@@ -1,0 +1,100 @@
+"""Checkpoints: written atomically, read with torch.load(weights_only=True).
+
+A checkpoint is a plain dict of tensors and JSON-like values (never pickled
+objects), holding everything needed to rebuild the model and to know what it
+was trained on: config, backbone name and weights, dims, class split, metrics,
+and any extra state (loss proxies, flows) under "extra".
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from core.atomic import write_with
+from core.errors import CheckpointMismatchError, UserError
+
+from .backbones import build_backbone
+from .embedder import EmbeddingModel
+
+FORMAT = "dml-retrieval-checkpoint"
+VERSION = 1
+
+
+def save_checkpoint(path, model: EmbeddingModel, *, config: dict | None = None,
+                    split: dict | None = None, metrics: dict | None = None,
+                    extra: dict | None = None) -> None:
+    payload = {
+        "format": FORMAT,
+        "version": VERSION,
+        "backbone": model.backbone.name,
+        "backbone_weights": str(model.backbone.weights),
+        "trunk_dim": model.trunk_dim,
+        "embed_dim": model.embed_dim,
+        "config": config or {},
+        "split": split or {},
+        "metrics": metrics or {},
+        "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "extra": extra or {},
+    }
+    write_with(path, lambda tmp: torch.save(payload, tmp))
+
+
+def read_checkpoint(path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"checkpoint not found: {path}")
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - truncated, corrupt or not a checkpoint at all
+        raise UserError(f"cannot read checkpoint {path}: {e}") from None
+    if not isinstance(ck, dict) or ck.get("format") != FORMAT:
+        raise UserError(f"{path} is not a checkpoint of this project")
+    if ck.get("version") != VERSION:
+        raise UserError(f"{path} has checkpoint version {ck.get('version')}, expected {VERSION}")
+    return ck
+
+
+def check_compatible(ck: dict, *, backbone: str | None = None, embed_dim: int | None = None,
+                     trunk_dim: int | None = None, source: str = "checkpoint") -> None:
+    if backbone is not None and ck["backbone"] != backbone:
+        raise CheckpointMismatchError(
+            f"{source} was trained with backbone {ck['backbone']!r}, not {backbone!r}")
+    if embed_dim is not None and ck["embed_dim"] != embed_dim:
+        raise CheckpointMismatchError(
+            f"{source} has embedding dimension {ck['embed_dim']}, expected {embed_dim}")
+    if trunk_dim is not None and ck["trunk_dim"] != trunk_dim:
+        raise CheckpointMismatchError(
+            f"{source} has trunk dimension {ck['trunk_dim']}, expected {trunk_dim}")
+
+
+def model_from_checkpoint(ck: dict) -> EmbeddingModel:
+    """Rebuild the embedding model; weights come from the checkpoint, nothing is downloaded."""
+    backbone = build_backbone(ck["backbone"], weights="none")
+    model = EmbeddingModel(backbone, ck["embed_dim"])
+    backbone.weights = ck.get("backbone_weights", "none")
+    sd = ck["state_dict"]
+    own = model.state_dict()
+    bad = [k for k in own if k not in sd or tuple(own[k].shape) != tuple(sd[k].shape)]
+    extra = [k for k in sd if k not in own]
+    if bad or extra:
+        raise CheckpointMismatchError(
+            f"checkpoint weights do not fit {ck['backbone']} with embedding dim {ck['embed_dim']}: "
+            f"{len(bad)} missing or mis-shaped (e.g. {bad[:3]}), {len(extra)} unexpected")
+    model.load_state_dict(sd)
+    return model.eval()
+
+
+def load_model(path, **expect) -> tuple[EmbeddingModel, dict]:
+    ck = read_checkpoint(path)
+    check_compatible(ck, source=str(path), **expect)
+    return model_from_checkpoint(ck), ck
+
+
+def file_sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh Debian machine that has only Python 3.11:
+# a virtual environment with the pinned requirements, and the Debian font
+# packages the kanji data set is rendered from.  Re-running is cheap: each
+# step is skipped when its stamp/package is already in place.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+"$PY" - <<'PYEOF' || { echo "bootstrap: Python 3.11 is required (found $($PY --version 2>&1))" >&2; exit 1; }
+import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else 1)
+PYEOF
+
+# --- Debian fonts -----------------------------------------------------------
+mapfile -t FONT_PKGS < scripts/fonts.txt
+missing=()
+for p in "${FONT_PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  cmd="apt-get install -y --no-install-recommends ${missing[*]}"
+  if [ "$(id -u)" -eq 0 ]; then
+    echo "bootstrap: installing fonts: ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $cmd >/dev/null
+  else
+    echo "bootstrap: missing Debian font packages. Run as root:" >&2
+    echo "  sudo apt-get update && sudo $cmd" >&2
+    exit 1
+  fi
+fi
+
+# --- Python environment -----------------------------------------------------
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.requirements.sha256
+want=$(sha256sum requirements.txt | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -r requirements.txt
+  echo "$want" > "$stamp"
+fi

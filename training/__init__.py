@@ -1,0 +1,1 @@
+"""Data sets, losses, regularizers and the training loop; `python -m training --help`."""
