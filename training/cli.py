@@ -54,7 +54,7 @@ def cmd_prepare(args) -> int:
 def cmd_evaluate(args) -> int:
     from evaluation import evaluate
 
-    from .embed import load_npy
+    from core.arrays import load_npy
 
     ks = args.ks
     if args.embeddings:
@@ -123,6 +123,20 @@ def cmd_demo(args) -> int:
     return run_demo(args)
 
 
+# ---------------------------------------------------------------- train
+def cmd_train(args) -> int:
+    from .train_config import TrainConfig
+    from .trainer import train
+
+    cfg = config_from_args(TrainConfig, args)
+    metrics = train(cfg)
+    t = metrics["test"]
+    print(json.dumps({"selected_epoch": metrics["selected_epoch"], "val_map@r": metrics["val"]["map@r"],
+                      "test": {k: t[k] for k in ("map@r", "recall@1", "r_precision", "nmi", "f1")},
+                      "run": cfg.out}, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m training", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -152,6 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--json", help="write the flat metrics object here (atomically)")
     add_config_args(se, DataConfig)
     se.set_defaults(func=cmd_evaluate)
+
+    from .train_config import TrainConfig
+
+    st = sub.add_parser("train", help="train an embedding model (frozen-backbone or fine-tuning)",
+                        description="Train backbone + neck W with a metric loss; select on validation "
+                        "MAP@R; evaluate the selected checkpoint once on test.")
+    add_config_args(st, TrainConfig)
+    st.set_defaults(func=cmd_train)
 
     sd = sub.add_parser("demo", help="the demo pipeline (prepare kanji, embed, evaluate)")
     sd.add_argument("--out", default="artifacts/demo", help="where results are written")

@@ -12,6 +12,7 @@ class DataConfig:
     image_size: int = field(default=0, metadata={"help": "input size; 0 = 64 for kanji, 224 otherwise"})
     data_seed: int = field(default=0, metadata={"help": "seed of the class split (and kanji class choice)"})
     val_fraction: float = field(default=0.2, metadata={"help": "fraction of train classes held out for validation"})
+    kanji_fonts: tuple[str, ...] = field(default=(), metadata={"help": "kanji: font ids to use (default all 23)"})
     workers: int = field(default=1, metadata={"help": "image-loading worker processes"})
     eval_batch_size: int = field(default=128, metadata={"help": "batch size for embedding images"})
 
@@ -24,5 +25,6 @@ def load_data(cfg: DataConfig, progress: bool = True):
 
     kw = dict(val_fraction=cfg.val_fraction, seed=cfg.data_seed)
     if cfg.dataset == "kanji":
-        kw |= dict(num_classes=cfg.num_classes, image_size=cfg.resolved_image_size(), progress=progress)
+        kw |= dict(num_classes=cfg.num_classes, image_size=cfg.resolved_image_size(), progress=progress,
+                   fonts=tuple(cfg.kanji_fonts))
     return load_dataset(cfg.dataset, cfg.data_root, **kw)

@@ -43,20 +43,3 @@ def backbone_fn(backbone):
 def set_threads(n: int | None = None) -> None:
     if n:
         torch.set_num_threads(n)
-
-
-def load_npy(path, what: str) -> np.ndarray:
-    """np.load without pickles: user files are never unpickled."""
-    from pathlib import Path
-
-    from core.errors import UserError
-
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"{what} file not found: {p}")
-    try:
-        return np.load(p, allow_pickle=False, mmap_mode=None)
-    except ValueError as e:
-        raise UserError(f"{what} file {p} is not a plain .npy array ({e})") from None
-    except Exception as e:  # noqa: BLE001
-        raise UserError(f"cannot read {what} file {p}: {e}") from None

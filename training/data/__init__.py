@@ -9,9 +9,9 @@ from .kanji import KanjiConfig, load_kanji
 from .splits import DatasetSplits, Subset
 
 
-def _kanji(root=None, *, val_fraction=0.2, seed=0, num_classes=500, image_size=64, progress=True):
+def _kanji(root=None, *, val_fraction=0.2, seed=0, num_classes=500, image_size=64, progress=True, fonts=()):
     cfg = KanjiConfig(root=root or KanjiConfig.root, num_classes=num_classes,
-                      image_size=image_size, seed=seed, val_fraction=val_fraction)
+                      image_size=image_size, seed=seed, val_fraction=val_fraction, fonts=tuple(fonts))
     return load_kanji(cfg, progress=progress)
 
 

@@ -1,0 +1,237 @@
+"""Data-set loaders on tiny synthetic trees in their exact official layouts."""
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from core.errors import DatasetLayoutError, UserError
+from training.data import load_dataset
+from training.data.splits import carve_validation
+
+
+def _img(path, color=(0, 0, 0)):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (8, 8), color).save(path)
+
+
+def _disjoint(splits):
+    sets = {k: set(s.classes) for k, s in splits.subsets().items() if k not in ("query", "gallery")}
+    names = list(sets)
+    for i in range(len(names)):
+        for j in range(i + 1, len(names)):
+            assert not sets[names[i]] & sets[names[j]], (names[i], names[j])
+
+
+def make_cub(root, per_class=2):
+    root = root / "CUB_200_2011"
+    lines, labels, classes = [], [], []
+    n = 0
+    for c in range(1, 201):
+        classes.append(f"{c} {c:03d}.Bird_{c}")
+        for k in range(per_class):
+            n += 1
+            rel = f"{c:03d}.Bird_{c}/img_{k}.jpg"
+            _img(root / "images" / rel)
+            lines.append(f"{n} {rel}")
+            labels.append(f"{n} {c}")
+    (root / "images.txt").write_text("\n".join(lines) + "\n")
+    (root / "image_class_labels.txt").write_text("\n".join(labels) + "\n")
+    (root / "classes.txt").write_text("\n".join(classes) + "\n")
+    return root.parent
+
+
+def test_cub_standard_split(tmp_path):
+    s = load_dataset("cub", make_cub(tmp_path), val_fraction=0.2, seed=0)
+    assert s.test.classes == list(range(101, 201))
+    assert len(s.train.classes) + len(s.val.classes) == 100 and len(s.val.classes) == 20
+    assert max(s.train.classes + s.val.classes) == 100
+    assert s.train.abspath(0).is_file()
+    _disjoint(s)
+
+
+def test_cub_missing_file_names_it(tmp_path):
+    root = make_cub(tmp_path)
+    (root / "CUB_200_2011" / "image_class_labels.txt").unlink()
+    with pytest.raises(DatasetLayoutError, match="image_class_labels.txt"):
+        load_dataset("cub", root)
+    with pytest.raises(DatasetLayoutError, match="not found"):
+        load_dataset("cub", tmp_path / "nope")
+
+
+def make_cars(root):
+    from scipy.io import savemat
+
+    ann = np.zeros((196 * 2,), dtype=[("relative_im_path", "O"), ("class", "O"), ("test", "O")])
+    for i in range(196 * 2):
+        c = i // 2 + 1
+        rel = f"car_ims/{i + 1:06d}.jpg"
+        _img(root / rel)
+        ann[i] = (rel, c, i % 2)
+    savemat(root / "cars_annos.mat", {"annotations": ann.reshape(1, -1),
+                                      "class_names": np.array([f"car {c}" for c in range(1, 197)], dtype=object)})
+    return root
+
+
+def test_cars_standard_split(tmp_path):
+    s = load_dataset("cars", make_cars(tmp_path), val_fraction=0.0)
+    assert s.train.classes == list(range(1, 99)) and s.test.classes == list(range(99, 197))
+    assert len(s.test) == 196 and s.class_names[1] == "car 1"
+    assert s.test.abspath(0).is_file()
+
+
+def test_cars_missing_images_folder(tmp_path):
+    make_cars(tmp_path)
+    import shutil
+    shutil.rmtree(tmp_path / "car_ims")
+    with pytest.raises(DatasetLayoutError, match="car_ims"):
+        load_dataset("cars", tmp_path)
+
+
+def make_sop(root, n_train=11318, n_test=11316):
+    root = root / "Stanford_Online_Products"
+    root.mkdir(parents=True)
+    # only a handful of real files: loaders read the lists, not every image
+    tr = ["image_id class_id super_class_id path"]
+    te = ["image_id class_id super_class_id path"]
+    i = 0
+    for c in range(1, n_train + 1):
+        i += 1
+        tr.append(f"{i} {c} 1 bicycle_final/{c}_0.JPG")
+    for c in range(n_train + 1, n_train + n_test + 1):
+        i += 1
+        te.append(f"{i} {c} 2 chair_final/{c}_0.JPG")
+    (root / "Ebay_train.txt").write_text("\n".join(tr) + "\n")
+    (root / "Ebay_test.txt").write_text("\n".join(te) + "\n")
+    return root.parent
+
+
+def test_sop_standard_split(tmp_path):
+    s = load_dataset("sop", make_sop(tmp_path))
+    assert len(s.test.classes) == 11316 and len(s.train.classes) + len(s.val.classes) == 11318
+    assert s.test.classes[0] == 11319
+    _disjoint(s)
+
+
+def test_sop_missing_list(tmp_path):
+    root = make_sop(tmp_path, 3, 3)
+    (root / "Stanford_Online_Products" / "Ebay_test.txt").unlink()
+    with pytest.raises(DatasetLayoutError, match="Ebay_test.txt"):
+        load_dataset("sop", root)
+
+
+def make_inshop(root):
+    rows = []
+    for item in range(12):
+        status = "train" if item < 6 else None
+        for k in range(3):
+            rel = f"img/WOMEN/Dresses/id_{item:08d}/{k:02d}_1_front.jpg"
+            _img(root / rel)
+            st = status or ("query" if k == 0 else "gallery")
+            rows.append(f"{rel} id_{item:08d} {st}")
+    (root / "list_eval_partition.txt").write_text(f"{len(rows)}\nimage_name item_id evaluation_status\n"
+                                                  + "\n".join(rows) + "\n")
+    return root
+
+
+def test_inshop_query_gallery(tmp_path):
+    s = load_dataset("inshop", make_inshop(tmp_path), val_fraction=0.34)
+    assert s.test is None and len(s.query) == 6 and len(s.gallery) == 12
+    assert set(s.query.classes) == set(s.gallery.classes)
+    assert len(s.train.classes) == 4 and len(s.val.classes) == 2
+    q, g = s.eval_pair("test")
+    assert q.name == "query" and g.name == "gallery"
+    assert q.abspath(0).is_file()
+
+
+def test_inshop_bad_status(tmp_path):
+    make_inshop(tmp_path)
+    p = tmp_path / "list_eval_partition.txt"
+    p.write_text(p.read_text().replace(" train\n", " weird\n", 1))
+    with pytest.raises(DatasetLayoutError, match="unexpected row"):
+        load_dataset("inshop", tmp_path)
+
+
+def test_imagefolder_class_disjoint(tmp_path):
+    for c in range(10):
+        for k in range(3):
+            _img(tmp_path / f"class_{c}" / f"{k}.png")
+    s = load_dataset("imagefolder", tmp_path, val_fraction=0.25, seed=3)
+    _disjoint(s)
+    assert sum(len(x.classes) for x in s.subsets().values()) == 10
+    s2 = load_dataset("imagefolder", tmp_path, val_fraction=0.25, seed=3)
+    assert s2.test.classes == s.test.classes  # deterministic from the seed
+
+
+def test_imagefolder_errors(tmp_path):
+    with pytest.raises(DatasetLayoutError, match="no class sub-folders"):
+        load_dataset("imagefolder", tmp_path)
+    with pytest.raises(UserError, match="data-root"):
+        load_dataset("cub", None)
+    with pytest.raises(UserError, match="unknown data set"):
+        load_dataset("mnist", tmp_path)
+
+
+def test_carve_validation_is_deterministic_and_disjoint():
+    a = carve_validation(list(range(50)), 0.2, 7)
+    assert a == carve_validation(list(range(50)), 0.2, 7)
+    assert a != carve_validation(list(range(50)), 0.2, 8)
+    assert not set(a[0]) & set(a[1]) and len(a[1]) == 10
+
+
+# ------------------------------------------------------------------ kanji
+KANJI_FONTS = ("ipag", "ipam", "seto", "kouzan-sousyo")
+
+
+def test_kanji_renders_cached_manifest_and_split(tmp_path):
+    from training.data.kanji import KanjiConfig, load_kanji
+
+    cfg = KanjiConfig(root=str(tmp_path), num_classes=12, image_size=32, seed=1, fonts=KANJI_FONTS)
+    s = load_kanji(cfg, progress=False)
+    man = json.loads(open(s.info["manifest"]).read())
+    assert man["images"] == 12 * 4 and len(man["characters"]) == 12
+    assert [f["id"] for f in man["fonts"]] == list(KANJI_FONTS)
+    assert man["candidates_covered_by_all_fonts"] > 1000
+    assert len(s.test.classes) == 6 and len(s.train.classes) + len(s.val.classes) == 6
+    _disjoint(s)
+    im = Image.open(s.test.abspath(0))
+    assert im.size == (32, 32)
+    a = np.asarray(im)
+    assert a.min() < 100 and a.max() > 200  # ink on white, not blank
+    assert s.class_names[s.test.labels[0]] in man["characters"]
+    # same config -> same cached set, same split; other seed -> other characters
+    s2 = load_kanji(cfg, progress=False)
+    assert s2.test.classes == s.test.classes and s2.info["checksum"] == s.info["checksum"]
+    s3 = load_kanji(KanjiConfig(root=str(tmp_path), num_classes=12, image_size=32, seed=2,
+                                fonts=KANJI_FONTS), progress=False)
+    assert set(s3.class_names) != set(s.class_names)
+
+
+def test_kanji_missing_font_names_package(tmp_path, monkeypatch):
+    from training.data.kanji import KanjiConfig, load_kanji
+
+    monkeypatch.setenv("KANJI_FONT_DIRS", str(tmp_path))
+    with pytest.raises(UserError, match=r"fonts-ipafont-gothic.*apt-get install"):
+        load_kanji(KanjiConfig(root=str(tmp_path / "k"), num_classes=4, fonts=("ipag",)), progress=False)
+
+
+def test_kanji_interrupted_render_leaves_no_manifest(tmp_path, monkeypatch):
+    from training.data import kanji
+
+    calls = {"n": 0}
+    real = kanji.render_glyph
+
+    def boom(*a, **k):
+        calls["n"] += 1
+        if calls["n"] > 10:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(kanji, "render_glyph", boom)
+    cfg = kanji.KanjiConfig(root=str(tmp_path), num_classes=8, image_size=32, fonts=KANJI_FONTS)
+    with pytest.raises(KeyboardInterrupt):
+        kanji.load_kanji(cfg, progress=False)
+    assert list(tmp_path.iterdir()) == []  # no half-rendered set, not even a temp dir
+    monkeypatch.setattr(kanji, "render_glyph", real)
+    s = kanji.load_kanji(cfg, progress=False)  # a later run renders cleanly
+    assert len(s.test) == 4 * 4
