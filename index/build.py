@@ -1,0 +1,167 @@
+"""Building and changing index directories (the Python API the CLI and the app use)."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from core.arrays import load_npy
+from core.errors import UserError
+from model.checkpoint import file_sha256, load_model
+from training.config import DataConfig, load_data
+from training.data.loader import transform_for
+from training.embed import embed_subset
+
+from .store import Items, read_index, write_index
+
+log = logging.getLogger("index")
+
+
+def _model_info(checkpoint, ck, spec) -> dict:
+    return {"checkpoint": str(Path(checkpoint).resolve()), "checkpoint_sha256": file_sha256(checkpoint),
+            "backbone": ck["backbone"], "transform": spec.describe()}
+
+
+def build_from_dataset(checkpoint, dcfg: DataConfig, out, split: str = "test", normalize: bool = True,
+                       factory: str | None = None, cache_dir: str | None = None, progress: bool = True) -> Path:
+    """Index a data-set split (In-Shop 'test' = its gallery) with a checkpoint's backbone."""
+    model, ck = load_model(checkpoint)
+    bb = model.backbone.eval()
+    splits = load_data(dcfg, progress=progress)
+    spec = transform_for(bb, dcfg.resolved_image_size(), dcfg.dataset)
+    query, gallery = splits.eval_pair(split)
+    sub = gallery if gallery is not None else query
+
+    def embed(s, sp):
+        return embed_subset(bb, s, sp, dcfg, f"index {s.name}", progress)
+
+    if cache_dir:
+        from training.feature_cache import cached_features
+
+        feats, labels, kept = cached_features(bb, splits, sub, spec, embed, cache_dir, progress)
+    else:
+        feats, labels, kept, skipped = embed(sub, spec)
+        if skipped:
+            log.warning("%d unreadable images left out of the index", len(skipped))
+    items = Items(np.arange(len(kept), dtype=np.int64), labels.astype(np.int64),
+                  [sub.paths[i] for i in kept], [sub.name] * len(kept))
+    info = _model_info(checkpoint, ck, spec) | {"dataset": dcfg.dataset, "split": sub.name}
+    return write_index(out, feats, items, model.W.numpy(), normalize=normalize, info=info, factory=factory,
+                       class_names=splits.class_names, root=str(Path(sub.root).resolve()))
+
+
+def build_from_image_folder(checkpoint, folder, out, normalize: bool = True, factory: str | None = None,
+                            batch_size: int = 64, workers: int = 1, image_size: int | None = None,
+                            progress: bool = True) -> Path:
+    """Index every image under `folder`; sub-folder names become class labels."""
+    from training.data.imagefolder import scan_image_folder
+    from training.data.splits import Subset
+
+    model, ck = load_model(checkpoint)
+    bb = model.backbone.eval()
+    root, paths, labels, names = scan_image_folder(folder)
+    cfg = ck["config"]
+    size = image_size or cfg.get("image_size") or (64 if cfg.get("dataset") == "kanji" else 224)
+    spec = transform_for(bb, size, cfg.get("dataset", "") if image_size is None else "")
+    dcfg = DataConfig(eval_batch_size=batch_size, workers=workers)
+    feats, ys, kept, skipped = embed_subset(bb, Subset("gallery", root, paths, labels), spec, dcfg,
+                                            "index images", progress)
+    if skipped:
+        log.warning("%d unreadable images left out of the index", len(skipped))
+    items = Items(np.arange(len(kept), dtype=np.int64), ys, [paths[i] for i in kept], ["gallery"] * len(kept))
+    return write_index(out, feats, items, model.W.numpy(), normalize=normalize,
+                       info=_model_info(checkpoint, ck, spec) | {"dataset": "imagefolder"},
+                       factory=factory, class_names=names, root=str(Path(root).resolve()))
+
+
+def build_from_features(features, labels, out, neck=None, normalize: bool = True,
+                        factory: str | None = None) -> Path:
+    """Index precomputed trunk features; without a neck W, M* is the identity."""
+    F = load_npy(features, "features")
+    L = load_npy(labels, "labels")
+    if F.ndim != 2:
+        raise UserError(f"features must be 2-D (n × d), got shape {F.shape}")
+    if L.ndim != 1 or len(L) != len(F):
+        raise UserError(f"labels must be 1-D with {len(F)} entries, got shape {L.shape}")
+    if not np.isfinite(F).all():
+        raise UserError("features contain NaN or inf")
+    W = load_npy(neck, "neck W") if neck else np.eye(F.shape[1], dtype=np.float32)
+    if W.ndim != 2 or W.shape[1] != F.shape[1]:
+        raise UserError(f"neck W must be k × {F.shape[1]}, got shape {W.shape}")
+    items = Items(np.arange(len(F), dtype=np.int64), L.astype(np.int64), [""] * len(F), ["features"] * len(F))
+    return write_index(out, F, items, W, normalize=normalize, factory=factory,
+                       info={"checkpoint": None, "checkpoint_sha256": None, "backbone": None,
+                             "dataset": "features"})
+
+
+def _rewrite(data, feats, items, out=None) -> Path:
+    man = data.manifest
+    info = {k: man[k] for k in ("checkpoint", "checkpoint_sha256", "backbone", "transform", "dataset", "split")
+            if k in man}
+    factory = man["factory"]
+    # features are already normalised if the index normalises: write_index's normalisation is a no-op
+    return write_index(out or data.path, feats, items, data.W, normalize=man["normalize"], info=info,
+                       factory=factory, class_names=data.class_names, root=data.root)
+
+
+def add_features(index_dir, feats: np.ndarray, labels, paths=None, split: str = "added") -> list[int]:
+    """Append items; returns their new ids.  The directory is rewritten atomically."""
+    data = read_index(index_dir)
+    feats = np.atleast_2d(np.asarray(feats, dtype=np.float32))
+    if feats.shape[1] != data.dim:
+        raise UserError(f"new features are {feats.shape[1]}-d; this index holds {data.dim}-d features")
+    labels = np.broadcast_to(np.asarray(labels, dtype=np.int64), (len(feats),))
+    start = int(data.items.ids.max()) + 1 if len(data.items) else 0
+    ids = np.arange(start, start + len(feats), dtype=np.int64)
+    new = Items(ids, labels.copy(), list(paths) if paths is not None else [""] * len(feats), [split] * len(feats))
+    if data.manifest["normalize"]:
+        feats = feats / np.maximum(np.linalg.norm(feats, axis=1, keepdims=True), 1e-12)
+    all_feats = np.concatenate([np.asarray(data.features), feats])
+    _rewrite(data, all_feats, data.items.concat(new))
+    return ids.tolist()
+
+
+def add_images(index_dir, images, labels, checkpoint=None) -> list[int]:
+    from .embedder import ImageEmbedder
+
+    data = read_index(index_dir)
+    emb = ImageEmbedder(checkpoint or data.manifest.get("checkpoint") or "", data.manifest)
+    paths = [str(Path(p).resolve()) for p in images]
+    return add_features(index_dir, emb.features(paths), labels, paths)
+
+
+def remove_ids(index_dir, ids) -> int:
+    data = read_index(index_dir)
+    ids = np.asarray(list(ids), dtype=np.int64)
+    unknown = sorted(set(ids.tolist()) - set(data.items.ids.tolist()))
+    if unknown:
+        raise UserError(f"ids not in the index: {unknown[:10]}")
+    keep = ~np.isin(data.items.ids, ids)
+    if not keep.any():
+        raise UserError("removing every item would leave an empty index")
+    _rewrite(data, np.asarray(data.features)[keep], data.items.subset(keep))
+    return int((~keep).sum())
+
+
+def split_features(checkpoint, dcfg: DataConfig, split: str, cache_dir: str | None = "cache/features",
+                   progress: bool = True):
+    """(trunk features, labels, W) of a data-set split under a checkpoint's backbone (cached)."""
+    from training.feature_cache import cached_features
+
+    model, _ = load_model(checkpoint)
+    bb = model.backbone.eval()
+    splits = load_data(dcfg, progress=progress)
+    spec = transform_for(bb, dcfg.resolved_image_size(), dcfg.dataset)
+    query, gallery = splits.eval_pair(split)
+    if gallery is not None:
+        raise UserError("strategy evaluation uses the query = gallery protocol; this split is query/gallery")
+
+    def embed(s, sp):
+        return embed_subset(bb, s, sp, dcfg, f"features {s.name}", progress)
+
+    if cache_dir:
+        f, y, _ = cached_features(bb, splits, query, spec, embed, cache_dir, progress)
+    else:
+        f, y, _, _ = embed(query, spec)
+    return f, y, model.W.numpy()

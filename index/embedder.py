@@ -1,0 +1,61 @@
+"""Turning query or gallery images into trunk features with the index's own model.
+
+The model comes from the checkpoint the index was built with; a checkpoint
+whose checksum differs from the manifest's is refused (another model would
+put its features in another space).  Preprocessing is the manifest's, so a
+query is treated exactly as the indexed images were.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from core.errors import UserError
+from core.images import load_rgb
+from model.checkpoint import file_sha256, load_model
+from training.data.loader import TransformSpec
+
+
+class ImageEmbedder:
+    def __init__(self, checkpoint, manifest: dict | None = None):
+        checkpoint = Path(checkpoint)
+        if manifest is not None:
+            want = manifest.get("checkpoint_sha256")
+            if not want:
+                raise UserError("this index was built from precomputed features: it has no model to "
+                                "embed images with; search it by feature vectors (--features)")
+            got = file_sha256(checkpoint)
+            if got != want:
+                raise UserError(f"checkpoint {checkpoint} is not the model this index was built with "
+                                f"(checksum {got[:12]}… ≠ {want[:12]}…)")
+        self.model, self.ck = load_model(checkpoint)
+        if manifest is not None and self.model.trunk_dim != manifest["trunk_dim"]:
+            raise UserError(f"model trunk dim {self.model.trunk_dim} ≠ index dim {manifest['trunk_dim']}")
+        self.backbone = self.model.backbone.eval()
+        t = (manifest or {}).get("transform")
+        if t is None:
+            from training.data.loader import transform_for
+
+            cfg = self.ck["config"]
+            size = cfg.get("image_size") or (64 if cfg.get("dataset") == "kanji" else 224)
+            self.spec = transform_for(self.backbone, size, cfg.get("dataset", ""))
+        else:
+            self.spec = TransformSpec(t["image_size"], t["resize"], tuple(t["mean"]), tuple(t["std"]), False)
+        self.transform = self.spec.build()
+        self.sha256 = file_sha256(checkpoint)
+        self.path = checkpoint
+
+    @torch.inference_mode()
+    def features(self, images) -> np.ndarray:
+        """Images (paths, bytes or PIL images) → trunk features (n × d)."""
+        from PIL import Image
+
+        tensors = []
+        for im in images:
+            im = im.convert("RGB") if isinstance(im, Image.Image) else load_rgb(im)
+            tensors.append(self.transform(im))
+        if not tensors:
+            return np.zeros((0, self.model.trunk_dim), np.float32)
+        return self.backbone(torch.stack(tensors)).float().numpy()

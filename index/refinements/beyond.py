@@ -1,0 +1,48 @@
+"""Refinements beyond the paper: shrinkage towards the identity, and spectral powers."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from core.errors import UserError
+
+from .registry import register
+
+
+@dataclass
+class ShrinkParams:
+    alpha: float = 0.5
+
+    def validate(self):
+        if not 0.0 <= self.alpha <= 1.0:
+            raise UserError(f"shrink alpha must be in [0, 1], got {self.alpha}")
+
+
+@register("shrink", ShrinkParams)
+def shrink(M: np.ndarray, p: ShrinkParams) -> np.ndarray:
+    """Shrinkage: M′ = (1 − α)·M*/tr(M*) + α·I/d (both terms have unit trace)."""
+    d = M.shape[0]
+    tr = float(np.trace(M))
+    if tr <= 0:
+        raise UserError("shrink needs tr(M*) > 0")
+    return (1.0 - p.alpha) * M / tr + p.alpha * np.eye(d) / d
+
+
+@dataclass
+class SpectralParams:
+    p: float = 0.5
+
+    def validate(self):
+        if not 0.0 <= self.p <= 4.0:
+            raise UserError(f"spectral power p must be in [0, 4], got {self.p}")
+
+
+@register("spectral", SpectralParams)
+def spectral(M: np.ndarray, p: SpectralParams) -> np.ndarray:
+    """Spectral power: M* = UΛUᵀ → UΛᵖUᵀ; p = 1 is M*, p = 0 the projector onto its range."""
+    lam, U = np.linalg.eigh(M)
+    lam = np.clip(lam, 0.0, None)  # M* = WᵀW is PSD; clip round-off negatives
+    keep = lam > 1e-10 * max(float(lam.max()), 1e-300)
+    powered = np.where(keep, np.power(np.where(keep, lam, 1.0), p.p), 0.0)
+    return (U * powered) @ U.T

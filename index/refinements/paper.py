@@ -1,0 +1,109 @@
+"""The paper's refinements (004): trained, identity, diagonal and random restraint, custom.
+
+Restraints follow §4.2: set a randomly chosen non-zero diagonal entry (or a
+random symmetric off-diagonal pair) to zero, repeatedly, until
+tr(M′) ≤ (1 − r)·tr(M*)   (diagonal)   or
+‖M′_off‖_F ≤ (1 − r)·‖M*_off‖_F   (random; the diagonal is untouched).
+Drawing entries one at a time without replacement is the same as walking a
+random permutation, so we permute once and cut at the first prefix that meets
+the rule: O(d²) instead of a loop of d² draws.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from core.arrays import load_npy
+from core.errors import UserError
+
+from ..metric import check_symmetric
+from .registry import register
+
+
+@dataclass
+class NoParams:
+    pass
+
+
+@register("trained", NoParams)
+def trained(M: np.ndarray, p: NoParams) -> np.ndarray:
+    """The trained metric M* = WᵀW."""
+    return M.copy()
+
+
+@register("identity", NoParams)
+def identity(M: np.ndarray, p: NoParams) -> np.ndarray:
+    """The identity on the trunk features, regardless of M*."""
+    return np.eye(M.shape[0])
+
+
+@dataclass
+class RestraintParams:
+    r: float = 0.5
+    seed: int = 0
+
+    def validate(self):
+        if not 0.0 <= self.r <= 1.0:
+            raise UserError(f"restraint degree r must be in [0, 1], got {self.r}")
+
+
+def _cut(amounts: np.ndarray, total: float, target: float) -> int:
+    """Smallest number of leading entries to remove so that total − removed ≤ target."""
+    if total <= target + 1e-12 * max(abs(total), 1.0):
+        return 0
+    remaining = total - np.cumsum(amounts)
+    tol = 1e-12 * max(abs(total), 1.0)
+    hit = np.nonzero(remaining <= target + tol)[0]
+    return int(hit[0]) + 1 if hit.size else len(amounts)
+
+
+@register("diagonal", RestraintParams)
+def diagonal(M: np.ndarray, p: RestraintParams) -> np.ndarray:
+    """Diagonal restraint: zero random diagonal entries until tr(M′) ≤ (1 − r)·tr(M*)."""
+    out = M.copy()
+    diag = np.diag(M)
+    nz = np.nonzero(diag != 0)[0]
+    order = np.random.default_rng(p.seed).permutation(nz)
+    if p.r >= 1.0:
+        n = len(order)  # r = 1: the whole diagonal
+    else:
+        n = _cut(diag[order], float(diag.sum()), (1.0 - p.r) * float(diag.sum()))
+    idx = order[:n]
+    out[idx, idx] = 0.0
+    return out
+
+
+@register("random", RestraintParams)
+def random_restraint(M: np.ndarray, p: RestraintParams) -> np.ndarray:
+    """Random restraint: zero random symmetric off-diagonal pairs until ‖M′_off‖_F ≤ (1 − r)·‖M*_off‖_F."""
+    out = M.copy()
+    iu, ju = np.triu_indices(M.shape[0], k=1)
+    vals = M[iu, ju]
+    nz = np.nonzero(vals != 0)[0]
+    order = np.random.default_rng(p.seed).permutation(nz)
+    sq = 2.0 * vals[order] ** 2          # each pair holds two entries
+    total = float(sq.sum())              # ‖M*_off‖_F²
+    if p.r >= 1.0:
+        n = len(order)
+    else:
+        n = _cut(sq, total, (1.0 - p.r) ** 2 * total)
+    sel = order[:n]
+    out[iu[sel], ju[sel]] = 0.0
+    out[ju[sel], iu[sel]] = 0.0
+    return out
+
+
+@dataclass
+class CustomParams:
+    path: str = ""
+
+    def validate(self):
+        if not self.path:
+            raise UserError("strategy custom needs a matrix file (--metric-matrix M.npy)")
+
+
+@register("custom", CustomParams)
+def custom(M: np.ndarray, p: CustomParams) -> np.ndarray:
+    """A user-supplied symmetric d × d matrix (.npy, never unpickled)."""
+    return check_symmetric(load_npy(p.path, "metric matrix"), d=M.shape[0], what=f"custom matrix {p.path}")

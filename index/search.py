@@ -1,0 +1,184 @@
+"""Exact search under any refined metric M′ over one stored inner-product index.
+
+Bilinear mode searches the stored index with M′φ(q): the database is stored
+once and switching strategy costs one (structured) d × d product per query.
+Cosine mode (PSD M′ only) divides by ‖φ(x)‖_M′; those norms, and the
+norm-scaled copy of the database the exact cosine search uses, are cached per
+strategy.  Approximate indexes fetch candidates and re-rank them exactly.
+FAISS reads are thread-safe; the caches are guarded by a lock.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import faiss
+import numpy as np
+
+from core.errors import UserError
+
+from .metric import matrix_report, m_norms
+from .operator import MetricOperator
+from .refinements import refine, strategy_key, strategy_params
+from .store import IndexData
+
+MODES = ("bilinear", "cosine")
+
+
+@dataclass
+class RefinedMetric:
+    name: str
+    params: object
+    M: np.ndarray
+    op: MetricOperator
+    _report: dict | None = None
+    norms: np.ndarray | None = None
+    cosine_index: faiss.Index | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def report(self) -> dict:
+        if self._report is None:
+            self._report = matrix_report(self.M)
+        return self._report
+
+
+@dataclass
+class SearchResult:
+    rows: np.ndarray      # n × k positions into the index (−1 = no result)
+    scores: np.ndarray    # n × k similarities (higher is more similar)
+
+
+def normalize_rows(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float32)
+    n = np.linalg.norm(x, axis=1, keepdims=True)
+    return x / np.maximum(n, 1e-12)
+
+
+class Searcher:
+    def __init__(self, data: IndexData, cache_size: int = 8, rerank_factor: int = 10):
+        self.data = data
+        self.normalize = bool(data.manifest["normalize"])
+        self.exact = data.manifest["factory"] == "Flat"
+        self.rerank_factor = rerank_factor
+        self._cache: OrderedDict = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self._M_star = data.M_star
+        if not self.exact and hasattr(data.faiss_index, "hnsw"):
+            data.faiss_index.hnsw.efSearch = max(data.faiss_index.hnsw.efSearch, 128)
+
+    # ------------------------------------------------------------ metrics
+    def metric(self, strategy: str = "trained", params: dict | None = None) -> RefinedMetric:
+        p = strategy_params(strategy, params)
+        key = strategy_key(strategy, p)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        M = refine(strategy, self._M_star, p)
+        rm = RefinedMetric(strategy, p, M, MetricOperator.build(strategy, M, self.data.W, self._M_star))
+        with self._lock:
+            self._cache[key] = rm
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return rm
+
+    def _cosine_parts(self, rm: RefinedMetric):
+        if not rm.report["psd"]:
+            raise UserError(f"cosine mode needs a positive semi-definite M′; strategy {rm.name} "
+                            f"{_fmt(rm.params)} gives an indefinite matrix (min eigenvalue "
+                            f"{rm.report['min_eigenvalue']:.3g}). Use --mode bilinear.")
+        with rm.lock:
+            if rm.norms is None:
+                rm.norms = m_norms(self.data.features, rm.M)
+            if rm.cosine_index is None and self.exact:
+                inv = np.where(rm.norms > 0, 1.0 / np.maximum(rm.norms, 1e-30), 0.0).astype(np.float32)
+                idx = faiss.IndexFlatIP(self.data.dim)
+                for s in range(0, len(inv), 65536):
+                    idx.add(np.ascontiguousarray(self.data.features[s: s + 65536] * inv[s: s + 65536, None]))
+                rm.cosine_index = idx
+        return rm.norms, rm.cosine_index
+
+    # ------------------------------------------------------------ search
+    def prepare_queries(self, feats: np.ndarray) -> np.ndarray:
+        feats = np.atleast_2d(np.asarray(feats, dtype=np.float32))
+        if feats.shape[1] != self.data.dim:
+            raise UserError(f"query features have dimension {feats.shape[1]}; this index holds "
+                            f"{self.data.dim}-d features")
+        if not np.isfinite(feats).all():
+            raise UserError("query features contain NaN or inf")
+        return normalize_rows(feats) if self.normalize else feats
+
+    def query_view(self, strategy: str = "trained", params: dict | None = None, mode: str = "bilinear"):
+        """(transform, index): searching `index` with `transform(φ(q))` by inner product ranks
+        exactly by the strategy's similarity (Flat indexes).  Evaluation uses this too."""
+        if mode not in MODES:
+            raise UserError(f"mode must be one of {MODES}, got {mode!r}")
+        rm = self.metric(strategy, params)
+        if mode == "bilinear":
+            return (lambda q: rm.op.apply(q)), self.data.faiss_index, None
+        norms, cos_index = self._cosine_parts(rm)
+
+        def transform(q):
+            qt = rm.op.apply(q)
+            qn = np.sqrt(np.maximum(np.einsum("ij,ij->i", qt.astype(np.float64), q.astype(np.float64)), 0))
+            return (qt / np.maximum(qn, 1e-30)[:, None]).astype(np.float32)
+
+        return transform, cos_index, norms
+
+    def search(self, feats: np.ndarray, strategy: str = "trained", params: dict | None = None,
+               mode: str = "bilinear", k: int = 10) -> SearchResult:
+        if k < 1:
+            raise UserError(f"k must be ≥ 1, got {k}")
+        q = self.prepare_queries(feats)
+        transform, index, norms = self.query_view(strategy, params, mode)
+        qt = transform(q)
+        n_items = self.data.faiss_index.ntotal
+        k_eff = min(k, n_items)
+        if self.exact:
+            D, I = index.search(qt, k_eff)
+        else:
+            D, I = self._rerank(qt, k_eff, norms)
+        if k_eff < k:  # fewer items than asked for
+            pad = k - k_eff
+            D = np.pad(D, ((0, 0), (0, pad)), constant_values=-np.inf)
+            I = np.pad(I, ((0, 0), (0, pad)), constant_values=-1)
+        return SearchResult(I.astype(np.int64), D.astype(np.float32))
+
+    def _rerank(self, qt: np.ndarray, k: int, norms: np.ndarray | None):
+        """Approximate candidates from the ANN index, then exact scores under M′."""
+        # cosine candidates come from the raw inner product, blind to 1/‖x‖_M′: fetch more
+        factor = self.rerank_factor * (4 if norms is not None else 1)
+        kc = min(self.data.faiss_index.ntotal, max(k * factor, 64))
+        _, cand = self.data.faiss_index.search(qt, kc)
+        D = np.full((len(qt), k), -np.inf, dtype=np.float32)
+        I = np.full((len(qt), k), -1, dtype=np.int64)
+        for i in range(len(qt)):
+            c = np.sort(cand[i][cand[i] >= 0])  # sorted rows: sequential reads from the memmap
+            s = np.asarray(self.data.features[c], dtype=np.float32) @ qt[i]
+            if norms is not None:
+                s = np.where(norms[c] > 0, s / np.maximum(norms[c], 1e-30), -np.inf)
+            top = np.argsort(-s, kind="stable")[:k]
+            D[i, : len(top)] = s[top]
+            I[i, : len(top)] = c[top]
+        return D, I
+
+    # ------------------------------------------------------------ results
+    def describe(self, res: SearchResult) -> list[list[dict]]:
+        items, names = self.data.items, self.data.class_names
+        out = []
+        for rows, scores in zip(res.rows, res.scores):
+            out.append([{"id": int(items.ids[r]), "label": int(items.labels[r]),
+                         "class_name": names.get(int(items.labels[r]), str(int(items.labels[r]))),
+                         "path": items.paths[r], "split": items.splits[r], "score": float(s)}
+                        for r, s in zip(rows, scores) if r >= 0])
+        return out
+
+
+def _fmt(p) -> str:
+    import dataclasses
+
+    d = dataclasses.asdict(p) if dataclasses.is_dataclass(p) else {}
+    return "(" + ", ".join(f"{k}={v}" for k, v in d.items()) + ")" if d else ""

@@ -1,0 +1,215 @@
+"""The index directory: one exact (or approximate) FAISS inner-product index over trunk features.
+
+    DIR/
+      manifest.json   format version, checkpoint checksum, backbone, dims, normalisation,
+                      counts, created-at, index type, and a checksum of every file below
+      index.faiss     FAISS index over φ(x) (inner product; rows = positions)
+      features.npy    trunk features φ(x), float32 N × d, memory-mappable
+      metadata.json   per item: id, label, path (relative to root), split; class names
+      W.npy           the neck W (k × d), so M* = WᵀW
+
+A directory is always written whole into a temporary sibling and renamed into
+place: an interrupted build, add or remove leaves the previous index intact.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+from core.atomic import atomic_dir
+from core.errors import UserError
+
+FORMAT = "dml-retrieval-index"
+VERSION = 1
+FILES = ("index.faiss", "features.npy", "metadata.json", "W.npy")
+FLAT_MAX = 100_000  # exact Flat up to here; HNSW above unless a factory string is given
+
+
+@dataclass
+class Items:
+    ids: np.ndarray                 # int64
+    labels: np.ndarray              # int64
+    paths: list[str]
+    splits: list[str]
+
+    def __len__(self):
+        return len(self.ids)
+
+    def to_json(self) -> dict:
+        return {"ids": self.ids.tolist(), "labels": self.labels.tolist(), "paths": self.paths,
+                "splits": self.splits}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Items":
+        n = len(d["ids"])
+        if not (len(d["labels"]) == len(d["paths"]) == len(d["splits"]) == n):
+            raise UserError("index metadata columns differ in length")
+        return cls(np.asarray(d["ids"], dtype=np.int64), np.asarray(d["labels"], dtype=np.int64),
+                   list(d["paths"]), list(d["splits"]))
+
+    def subset(self, keep: np.ndarray) -> "Items":
+        return Items(self.ids[keep], self.labels[keep], [self.paths[i] for i in np.nonzero(keep)[0]],
+                     [self.splits[i] for i in np.nonzero(keep)[0]])
+
+    def concat(self, other: "Items") -> "Items":
+        return Items(np.concatenate([self.ids, other.ids]), np.concatenate([self.labels, other.labels]),
+                     self.paths + other.paths, self.splits + other.splits)
+
+
+@dataclass
+class IndexData:
+    """Everything in an index directory, loaded and validated."""
+    path: Path | None
+    manifest: dict
+    features: np.ndarray            # N × d float32 (memory-mapped when loaded)
+    items: Items
+    W: np.ndarray                   # k × d
+    faiss_index: faiss.Index
+    class_names: dict = field(default_factory=dict)
+    root: str = ""
+
+    @property
+    def dim(self) -> int:
+        return int(self.features.shape[1])
+
+    @property
+    def M_star(self) -> np.ndarray:
+        W = self.W.astype(np.float64)
+        return W.T @ W
+
+
+def in_memory_index(features: np.ndarray, labels: np.ndarray, W: np.ndarray, normalize: bool = True) -> IndexData:
+    """An exact IndexData without a directory (for evaluating strategies on a split)."""
+    x = np.ascontiguousarray(features, dtype=np.float32)
+    if normalize:
+        x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+    n = len(x)
+    items = Items(np.arange(n, dtype=np.int64), np.asarray(labels, dtype=np.int64), [""] * n, ["eval"] * n)
+    man = {"normalize": normalize, "factory": "Flat", "count": n, "trunk_dim": x.shape[1],
+           "embed_dim": W.shape[0]}
+    return IndexData(None, man, x, items, np.asarray(W, dtype=np.float32), make_faiss_index(x, "Flat"))
+
+
+def choose_factory(n: int, factory: str | None) -> str:
+    if factory:
+        return factory
+    return "Flat" if n <= FLAT_MAX else "HNSW32"
+
+
+def make_faiss_index(features: np.ndarray, factory: str) -> faiss.Index:
+    d = features.shape[1]
+    try:
+        index = faiss.index_factory(d, factory, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as e:
+        raise UserError(f"bad FAISS factory string {factory!r}: {e}") from None
+    x = np.ascontiguousarray(features, dtype=np.float32)
+    if not index.is_trained:
+        if len(x) < 40:
+            raise UserError(f"index type {factory} needs training data; {len(x)} vectors are too few")
+        index.train(x)
+    index.add(x)
+    return index
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_index(path, features: np.ndarray, items: Items, W: np.ndarray, *, normalize: bool, info: dict,
+                factory: str | None = None, class_names: dict | None = None, root: str = "") -> Path:
+    """Write a complete index directory atomically.
+
+    With `normalize`, φ(x) is L2-normalised before it is stored and indexed (queries
+    get the same treatment).  `info` holds the model facts for the manifest.
+    """
+    features = np.ascontiguousarray(features, dtype=np.float32)
+    if normalize and len(features):
+        features = features / np.maximum(np.linalg.norm(features, axis=1, keepdims=True), 1e-12)
+    if features.ndim != 2 or len(features) != len(items):
+        raise UserError(f"features ({features.shape}) and metadata ({len(items)} items) do not match")
+    if W.ndim != 2 or W.shape[1] != features.shape[1]:
+        raise UserError(f"neck W {W.shape} does not fit {features.shape[1]}-d features")
+    if len(np.unique(items.ids)) != len(items.ids):
+        raise UserError("index ids must be unique")
+    fac = choose_factory(len(features), factory)
+    index = make_faiss_index(features, fac)
+    path = Path(path)
+    with atomic_dir(path) as tmp:
+        faiss.write_index(index, str(tmp / "index.faiss"))
+        np.save(tmp / "features.npy", features)
+        np.save(tmp / "W.npy", np.ascontiguousarray(W, dtype=np.float32))
+        meta = items.to_json() | {"class_names": {str(k): v for k, v in (class_names or {}).items()},
+                                  "root": str(root)}
+        (tmp / "metadata.json").write_text(json.dumps(meta, ensure_ascii=False))
+        manifest = {
+            "format": FORMAT, "version": VERSION,
+            "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "index_type": "exact" if fac == "Flat" else "approximate", "factory": fac,
+            "count": int(len(items)), "trunk_dim": int(features.shape[1]), "embed_dim": int(W.shape[0]),
+            "classes": int(len(np.unique(items.labels))), "normalize": bool(normalize),
+            **info,
+            "files": {f: {"sha256": _sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size} for f in FILES},
+        }
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
+    return path
+
+
+def read_index(path, verify: bool = True) -> IndexData:
+    """Load and validate an index directory; any inconsistency is refused with its reason."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"index directory not found: {path}")
+    mpath = path / "manifest.json"
+    if not mpath.is_file():
+        raise UserError(f"{path} is not an index: manifest.json is missing")
+    try:
+        man = json.loads(mpath.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"corrupt manifest {mpath}: {e}") from None
+    if not isinstance(man, dict) or man.get("format") != FORMAT:
+        raise UserError(f"{mpath} is not a manifest of this project's index format")
+    if man.get("version") != VERSION:
+        raise UserError(f"index format version {man.get('version')} is not supported (expected {VERSION})")
+    for key in ("count", "trunk_dim", "embed_dim", "files", "normalize"):
+        if key not in man:
+            raise UserError(f"corrupt manifest {mpath}: no {key!r}")
+    for f in FILES:
+        p = path / f
+        want = man["files"].get(f)
+        if not p.is_file() or want is None:
+            raise UserError(f"index {path} lacks {f}")
+        size = p.stat().st_size
+        if size != want["bytes"]:
+            raise UserError(f"index file {p} is {size} bytes, the manifest says {want['bytes']} "
+                            f"(truncated or replaced)")
+        if verify and _sha256_file(p) != want["sha256"]:
+            raise UserError(f"index file {p} does not match its checksum in the manifest (corrupted)")
+    try:
+        features = np.load(path / "features.npy", mmap_mode="r", allow_pickle=False)
+        W = np.load(path / "W.npy", allow_pickle=False)
+        meta = json.loads((path / "metadata.json").read_text())
+        index = faiss.read_index(str(path / "index.faiss"))
+    except Exception as e:  # noqa: BLE001 - any parse failure is a corrupt index
+        raise UserError(f"cannot read index {path}: {e}") from None
+    items = Items.from_json(meta)
+    n, d = man["count"], man["trunk_dim"]
+    if features.shape != (n, d):
+        raise UserError(f"features.npy is {features.shape}, the manifest says ({n}, {d})")
+    if W.shape != (man["embed_dim"], d):
+        raise UserError(f"W.npy is {W.shape}, the manifest says ({man['embed_dim']}, {d})")
+    if index.d != d or index.ntotal != n:
+        raise UserError(f"index.faiss holds {index.ntotal} × {index.d}, the manifest says {n} × {d}")
+    if len(items) != n:
+        raise UserError(f"metadata has {len(items)} items, the manifest says {n}")
+    names = {int(k): v for k, v in meta.get("class_names", {}).items()}
+    return IndexData(path, man, features, items, W, index, names, meta.get("root", ""))

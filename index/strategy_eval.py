@@ -1,0 +1,212 @@
+"""Evaluating refinement strategies on a split, the paper's way, plus a validation-based choice.
+
+Each strategy is evaluated with the foundation's evaluator through exactly the
+search path (`Searcher.query_view`), query = gallery leaving the query out.
+The random restraints are averaged over seeds.  "best refined" is the best
+strategy *on test* (the paper's † row: an oracle, reported for comparison);
+"validation-selected" picks strategy and parameter by MAP@R on the
+validation classes, then reports that choice on test: the honest number.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from core.atomic import write_json, write_text, write_with
+from evaluation.evaluator import evaluate_ranking
+
+from .search import Searcher
+from .store import in_memory_index
+
+log = logging.getLogger("index")
+R_GRID = [round(0.1 * i, 1) for i in range(11)]
+ALPHA_GRID = [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0]
+P_GRID = [0.0, 0.25, 0.5, 0.75, 1.0, 1.5]
+KS = (1, 2, 4, 8)
+METRICS = ("map@r", "precision@1", "r_precision", "recall@1", "recall@2", "recall@4", "recall@8")
+
+
+def sweep_configs(seeds: int = 3) -> list[tuple[str, dict, str]]:
+    cfgs = [("trained", {}, "bilinear"), ("trained", {}, "cosine"),
+            ("identity", {}, "bilinear"), ("identity", {}, "cosine")]
+    for name in ("diagonal", "random"):
+        for r in R_GRID:
+            for seed in range(seeds):
+                cfgs.append((name, {"r": r, "seed": seed}, "bilinear"))
+    cfgs += [("shrink", {"alpha": a}, mode) for a in ALPHA_GRID for mode in ("bilinear", "cosine")]
+    cfgs += [("spectral", {"p": p}, mode) for p in P_GRID for mode in ("bilinear", "cosine")]
+    return cfgs
+
+
+def evaluate_configs(features, labels, W, configs, normalize=True, progress=True, desc="strategies") -> list[dict]:
+    s = Searcher(in_memory_index(features, labels, W, normalize), cache_size=4)
+    q = np.asarray(s.data.features)
+    y = s.data.items.labels
+    rows = []
+    for name, params, mode in tqdm(configs, desc=desc, disable=not progress):
+        rm = s.metric(name, params)
+        rep = rm.report
+        if mode == "cosine" and not rep["psd"]:
+            continue
+        transform, index, _ = s.query_view(name, params, mode)
+        res = evaluate_ranking(index, transform(q), y, y, same_set=True, ks=KS)
+        rows.append({"strategy": name, "params": dict(params), "mode": mode,
+                     **{m: res[m] for m in METRICS}, "n_queries": res["n_queries"],
+                     **{f"M_{k}": v for k, v in rep.items()}})
+    return rows
+
+
+def _group_key(row) -> tuple:
+    p = {k: v for k, v in row["params"].items() if k != "seed"}
+    return (row["strategy"], json.dumps(p, sort_keys=True), row["mode"])
+
+
+def aggregate(rows: list[dict]) -> list[dict]:
+    """Mean ± std over seeds for each (strategy, non-seed params, mode)."""
+    groups = defaultdict(list)
+    for r in rows:
+        groups[_group_key(r)].append(r)
+    out = []
+    for (name, p, mode), rs in groups.items():
+        agg = {"strategy": name, "params": json.loads(p), "mode": mode, "seeds": len(rs)}
+        for m in METRICS + ("M_trace_over_frobenius", "M_frobenius_over_trace", "M_trace", "M_frobenius"):
+            v = np.array([r[m] for r in rs], dtype=float)
+            agg[m] = float(v.mean())
+            agg[m + "_std"] = float(v.std())
+        agg["M_psd"] = all(r["M_psd"] for r in rs)
+        out.append(agg)
+    return out
+
+
+def label(row) -> str:
+    p = ", ".join(f"{k}={v}" for k, v in row["params"].items())
+    return f"{row['strategy']}{'(' + p + ')' if p else ''} [{row['mode']}]"
+
+
+def find(rows, strategy, mode, **params):
+    for r in rows:
+        if r["strategy"] == strategy and r["mode"] == mode and all(r["params"].get(k) == v for k, v in params.items()):
+            return r
+    return None
+
+
+def is_trained_equivalent(row) -> bool:
+    """Rows whose M′ ranks exactly like M* (a positive multiple of it): not a refinement."""
+    p = row["params"]
+    return (row["strategy"] == "trained"
+            or (row["strategy"] in ("diagonal", "random") and p.get("r") == 0.0)
+            or (row["strategy"] == "shrink" and p.get("alpha") == 0.0)
+            or (row["strategy"] == "spectral" and p.get("p") == 1.0))
+
+
+def summary_table(test: list[dict], val: list[dict] | None) -> list[dict]:
+    table = []
+    for name, mode, title in [("trained", "cosine", "trained M* (cosine of embeddings: the usual evaluation)"),
+                              ("trained", "bilinear", "trained M* (bilinear, the paper's)"),
+                              ("identity", "bilinear", "identity (bilinear)"),
+                              ("identity", "cosine", "identity (cosine of trunk features)")]:
+        r = find(test, name, mode)
+        if r:
+            table.append({"row": title, "choice": label(r), **{m: r[m] for m in METRICS}})
+    refined = [r for r in test if not is_trained_equivalent(r)]
+    best = max(refined, key=lambda r: r["map@r"])
+    table.append({"row": "best refined on test (oracle, the paper's †)", "choice": label(best),
+                  **{m: best[m] for m in METRICS}})
+    if val:
+        sel = max(val, key=lambda r: r["map@r"])
+        t = next(r for r in test if _group_key(r) == _group_key(sel))
+        table.append({"row": "validation-selected (honest)", "choice": label(sel) + f" (val MAP@R {sel['map@r']*100:.2f})",
+                      **{m: t[m] for m in METRICS}})
+    return table
+
+
+def table_markdown(table: list[dict]) -> str:
+    lines = ["| metric matrix | choice | MAP@R | P@1 | RP | R@4 |", "|---|---|---|---|---|---|"]
+    for t in table:
+        lines.append(f"| {t['row']} | {t['choice']} | {t['map@r']*100:.2f} | {t['precision@1']*100:.2f} | "
+                     f"{t['r_precision']*100:.2f} | {t['recall@4']*100:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_sweeps(agg: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trained = find(agg, "trained", "bilinear")
+    trained_cos = find(agg, "trained", "cosine")
+    ident = find(agg, "identity", "bilinear")
+    fig, axes = plt.subplots(2, 3, figsize=(12, 6.5), sharex=True)
+    for row_i, name in enumerate(("diagonal", "random")):
+        rs = sorted([r for r in agg if r["strategy"] == name], key=lambda r: r["params"]["r"])
+        x = [r["params"]["r"] for r in rs]
+        for col, (m, title) in enumerate([("map@r", "MAP@R"), ("precision@1", "P@1"), ("r_precision", "RP")]):
+            ax = axes[row_i, col]
+            mean = np.array([r[m] for r in rs]) * 100
+            std = np.array([r[m + "_std"] for r in rs]) * 100
+            ax.plot(x, mean, "o-", label=f"{name} restraint (3 seeds)")
+            ax.fill_between(x, mean - std, mean + std, alpha=0.25)
+            if trained:
+                ax.axhline(trained[m] * 100, color="k", ls="--", lw=1, label="trained M* (bilinear)")
+            if trained_cos:
+                ax.axhline(trained_cos[m] * 100, color="tab:red", ls="-.", lw=1, label="trained M* (cosine)")
+            if ident:
+                ax.axhline(ident[m] * 100, color="tab:green", ls=":", lw=1, label="identity")
+            ax.set_title(f"{title} vs r ({name})")
+            if row_i == 1:
+                ax.set_xlabel("restraint degree r")
+            if col == 0:
+                ax.legend(fontsize=7)
+    fig.tight_layout()
+    write_with(out / "restraint_sweep.png", lambda t: fig.savefig(t, format="png", dpi=90))
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for name, marker in (("diagonal", "o"), ("random", "s"), ("shrink", "^"), ("spectral", "v"),
+                         ("trained", "*"), ("identity", "P")):
+        rs = [r for r in agg if r["strategy"] == name and r["mode"] == "bilinear"]
+        if not rs:
+            continue
+        for ax, ratio, title in ((axes[0], "M_trace_over_frobenius", "tr(M′)/‖M′‖_F (principle 1)"),
+                                 (axes[1], "M_frobenius_over_trace", "‖M′‖_F/tr(M′) (principle 2)")):
+            xs = [r[ratio] for r in rs]
+            ax.scatter(xs, [r["map@r"] * 100 for r in rs], marker=marker, label=name, s=22)
+            ax.set_xlabel(title)
+            ax.set_ylabel("test MAP@R")
+    axes[0].legend(fontsize=7)
+    axes[1].set_xscale("symlog")
+    axes[0].set_xscale("symlog")
+    fig.tight_layout()
+    write_with(out / "principles.png", lambda t: fig.savefig(t, format="png", dpi=90))
+    plt.close(fig)
+
+
+def run_evaluation(test_feats, test_labels, W, out, val=None, normalize=True, seeds=3, progress=True) -> dict:
+    out = Path(out)
+    configs = sweep_configs(seeds)
+    test_rows = evaluate_configs(test_feats, test_labels, W, configs, normalize, progress, "test strategies")
+    test_agg = aggregate(test_rows)
+    val_agg = None
+    if val is not None:
+        val_rows = evaluate_configs(val[0], val[1], W, configs, normalize, progress, "val strategies")
+        val_agg = aggregate(val_rows)
+    table = summary_table(test_agg, val_agg)
+    result = {"test": test_agg, "val": val_agg, "table": table, "test_runs": test_rows}
+    write_json(out / "strategies.json", result)
+    write_text(out / "table.md", table_markdown(table))
+    plot_sweeps(test_agg, out)
+    return result
+
+
+def select_strategy(val_feats, val_labels, W, normalize=True, seeds=3, progress=True) -> dict:
+    rows = aggregate(evaluate_configs(val_feats, val_labels, W, sweep_configs(seeds), normalize, progress,
+                                      "val strategies"))
+    best = max(rows, key=lambda r: r["map@r"])
+    return {"selected": best, "label": label(best), "all": rows}
