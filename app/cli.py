@@ -1,0 +1,58 @@
+"""`python -m app [--index DIR] [--host 127.0.0.1] [--port 7860]`: the retrieval explorer."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+DEMO_INDEX = "artifacts/demo/index"
+DEMO_ANALYSIS = "artifacts/demo/strategies"
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m app", description=__doc__)
+    p.add_argument("--index", default=DEMO_INDEX, help=f"index directory (default: the demo's, {DEMO_INDEX})")
+    p.add_argument("--checkpoint", help="model for query images (default: the one the index was built with)")
+    p.add_argument("--analysis", default=None, help="folder written by `python -m index evaluate` "
+                   f"(default: {DEMO_ANALYSIS} for the demo index)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--max-upload-mb", type=float, default=10.0, help="upload size cap")
+    p.add_argument("--concurrency", type=int, default=2, help="searches served at once (queue)")
+    p.add_argument("--no-verify", action="store_true", help="skip index checksum verification at start")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def launch(args, block: bool = True):
+    # offline: no analytics, and Gradio's start-up self-check of its own URL must not go via a proxy
+    os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
+    no_proxy = os.environ.get("NO_PROXY", "")
+    os.environ["NO_PROXY"] = os.environ["no_proxy"] = ",".join(x for x in (no_proxy, "localhost,127.0.0.1") if x)
+    from core.errors import UserError
+
+    from .service import RetrievalService
+    from .ui import CSS, build_ui, offline_theme
+
+    if not Path(args.index).is_dir():
+        hint = " Run `make demo` (or `python -m training demo --no-ui`) to build it." if args.index == DEMO_INDEX else ""
+        raise UserError(f"index directory not found: {args.index}.{hint}")
+    analysis = args.analysis or (DEMO_ANALYSIS if args.index == DEMO_INDEX else None)
+    svc = RetrievalService(args.index, args.checkpoint, analysis, verify=not args.no_verify)
+    demo = build_ui(svc)
+    demo.queue(default_concurrency_limit=args.concurrency, max_size=64)
+    demo.launch(server_name=args.host, server_port=args.port, share=False, inbrowser=False,
+                max_file_size=f"{max(1, int(args.max_upload_mb * 1024))}kb", show_error=True, prevent_thread_lock=not block,
+                theme=offline_theme(), css=CSS, quiet=not args.verbose, allowed_paths=[], ssr_mode=False)
+    return demo, svc
+
+
+def main(argv=None) -> int:
+    from core.logs import setup_logging
+
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    logging.getLogger("app").info("serving on http://%s:%d", args.host, args.port)
+    launch(args)
+    return 0

@@ -1,0 +1,318 @@
+"""Everything the app does, without Gradio: the handlers call this, and the tests do too.
+
+One `RetrievalService` per index: it embeds query images with the index's own
+model, searches under the trained metric and any refined one, scores each
+panel (P@k and AP = MAP@R of the query when its class is known), finds the
+queries where two metrics disagree most, and draws the analysis pictures.
+Read paths are lock-free (FAISS searches are thread-safe); caches are locked.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from core.errors import CorruptImageError, UserError
+from core.images import load_rgb
+from evaluation.evaluator import evaluate_ranking, per_query_metrics, relevant_counts
+from index.embedder import ImageEmbedder
+from index.search import Searcher
+from index.store import read_index
+
+log = logging.getLogger("app")
+STRATEGY_CHOICES = ("trained", "identity", "diagonal", "random", "shrink", "spectral", "custom")
+
+
+@dataclass
+class Query:
+    feats: np.ndarray                 # 1 × d trunk feature
+    label: int | None = None          # known class (gallery items), else None
+    self_id: int | None = None        # the query is this gallery item: leave it out
+    image: Image.Image | None = None
+
+
+@dataclass
+class Panel:
+    title: str
+    results: list[dict]
+    p_at_k: float | None
+    ap: float | None
+    note: str = ""
+
+
+@dataclass
+class Spec:
+    strategy: str = "trained"
+    params: dict = field(default_factory=dict)
+    mode: str = "cosine"
+
+    def label(self) -> str:
+        p = {k: v for k, v in self.params.items() if v not in (None, "")}
+        if self.strategy in ("trained", "identity"):
+            p = {}
+        elif self.strategy in ("diagonal", "random"):
+            p = {k: p[k] for k in ("r", "seed") if k in p}
+        elif self.strategy == "shrink":
+            p = {k: p[k] for k in ("alpha",) if k in p}
+        elif self.strategy == "spectral":
+            p = {k: p[k] for k in ("p",) if k in p}
+        elif self.strategy == "custom":
+            p = {"file": Path(str(p.get("path", ""))).name}
+        args = ", ".join(f"{k}={v}" for k, v in p.items())
+        return f"{self.strategy}{'(' + args + ')' if args else ''} · {self.mode}"
+
+
+class RetrievalService:
+    def __init__(self, index_dir, checkpoint: str | None = None, analysis_dir: str | None = None,
+                 verify: bool = True):
+        self.data = read_index(index_dir, verify=verify)
+        self.searcher = Searcher(self.data)
+        self.index_dir = Path(index_dir)
+        man = self.data.manifest
+        self.embedder = None
+        ck = checkpoint or man.get("checkpoint")
+        if ck and man.get("checkpoint_sha256"):
+            self.embedder = ImageEmbedder(ck, man)
+        self.analysis_dir = Path(analysis_dir) if analysis_dir else None
+        self.root = Path(self.data.root) if self.data.root else None
+        self._row_of_id = {int(i): r for r, i in enumerate(self.data.items.ids)}
+        self._lock = threading.Lock()
+        self._per_query: dict = {}
+        self._pca = None
+        self._thumbs: dict[int, Image.Image] = {}
+
+    # ------------------------------------------------------------ queries
+    def query_from_upload(self, source) -> Query:
+        """An uploaded file path / bytes / PIL image → Query (class unknown)."""
+        if self.embedder is None:
+            raise UserError("this index has no model (built from features): it cannot embed images")
+        if source is None:
+            raise UserError("no image: upload, paste or pick an example first")
+        try:
+            img = source.convert("RGB") if isinstance(source, Image.Image) else load_rgb(source)
+        except CorruptImageError as e:
+            raise UserError(f"that upload is not a usable image: {e.reason}") from None
+        return Query(self.embedder.features([img]), image=img)
+
+    def query_from_item(self, item_id: int) -> Query:
+        row = self._row(item_id)
+        feats = np.asarray(self.data.features[row: row + 1], dtype=np.float32)
+        return Query(feats, int(self.data.items.labels[row]), int(item_id), self.thumbnail(item_id))
+
+    def _row(self, item_id: int) -> int:
+        if int(item_id) not in self._row_of_id:
+            raise UserError(f"no item with id {item_id} in this index")
+        return self._row_of_id[int(item_id)]
+
+    # ------------------------------------------------------------ search
+    def panel(self, q: Query, spec: Spec, k: int = 12) -> Panel:
+        k = int(k)
+        if not 1 <= k <= 200:
+            raise UserError("k must be between 1 and 200")
+        note = ""
+        mode = spec.mode
+        if mode == "cosine" and not self.searcher.metric(spec.strategy, spec.params).report["psd"]:
+            mode, note = "bilinear", "cosine is undefined for this indefinite M′: showing bilinear"
+        extra = 1 if q.self_id is not None else 0
+        res = self.searcher.search(q.feats, spec.strategy, spec.params, mode, k + extra)
+        results = [r for r in self.searcher.describe(res)[0] if r["id"] != q.self_id][:k]
+        for r in results:
+            r["correct"] = None if q.label is None else bool(r["label"] == q.label)
+        p_at_k = ap = None
+        if q.label is not None and results:
+            p_at_k = float(np.mean([r["correct"] for r in results]))
+            ap = self.query_ap(q, spec.strategy, spec.params, mode)
+        title = Spec(spec.strategy, spec.params, mode).label()
+        return Panel(title, results, p_at_k, ap, note)
+
+    def query_ap(self, q: Query, strategy: str, params: dict, mode: str) -> float | None:
+        """MAP@R of this query against the whole index (its own item left out)."""
+        labels = self.data.items.labels
+        R = int((labels == q.label).sum()) - (1 if q.self_id is not None else 0)
+        if R <= 0:
+            return None
+        res = self.searcher.search(q.feats, strategy, params, mode, R + 1)
+        rows = [r for r in res.rows[0] if r >= 0 and (q.self_id is None or self.data.items.ids[r] != q.self_id)][:R]
+        m = per_query_metrics(labels[np.array(rows)][None, :], np.array([q.label]), np.array([R]), ks=(1,))
+        return float(m["map@r"][0])
+
+    def compare(self, q: Query, right: Spec, k: int = 12, left_mode: str = "cosine") -> tuple[Panel, Panel]:
+        return self.panel(q, Spec("trained", {}, left_mode), k), self.panel(q, right, k)
+
+    # ------------------------------------------------------------ disagreements
+    def per_query_ap(self, spec: Spec) -> np.ndarray:
+        """MAP@R of every index item as a query (leave-one-out), under `spec`; cached."""
+        key = (spec.strategy, json.dumps(spec.params, sort_keys=True, default=str), spec.mode)
+        with self._lock:
+            if key in self._per_query:
+                return self._per_query[key]
+        transform, index, _ = self.searcher.query_view(spec.strategy, spec.params, spec.mode)
+        q = np.asarray(self.data.features, dtype=np.float32)
+        y = self.data.items.labels
+        res = evaluate_ranking(index, transform(q), y, y, same_set=True, ks=(1,), return_per_query=True)
+        ap = res["per_query"]["map@r"]
+        with self._lock:
+            self._per_query[key] = ap
+        return ap
+
+    def disagreements(self, right: Spec, left_mode: str = "cosine", top: int = 12) -> list[dict]:
+        if not self.data.manifest.get("count"):
+            return []
+        mode = right.mode
+        if mode == "cosine" and not self.searcher.metric(right.strategy, right.params).report["psd"]:
+            mode = "bilinear"
+        a = self.per_query_ap(Spec("trained", {}, left_mode))
+        b = self.per_query_ap(Spec(right.strategy, right.params, mode))
+        diff = np.nan_to_num(b - a, nan=0.0)
+        order = np.argsort(-np.abs(diff), kind="stable")[:top]
+        return [{"id": int(self.data.items.ids[r]), "label": int(self.data.items.labels[r]),
+                 "class_name": self.class_name(int(self.data.items.labels[r])),
+                 "ap_trained": float(a[r]), "ap_refined": float(b[r]), "delta": float(diff[r])}
+                for r in order if abs(diff[r]) > 0]
+
+    # ------------------------------------------------------------ pictures
+    def class_name(self, label: int) -> str:
+        return self.data.class_names.get(int(label), str(int(label)))
+
+    def thumbnail(self, item_id: int, size: int = 112) -> Image.Image:
+        """The gallery image of an item (only indexed items are ever read)."""
+        with self._lock:
+            if item_id in self._thumbs:
+                return self._thumbs[item_id]
+        row = self._row(item_id)
+        rel = self.data.items.paths[row]
+        img = None
+        if rel and self.root is not None:
+            p = Path(rel) if Path(rel).is_absolute() else self.root / rel
+            try:
+                img = load_rgb(p)
+            except CorruptImageError:
+                img = None
+        if img is None:
+            img = Image.new("RGB", (size, size), (230, 230, 230))
+            ImageDraw.Draw(img).text((8, size // 2 - 6), f"id {item_id}", fill=(90, 90, 90))
+        img = img.copy()
+        img.thumbnail((size, size))
+        with self._lock:
+            if len(self._thumbs) < 20000:
+                self._thumbs[item_id] = img
+        return img
+
+    def examples(self, n: int = 24, seed: int = 0) -> list[int]:
+        """Example query ids, one per class, spread over the index (deterministic)."""
+        y = self.data.items.labels
+        classes = np.unique(y)
+        rng = np.random.default_rng(seed)
+        chosen = rng.choice(classes, size=min(n, len(classes)), replace=False)
+        ids = []
+        for c in chosen:
+            rows = np.nonzero(y == c)[0]
+            ids.append(int(self.data.items.ids[rows[rng.integers(len(rows))]]))
+        return ids
+
+    def metric_report(self, spec: Spec) -> dict:
+        return self.searcher.metric(spec.strategy, spec.params).report
+
+    def heatmap(self, spec: Spec, max_side: int = 256) -> Image.Image:
+        """|M′| entries block-averaged down to at most max_side², symmetric colour scale."""
+        M = self.searcher.metric(spec.strategy, spec.params).M
+        d = M.shape[0]
+        b = max(1, int(np.ceil(d / max_side)))
+        pad = (-d) % b
+        Mp = np.pad(M, ((0, pad), (0, pad)))
+        small = Mp.reshape(Mp.shape[0] // b, b, Mp.shape[1] // b, b).mean(axis=(1, 3))
+        return _plot_matrix(small, f"{spec.label()}  (d = {d}{f', {b}×{b} blocks' if b > 1 else ''})")
+
+    def gallery_map(self, q: Query | None = None) -> Image.Image:
+        """2-D map of the gallery (UMAP if installed, else PCA), coloured by class; the query marked."""
+        with self._lock:
+            if self._pca is None:
+                self._pca = _fit_2d(np.asarray(self.data.features, dtype=np.float32))
+        proj, xy, method = self._pca
+        qxy = None
+        if q is not None:
+            qf = self.searcher.prepare_queries(q.feats)
+            qxy = proj(qf)[0] if proj is not None else None
+        return _plot_map(xy, self.data.items.labels, qxy, method)
+
+    def analysis(self) -> dict:
+        """The strategy-evaluation outputs written by `python -m index evaluate`, if present."""
+        out = {"table": None, "sweep": None, "principles": None}
+        if self.analysis_dir is None:
+            return out
+        t = self.analysis_dir / "table.md"
+        if t.is_file():
+            out["table"] = t.read_text()
+        for key, name in (("sweep", "restraint_sweep.png"), ("principles", "principles.png")):
+            p = self.analysis_dir / name
+            if p.is_file():
+                out[key] = Image.open(p).convert("RGB")
+        return out
+
+
+def _fig_to_pil(fig) -> Image.Image:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    buf.seek(0)
+    return Image.open(buf).convert("RGB")
+
+
+def _plot_matrix(M: np.ndarray, title: str) -> Image.Image:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    v = float(np.abs(M).max()) or 1.0
+    fig, ax = plt.subplots(figsize=(4.2, 3.6))
+    im = ax.imshow(M, cmap="RdBu_r", vmin=-v, vmax=v, interpolation="nearest")
+    fig.colorbar(im, ax=ax, fraction=0.046)
+    ax.set_title(title, fontsize=8)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    fig.tight_layout()
+    return _fig_to_pil(fig)
+
+
+def _fit_2d(X: np.ndarray):
+    try:
+        import umap  # optional
+
+        reducer = umap.UMAP(n_components=2, random_state=0)
+        xy = reducer.fit_transform(X)
+        return (lambda q: reducer.transform(q)), xy, "UMAP"
+    except ImportError:
+        from sklearn.decomposition import PCA
+
+        pca = PCA(n_components=2, random_state=0).fit(X)
+        return (lambda q: pca.transform(q)), pca.transform(X), "PCA"
+
+
+def _plot_map(xy, labels, qxy, method) -> Image.Image:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    _, codes = np.unique(labels, return_inverse=True)
+    ax.scatter(xy[:, 0], xy[:, 1], c=codes % 20, cmap="tab20", s=4, alpha=0.6, linewidths=0)
+    if qxy is not None:
+        ax.scatter([qxy[0]], [qxy[1]], marker="*", s=260, c="black", edgecolors="yellow", linewidths=1.2,
+                   label="query")
+        ax.legend(loc="best", fontsize=8)
+    ax.set_title(f"gallery, {method} of trunk features (colour = class)", fontsize=9)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    fig.tight_layout()
+    return _fig_to_pil(fig)
