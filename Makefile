@@ -11,7 +11,8 @@ setup:
 demo: setup
 	$(PY) -m training demo $(DEMO_ARGS)
 
-test: setup
+test:
+	WITH_BROWSER=1 bash scripts/bootstrap.sh
 	$(PY) -m pytest -q $(TEST_ARGS)
 
 clean:

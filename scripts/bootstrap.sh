@@ -14,6 +14,8 @@ PYEOF
 
 # --- Debian fonts -----------------------------------------------------------
 mapfile -t FONT_PKGS < scripts/fonts.txt
+# the browser test (make test) drives Debian's chromium; the demo does not need it
+[ "${WITH_BROWSER:-0}" = 1 ] && FONT_PKGS+=(chromium)
 missing=()
 for p in "${FONT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -21,11 +23,11 @@ done
 if [ ${#missing[@]} -gt 0 ]; then
   cmd="apt-get install -y --no-install-recommends ${missing[*]}"
   if [ "$(id -u)" -eq 0 ]; then
-    echo "bootstrap: installing fonts: ${missing[*]}"
+    echo "bootstrap: installing Debian packages: ${missing[*]}"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $cmd >/dev/null
   else
-    echo "bootstrap: missing Debian font packages. Run as root:" >&2
+    echo "bootstrap: missing Debian packages. Run as root:" >&2
     echo "  sudo apt-get update && sudo $cmd" >&2
     exit 1
   fi

@@ -6,3 +6,36 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("TQDM_DISABLE", "1")
+
+import pytest  # noqa: E402
+
+TINY_FONTS = ("ipag", "ipam", "seto", "ukai")
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """A tiny trained model (small CNN on 12 kanji classes) shared by index and app tests."""
+    from training.train_config import TrainConfig
+    from training.trainer import train
+
+    t = tmp_path_factory.mktemp("tiny_run")
+    cfg = TrainConfig(dataset="kanji", data_root=str(t / "kanji"), num_classes=12, image_size=32,
+                      kanji_fonts=TINY_FONTS, backbone="small_cnn", weights="none", embed_dim=8, epochs=1,
+                      batch_size=8, m_per_class=4, out=str(t / "run"), cache_dir=str(t / "cache"),
+                      progress=False)
+    train(cfg)
+    return cfg, t
+
+
+@pytest.fixture(scope="session")
+def tiny_index(tiny_run):
+    """An index over the tiny model's test split (6 classes × 4 fonts)."""
+    from pathlib import Path
+
+    from index.build import build_from_dataset
+
+    cfg, t = tiny_run
+    out = t / "index"
+    if not (out / "manifest.json").exists():
+        build_from_dataset(Path(cfg.out) / "best.pt", cfg.data_config(), out, progress=False)
+    return out

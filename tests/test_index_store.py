@@ -114,21 +114,7 @@ def test_build_from_features_and_wrong_neck(tmp_path):
         build_from_features(tmp_path / "F.npy", tmp_path / "L.npy", tmp_path / "j", neck=tmp_path / "Wbad.npy")
 
 
-# ------------------------------------------------------------ with a real (tiny) model
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    from training.train_config import TrainConfig
-    from training.trainer import train
-
-    t = tmp_path_factory.mktemp("run")
-    cfg = TrainConfig(dataset="kanji", data_root=str(t / "kanji"), num_classes=12, image_size=32,
-                      kanji_fonts=("ipag", "ipam", "seto", "ukai"), backbone="small_cnn", weights="none",
-                      embed_dim=8, epochs=1, batch_size=8, m_per_class=4, out=str(t / "run"),
-                      cache_dir=str(t / "cache"), progress=False)
-    train(cfg)
-    return cfg, t
-
-
+# ------------------------------------------------------------ with a real (tiny) model (conftest)
 def test_build_search_cli_matches_api_and_refuses_other_model(tiny_run, tmp_path):
     cfg, t = tiny_run
     ck = Path(cfg.out) / "best.pt"

@@ -1,0 +1,134 @@
+"""The running app: the /search API through gradio_client, what it serves, and a real browser."""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "artifacts" / "test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_index):
+    from app.cli import build_parser, launch
+
+    port = free_port()
+    args = build_parser().parse_args(["--index", str(tiny_index), "--port", str(port)])
+    demo, svc = launch(args, block=False)
+    yield f"http://127.0.0.1:{port}/", svc, port
+    demo.close()
+
+
+def listening_addresses(port: int) -> set[str]:
+    """Local addresses with a socket listening on `port` (from /proc/net/tcp and tcp6)."""
+    out = set()
+    for f, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        try:
+            lines = Path(f).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            addr, p = local.split(":")
+            if int(p, 16) == port and state == "0A":  # LISTEN
+                out.add(addr)
+    return out
+
+
+def test_binds_loopback_only(server):
+    _, _, port = server
+    addrs = listening_addresses(port)
+    assert addrs == {"0100007F"}, addrs  # 127.0.0.1 only, not 0.0.0.0 or ::
+
+
+def test_api_search_matches_cli(server, tmp_path):
+    from gradio_client import Client, handle_file
+
+    url, svc, _ = server
+    img = svc.root / svc.data.items.paths[7]
+    client = Client(url, verbose=False)
+    assert "/search" in client.view_api(print_info=False, return_format="dict")["named_endpoints"]
+    res = client.predict(handle_file(str(img)), "random", 0.4, 2, 0.5, 0.5, "bilinear", 6, api_name="/search")
+    out = tmp_path / "cli.json"
+    r = subprocess.run([sys.executable, "-m", "index", "search", "--index", str(svc.index_dir), "--image",
+                        str(img), "--strategy", "random", "--r", "0.4", "--seed", "2", "--k", "6",
+                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    cli = json.loads(out.read_text())["queries"][0]["results"]
+    assert [x["id"] for x in res["results"]] == [x["id"] for x in cli]
+    assert [x["score"] for x in res["results"]] == pytest.approx([x["score"] for x in cli], rel=1e-5)
+    # a bad upload is an error for that call; the app keeps serving
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    with pytest.raises(Exception, match="not a usable image"):
+        client.predict(handle_file(str(bad)), "identity", 0.5, 0, 0.5, 0.5, "bilinear", 3, api_name="/search")
+    again = client.predict(handle_file(str(img)), "identity", 0.5, 0, 0.5, 0.5, "cosine", 3, api_name="/search")
+    assert len(again["results"]) == 3
+
+
+def test_serves_no_arbitrary_files(server):
+    url, svc, _ = server
+    gallery_file = (svc.root / svc.data.items.paths[0]).resolve()
+    for target in (str(ROOT / "README.md"), "/etc/passwd", str(gallery_file), "../../etc/passwd"):
+        for prefix in ("gradio_api/file=", "file="):
+            try:
+                with urllib.request.urlopen(url + prefix + target, timeout=10) as resp:
+                    body = resp.read()
+                    assert resp.status != 200 or b"root:" not in body and len(body) < 100, (prefix, target)
+            except urllib.error.HTTPError as e:
+                assert e.code in (403, 404), (prefix, target, e.code)
+
+
+def _chromium():
+    path = shutil.which("chromium") or "/usr/bin/chromium"
+    return path if os.path.exists(path) else None
+
+
+@pytest.mark.skipif(_chromium() is None, reason="Debian's chromium is not installed "
+                    "(make setup installs it as root; elsewhere: apt-get install chromium)")
+def test_real_browser_upload_search_switch(server):
+    from playwright.sync_api import sync_playwright
+
+    url, svc, _ = server
+    img = svc.root / svc.data.items.paths[9]
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(url, wait_until="load")
+            page.wait_for_selector("input[type=file]", state="attached", timeout=60000)
+            page.locator("input[type=file]").first.set_input_files(str(img))
+            left_title = page.get_by_text("Left: trained")
+            left_title.first.wait_for(timeout=30000)
+            right = page.get_by_text("Right: identity")
+            right.first.wait_for(timeout=30000)
+            left_before = page.locator(".result-gallery").first.inner_text()
+            assert "✓" not in left_before  # an upload's class is unknown: no marks
+            # switch the right-panel strategy
+            page.get_by_label("Right-panel strategy").click()
+            page.get_by_role("option", name="spectral").click()
+            page.get_by_text("Right: spectral").first.wait_for(timeout=30000)
+            galleries = page.locator(".result-gallery")
+            assert galleries.count() == 2
+            thumbs = [galleries.nth(i).locator("button.thumbnail-item").count() for i in range(2)]
+            assert thumbs == [12, 12], thumbs
+            page.screenshot(path=str(ARTIFACTS / "app_browser.png"), full_page=True)
+        finally:
+            browser.close()
+    assert (ARTIFACTS / "app_browser.png").stat().st_size > 10_000

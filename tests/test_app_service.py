@@ -1,0 +1,119 @@
+"""App handlers: search, strategy switching, disagreements, and bad uploads (no browser)."""
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from app.service import RetrievalService, Spec
+from core.errors import UserError
+from evaluation import evaluate
+
+
+@pytest.fixture(scope="module")
+def svc(tiny_index):
+    return RetrievalService(tiny_index)
+
+
+def test_item_query_leaves_itself_out_and_scores_match_evaluator(svc):
+    i = int(svc.data.items.ids[5])
+    q = svc.query_from_item(i)
+    left, right = svc.compare(q, Spec("identity", {}, "cosine"), k=6)
+    for panel in (left, right):
+        assert len(panel.results) == 6 and i not in [r["id"] for r in panel.results]
+        assert all(r["correct"] == (r["label"] == q.label) for r in panel.results)
+        assert panel.p_at_k == pytest.approx(np.mean([r["correct"] for r in panel.results]))
+    # the panel's AP is this query's MAP@R in the leave-one-out evaluation of the whole gallery
+    feats = np.asarray(svc.data.features)
+    res = evaluate(feats, svc.data.items.labels, normalize=True, clustering=False)
+    ap_all = svc.per_query_ap(Spec("identity", {}, "cosine"))
+    assert float(np.nanmean(ap_all)) == pytest.approx(res["map@r"])
+    assert right.ap == pytest.approx(ap_all[5])
+
+
+def test_strategy_switching_changes_right_panel_only(svc):
+    q = svc.query_from_item(int(svc.data.items.ids[0]))
+    l1, r1 = svc.compare(q, Spec("identity", {}, "bilinear"), k=8, left_mode="bilinear")
+    l2, r2 = svc.compare(q, Spec("spectral", {"p": 1.5}, "bilinear"), k=8, left_mode="bilinear")
+    assert [x["id"] for x in l1.results] == [x["id"] for x in l2.results]
+    assert "identity" in r1.title and "spectral(p=1.5)" in r2.title
+    assert [x["score"] for x in r1.results] != [x["score"] for x in r2.results]
+    # cosine under an indefinite M′ falls back to bilinear, and says so
+    _, r3 = svc.compare(q, Spec("diagonal", {"r": 1.0, "seed": 0}, "cosine"), k=4)
+    assert "bilinear" in r3.title and "indefinite" in r3.note
+
+
+def test_disagreements_are_the_largest_ap_changes(svc):
+    spec = Spec("random", {"r": 1.0, "seed": 0}, "bilinear")
+    rows = svc.disagreements(spec, left_mode="bilinear", top=5)
+    a = svc.per_query_ap(Spec("trained", {}, "bilinear"))
+    b = svc.per_query_ap(spec)
+    d = np.abs(np.nan_to_num(b - a))
+    assert len(rows) == min(5, int((d > 0).sum()))
+    assert [abs(r["delta"]) for r in rows] == sorted([abs(r["delta"]) for r in rows], reverse=True)
+    if rows:
+        assert abs(rows[0]["delta"]) == pytest.approx(d.max())
+
+
+def test_upload_query_any_mode(svc, tmp_path):
+    src = svc.root / svc.data.items.paths[2]
+    im = Image.open(src).convert("RGBA")
+    p = tmp_path / "q.png"
+    im.save(p)
+    q = svc.query_from_upload(str(p))
+    assert q.label is None and q.feats.shape == (1, svc.data.dim)
+    panel = svc.panel(q, Spec("trained", {}, "cosine"), k=3)
+    assert panel.results[0]["id"] == int(svc.data.items.ids[2])  # finds the same image first
+    assert panel.p_at_k is None and all(r["correct"] is None for r in panel.results)
+    q2 = svc.query_from_upload(Image.open(src).convert("CMYK"))
+    np.testing.assert_allclose(q2.feats, q.feats, atol=1e-2)
+
+
+def _png_bytes(size=(8, 8)):
+    buf = io.BytesIO()
+    Image.new("RGB", size, (255, 255, 255)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_bad_uploads_are_refused_with_a_message(svc, tmp_path, monkeypatch):
+    cases = {"not_image.png": b"%PDF-1.4 this is a pdf", "empty.png": b"",
+             "truncated.png": _png_bytes((64, 64))[:60]}
+    for name, blob in cases.items():
+        p = tmp_path / name
+        p.write_bytes(blob)
+        with pytest.raises(UserError, match="not a usable image"):
+            svc.query_from_upload(str(p))
+    import core.images
+    monkeypatch.setattr(core.images, "MAX_PIXELS", 1000)
+    big = tmp_path / "huge.png"
+    big.write_bytes(_png_bytes((100, 100)))
+    with pytest.raises(UserError, match="too large"):
+        svc.query_from_upload(str(big))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # Pillow's own bomb limit
+    with pytest.raises(UserError, match="decompression bomb"):
+        svc.query_from_upload(str(big))
+    with pytest.raises(UserError, match="no image"):
+        svc.query_from_upload(None)
+
+
+def test_ui_handler_turns_errors_into_a_visible_message(svc, tmp_path):
+    from app.ui import Handlers
+
+    h = Handlers(svc)
+    bad = tmp_path / "bad.jpg"
+    bad.write_bytes(b"garbage")
+    out = h.on_search({"kind": "upload"}, str(bad), "identity", 0.5, 0, 0.5, 0.5, None, "cosine", 5)
+    assert out[1] == [] and out[3] == [] and out[4].startswith("⚠️") and "not a usable image" in out[4]
+    out = h.on_search({"kind": "item", "id": int(svc.data.items.ids[1])}, None, "custom", 0.5, 0, 0.5,
+                      0.5, None, "bilinear", 5)
+    assert "upload a symmetric" in out[4]
+    ok = h.on_search({"kind": "item", "id": int(svc.data.items.ids[1])}, None, "random", 0.3, 1, 0.5,
+                     0.5, None, "bilinear", 5)
+    assert len(ok[1]) == 5 and len(ok[3]) == 5 and "random(r=0.3, seed=1)" in ok[2]
+
+
+def test_pictures_render(svc):
+    q = svc.query_from_item(int(svc.data.items.ids[0]))
+    assert svc.heatmap(Spec("diagonal", {"r": 0.5}, "bilinear")).size[0] > 100
+    assert svc.gallery_map(q).size[0] > 100
+    assert len(svc.examples(4)) == 4
