@@ -5,6 +5,7 @@ import logging
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from core.arrays import load_npy
 from core.errors import UserError
@@ -16,6 +17,16 @@ from training.embed import embed_subset
 from .store import Items, read_index, write_index
 
 log = logging.getLogger("index")
+
+
+@torch.inference_mode()
+def to_trunk(model, backbone_feats: np.ndarray) -> np.ndarray:
+    """Backbone outputs → the model's trunk features φ (applies a trunk flow head, if any)."""
+    if model.trunk_head is None or len(backbone_feats) == 0:
+        return backbone_feats
+    model.eval()
+    x = torch.from_numpy(np.ascontiguousarray(backbone_feats, dtype=np.float32))
+    return torch.cat([model.head_trunk(x[i: i + 4096]) for i in range(0, len(x), 4096)]).numpy()
 
 
 def _model_info(checkpoint, ck, spec) -> dict:
@@ -44,6 +55,7 @@ def build_from_dataset(checkpoint, dcfg: DataConfig, out, split: str = "test", n
         feats, labels, kept, skipped = embed(sub, spec)
         if skipped:
             log.warning("%d unreadable images left out of the index", len(skipped))
+    feats = to_trunk(model, feats)
     items = Items(np.arange(len(kept), dtype=np.int64), labels.astype(np.int64),
                   [sub.paths[i] for i in kept], [sub.name] * len(kept))
     info = _model_info(checkpoint, ck, spec) | {"dataset": dcfg.dataset, "split": sub.name}
@@ -69,6 +81,7 @@ def build_from_image_folder(checkpoint, folder, out, normalize: bool = True, fac
                                             "index images", progress)
     if skipped:
         log.warning("%d unreadable images left out of the index", len(skipped))
+    feats = to_trunk(model, feats)
     items = Items(np.arange(len(kept), dtype=np.int64), ys, [paths[i] for i in kept], ["gallery"] * len(kept))
     return write_index(out, feats, items, model.W.numpy(), normalize=normalize,
                        info=_model_info(checkpoint, ck, spec) | {"dataset": "imagefolder"},
@@ -164,4 +177,4 @@ def split_features(checkpoint, dcfg: DataConfig, split: str, cache_dir: str | No
         f, y, _ = cached_features(bb, splits, query, spec, embed, cache_dir, progress)
     else:
         f, y, _, _ = embed(query, spec)
-    return f, y, model.W.numpy()
+    return to_trunk(model, f), y, model.W.numpy()

@@ -58,4 +58,4 @@ class ImageEmbedder:
             tensors.append(self.transform(im))
         if not tensors:
             return np.zeros((0, self.model.trunk_dim), np.float32)
-        return self.backbone(torch.stack(tensors)).float().numpy()
+        return self.model.eval().trunk_features(torch.stack(tensors)).float().numpy()

@@ -32,6 +32,7 @@ def save_checkpoint(path, model: EmbeddingModel, *, config: dict | None = None,
         "backbone_weights": str(model.backbone.weights),
         "trunk_dim": model.trunk_dim,
         "embed_dim": model.embed_dim,
+        "heads": model.heads_spec(),
         "config": config or {},
         "split": split or {},
         "metrics": metrics or {},
@@ -71,8 +72,12 @@ def check_compatible(ck: dict, *, backbone: str | None = None, embed_dim: int | 
 
 def model_from_checkpoint(ck: dict) -> EmbeddingModel:
     """Rebuild the embedding model; weights come from the checkpoint, nothing is downloaded."""
+    from .embedder import FlowHead
+    from .flows import FlowSpec
+
     backbone = build_backbone(ck["backbone"], weights="none")
-    model = EmbeddingModel(backbone, ck["embed_dim"])
+    heads = {k: FlowHead(FlowSpec.from_dict(v)) for k, v in ck.get("heads", {}).items()}
+    model = EmbeddingModel(backbone, ck["embed_dim"], **heads)
     backbone.weights = ck.get("backbone_weights", "none")
     sd = ck["state_dict"]
     own = model.state_dict()

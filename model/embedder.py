@@ -5,6 +5,13 @@
   eᵢᵀeⱼ = φᵢᵀ (WᵀW) φⱼ = φᵢᵀ M φⱼ
 
 The index (posterior refinement) works on φ and M, training on e.
+
+Optional flow "metric layers" (determinant regularizer, paper 000):
+  trunk position: φ = normalize(g(backbone(x)))  — the flow is part of the trunk,
+                  so M = WᵀW still describes the embeddings' inner products exactly;
+  neck position:  e = normalize(g(W φ))          — the paper's placement; M = WᵀW
+                  then describes the linear part *before* the flow only, and the
+                  index's refinements act on that linear metric.
 """
 from __future__ import annotations
 
@@ -30,11 +37,37 @@ class EmbeddingNeck(nn.Module):
         return self.linear.weight
 
 
+class FlowHead(nn.Module):
+    """normalize(g(x)) for a normalizing flow g; keeps its last log|det| (and "+1" term)
+    so a regularizer can read them without running the flow twice."""
+
+    def __init__(self, spec):
+        super().__init__()
+        from .flows import build_flow
+
+        self.spec = spec
+        self.flow = build_flow(spec)
+        self.plus_one = False
+        self.last_ladj = None
+        self.last_plus = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from .flows import flow_forward
+
+        y, ladj, plus = flow_forward(self.flow, x, plus_one=self.plus_one and self.training)
+        if self.training:
+            self.last_ladj, self.last_plus = ladj, plus
+        return nn.functional.normalize(y, dim=-1)
+
+
 class EmbeddingModel(nn.Module):
-    def __init__(self, backbone: Backbone, embed_dim: int = 128):
+    def __init__(self, backbone: Backbone, embed_dim: int = 128, trunk_head: nn.Module | None = None,
+                 embed_head: nn.Module | None = None):
         super().__init__()
         self.backbone = backbone
         self.neck = EmbeddingNeck(backbone.dim, embed_dim)
+        self.trunk_head = trunk_head
+        self.embed_head = embed_head
 
     @property
     def trunk_dim(self) -> int:
@@ -45,11 +78,20 @@ class EmbeddingModel(nn.Module):
         return self.neck.linear.out_features
 
     def trunk_features(self, images: torch.Tensor) -> torch.Tensor:
-        return self.backbone(images)
+        return self.head_trunk(self.backbone(images))
+
+    def head_trunk(self, backbone_features: torch.Tensor) -> torch.Tensor:
+        """Backbone output → trunk feature φ (through the trunk flow head, if any)."""
+        return backbone_features if self.trunk_head is None else self.trunk_head(backbone_features)
 
     def embed_features(self, features: torch.Tensor) -> torch.Tensor:
-        """Embeddings from (cached) trunk features."""
-        return self.neck(features)
+        """Embeddings from trunk features φ."""
+        z = self.neck(features)
+        return z if self.embed_head is None else self.embed_head(z)
+
+    def heads_spec(self) -> dict:
+        return {name: getattr(self, name).spec.to_dict()
+                for name in ("trunk_head", "embed_head") if getattr(self, name) is not None}
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.embed_features(self.trunk_features(images))

@@ -103,11 +103,16 @@ class Run:
         if cfg.mode == "finetune":
             groups.append({"params": list(self.backbone.parameters()), "lr": cfg.lr, "name": "backbone"})
         loss_params = list(self.loss.parameters())
+        for reg in self.regs:  # a regularizer's own copy of the loss (dueling g_max) is a loss too
+            loss_params += [p for n, p in reg.module.named_parameters() if n.startswith("max_loss")]
         if loss_params:
             groups.append({"params": loss_params, "lr": cfg.lr * cfg.proxy_lr_mult, "name": "loss",
                            "weight_decay": 0.0})
+        heads = [p for h in (self.model.trunk_head, self.model.embed_head) if h is not None for p in h.parameters()]
+        if heads:  # flow metric layers: 1e-3 with the default base lr 1e-4 (paper 000)
+            groups.append({"params": heads, "lr": cfg.lr * 10.0, "name": "heads"})
         for reg in self.regs:
-            ps = [p for p in reg.module.parameters() if p.requires_grad]
+            ps = [p for n, p in reg.module.named_parameters() if p.requires_grad and not n.startswith("max_loss")]
             if ps:
                 groups.append({"params": ps, "lr": cfg.lr * reg.lr_mult, "name": f"reg:{reg.name}"})
         # a proxy loss whose proxies miss the optimizer silently never learns them
@@ -121,6 +126,12 @@ class Run:
         from pytorch_metric_learning.samplers import MPerClassSampler
 
         cfg = self.cfg
+        if self.paired:  # CGML: two class-aligned half-size batches per step (X′ then X″)
+            from .samplers import paired_class_batches
+
+            n_cls = max(2, cfg.batch_size // (2 * cfg.m_per_class))
+            return paired_class_batches(labels, n_cls, cfg.m_per_class, steps, np.random.default_rng(
+                np.random.randint(2**31)))
         n_classes = len(np.unique(labels))
         bs = min(cfg.batch_size, cfg.m_per_class * n_classes)
         bs -= bs % cfg.m_per_class
@@ -131,13 +142,29 @@ class Run:
     def steps_per_epoch(self, n: int) -> int:
         return max(1, math.ceil(n / self.cfg.batch_size))
 
-    def _train_step(self, emb, y, batch_ctx) -> tuple[torch.Tensor, dict]:
-        loss = self.loss(emb, y)
-        parts = {"loss": float(loss.detach())}
+    @property
+    def paired(self) -> bool:
+        return any(r.paired for r in self.regs)
+
+    def _train_step(self, backbone_feats: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """One step's loss from backbone outputs: base loss (per half when paired) + regularizers."""
+        phi = self.model.head_trunk(backbone_feats)
+        neck = self.model.neck(phi)
+        emb = neck if self.model.embed_head is None else self.model.embed_head(neck)
+        parts: dict[str, float] = {}
+        ctx = {"y": y, "emb": emb, "neck": neck, "trunk": phi, "backbone": backbone_feats,
+               "loss": self.loss, "model": self.model, "parts": parts}
+        if self.paired:
+            h = len(y) // 2
+            loss = self.loss(emb[:h], y[:h]) + self.loss(emb[h:], y[h:])
+            ctx["emb_halves"] = (emb[:h], emb[h:])
+        else:
+            loss = self.loss(emb, y)
+        parts["loss"] = float(loss.detach())
         for reg in self.regs:
-            term = reg.term(emb, y, batch_ctx)
-            loss = loss + reg.weight * term
-            parts[reg.name] = float(term.detach())
+            t = reg.term(ctx)
+            parts[reg.name] = float(t.detach())
+            loss = loss + t
         return loss, parts
 
     def _step(self, loss: torch.Tensor) -> None:
@@ -151,22 +178,17 @@ class Run:
     def _train_epoch_frozen(self, epoch: int) -> dict:
         feats, labels = self.cache["train"]
         ymap = torch.tensor([self.label_map[int(v)] for v in labels])
-        self.model.neck.train()
+        self.model.train()
+        self.backbone.eval()  # frozen: its BatchNorm statistics stay as they are
         sums: dict[str, float] = {}
         batches = self._epoch_batches(labels, self.steps_per_epoch(len(labels)))
         for b in tqdm(batches, desc=f"epoch {epoch + 1}", leave=False, disable=not self.cfg.progress):
             bt = torch.from_numpy(b)
-            x, y = feats[bt], ymap[bt]
-            loss, parts = self._train_step_features(x, y)
+            loss, parts = self._train_step(feats[bt], ymap[bt])
             self._step(loss)
             for k, v in parts.items():
                 sums[k] = sums.get(k, 0.0) + v
         return {k: v / len(batches) for k, v in sums.items()}
-
-    def _train_step_features(self, x, y):
-        ctx = {"features": x}
-        emb = self.model.embed_features(x)
-        return self._train_step(emb, y, ctx)
 
     def _train_epoch_finetune(self, epoch: int) -> dict:
         cfg = self.cfg
@@ -193,11 +215,10 @@ class Run:
             self.skipped += len(bad)
             for _, msg in bad:
                 log.warning("skipped: %s", msg)
-            if images is None or len(y) < 2:
-                continue
+            if images is None or len(y) < 2 or (self.paired and bad):
+                continue  # (a paired batch that lost an image is no longer class-aligned)
             ymap = torch.tensor([self.label_map[int(v)] for v in y])
-            feats = self.model.trunk_features(images)
-            loss, parts = self._train_step(self.model.embed_features(feats), ymap, {"features": feats})
+            loss, parts = self._train_step(self.backbone(images), ymap)
             self._step(loss)
             n += 1
             for k, v in parts.items():
@@ -218,7 +239,7 @@ class Run:
     def embedding_of_features(self, f: torch.Tensor) -> torch.Tensor:
         out = []
         for i in range(0, len(f), 4096):
-            out.append(self.model.embed_features(f[i: i + 4096]))
+            out.append(self.model.embed_features(self.model.head_trunk(f[i: i + 4096])))
         return torch.cat(out) if out else torch.zeros(0, self.cfg.embed_dim)
 
     def validate(self) -> dict:
@@ -327,11 +348,13 @@ class Run:
                 e, y, _, _ = embed_subset(self.model, sub, self.spec, self.dcfg, f"embed {sub.name}",
                                           self.cfg.progress)
                 return e, y
+        from evaluation.diagnostics import embedding_diagnostics
+
         q, ql = embed(query)
         if gallery is None:
-            return evaluate(q, ql)
+            return evaluate(q, ql) | embedding_diagnostics(q, ql)
         g, gl = embed(gallery)
-        return evaluate(q, ql, g, gl)
+        return evaluate(q, ql, g, gl) | embedding_diagnostics(g, gl)
 
 
 def plot_curves(history: list, path: Path, best_epoch: int) -> None:

@@ -1,0 +1,159 @@
+"""Issue-5 performance: search under refined metrics vs raw FAISS, and indexing throughput.
+
+  python bench/index_bench.py [--sizes 10000,100000,1000000] [--dims 128,1280] [--out bench/results/index]
+
+1. Search.  Synthetic unit trunk features (N × d) and a trained-like M* = WᵀW
+   (k = 128, or d/2 when d = 128).  For each strategy (bilinear mode) we time
+   our `Searcher` against a bare `faiss.IndexFlatIP` over the same vectors,
+   single queries (FAISS on 1 thread: fastest for one query on 2 cores) and a
+   batch of 256 queries (2 threads), and report the ratio ours / raw from the
+   same run.  scikit-learn's brute-force `NearestNeighbors` is the naive
+   alternative (same ranking as identity on unit vectors).
+2. Indexing throughput (images/s) of `build_from_dataset` (no feature cache)
+   vs a bare loop: DataLoader with the same transform → backbone forward.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import faiss  # noqa: E402
+
+from core.atomic import write_json, write_text  # noqa: E402
+from index.search import Searcher  # noqa: E402
+from index.store import Items, IndexData, make_faiss_index  # noqa: E402
+
+STRATEGIES = [("trained", {}), ("identity", {}), ("diagonal", {"r": 0.5, "seed": 0}),
+              ("random", {"r": 0.5, "seed": 0}), ("shrink", {"alpha": 0.5}), ("spectral", {"p": 0.5})]
+
+
+def timed(fn, reps: int) -> float:
+    fn()  # warm-up
+    best = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best.append(time.perf_counter() - t)
+    return float(np.median(best))
+
+
+def search_bench(N: int, d: int, n_single: int, batch: int, sklearn_max: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((N, d), dtype=np.float32)
+    X /= np.linalg.norm(X, axis=1, keepdims=True)
+    k_emb = 128 if d > 256 else d // 2
+    W = rng.standard_normal((k_emb, d)).astype(np.float32) / np.sqrt(d)
+    Q = rng.standard_normal((max(n_single, batch), d), dtype=np.float32)
+    Q /= np.linalg.norm(Q, axis=1, keepdims=True)
+    raw = faiss.IndexFlatIP(d)
+    raw.add(X)
+    man = {"normalize": True, "factory": "Flat", "count": N, "trunk_dim": d, "embed_dim": k_emb}
+    data = IndexData(None, man, X, Items(np.arange(N), np.zeros(N, np.int64), [""] * N, [""] * N), W, raw)
+    s = Searcher(data)
+    rows = []
+    k = 10
+    for threads, label, nq in ((1, "single query", n_single), (2, f"batch of {batch}", batch)):
+        faiss.omp_set_num_threads(threads)
+        if nq == n_single:
+            raw_t = timed(lambda: [raw.search(Q[i: i + 1], k) for i in range(nq)], 3) / nq
+        else:
+            raw_t = timed(lambda: raw.search(Q[:nq], k), 3) / nq
+        for name, params in STRATEGIES:
+            s.metric(name, params)  # refine once; the per-query cost is what we time
+            if nq == n_single:
+                ours = timed(lambda: [s.search(Q[i: i + 1], name, params, "bilinear", k) for i in range(nq)], 3) / nq
+            else:
+                ours = timed(lambda: s.search(Q[:nq], name, params, "bilinear", k), 3) / nq
+            rows.append({"N": N, "d": d, "queries": label, "strategy": name, "raw_ms": raw_t * 1e3,
+                         "ours_ms": ours * 1e3, "ratio": ours / raw_t, "operator": s.metric(name, params).op.kind})
+        if N <= sklearn_max:
+            from sklearn.neighbors import NearestNeighbors
+
+            nn = NearestNeighbors(n_neighbors=k, algorithm="brute", metric="euclidean", n_jobs=threads).fit(X)
+            if nq == n_single:
+                sk = timed(lambda: [nn.kneighbors(Q[i: i + 1]) for i in range(nq)], 1) / nq
+            else:
+                sk = timed(lambda: nn.kneighbors(Q[:nq]), 1) / nq
+            rows.append({"N": N, "d": d, "queries": label, "strategy": "sklearn brute (identity)",
+                         "raw_ms": raw_t * 1e3, "ours_ms": sk * 1e3, "ratio": sk / raw_t, "operator": "-"})
+    return rows
+
+
+def indexing_bench(images: int) -> dict:
+    import torch
+
+    from index.build import build_from_dataset, split_features  # noqa: F401
+    from model.checkpoint import load_model
+    from training.config import DataConfig, load_data
+    from training.data.loader import make_loader, transform_for
+
+    ck = ROOT / "runs" / "demo-proxy_anchor" / "best.pt"
+    if not ck.is_file():
+        return {"skipped": "run `make demo DEMO_ARGS=--no-ui` first (needs the demo checkpoint)"}
+    dcfg = DataConfig(eval_batch_size=128, workers=1)
+    splits = load_data(dcfg, progress=False)
+    sub = splits.test
+    model, _ = load_model(ck)
+    bb = model.backbone.eval()
+    spec = transform_for(bb, dcfg.resolved_image_size(), "kanji")
+    torch.set_num_threads(2)
+
+    def bare():
+        loader = make_loader(sub, spec.build(), batch_size=128, workers=1)
+        n = 0
+        with torch.inference_mode():
+            for x, _, _, _ in loader:
+                bb(x)
+                n += len(x)
+        return n
+
+    t = time.perf_counter()
+    n = bare()
+    t_bare = time.perf_counter() - t
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        build_from_dataset(ck, dcfg, Path(tmp) / "idx", split="test", cache_dir=None, progress=False)
+        t_ours = time.perf_counter() - t
+    return {"images": n, "bare_img_per_s": n / t_bare, "ours_img_per_s": n / t_ours,
+            "ratio": (n / t_ours) / (n / t_bare), "threads": 2, "workers": 1, "batch": 128}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="10000,100000,1000000")
+    ap.add_argument("--dims", default="128,1280")
+    ap.add_argument("--single", type=int, default=50, help="single queries timed per setting")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--sklearn-max", type=int, default=100000, help="largest N to time sklearn on")
+    ap.add_argument("--out", default="bench/results/index")
+    ap.add_argument("--skip-indexing", action="store_true")
+    args = ap.parse_args()
+    rows = []
+    for d in [int(x) for x in args.dims.split(",")]:
+        for N in [int(x) for x in args.sizes.split(",")]:
+            print(f"search N={N} d={d} ...", file=sys.stderr, flush=True)
+            rows += search_bench(N, d, args.single, args.batch, args.sklearn_max)
+    idx = {"skipped": "--skip-indexing"} if args.skip_indexing else indexing_bench(0)
+    out = Path(args.out)
+    write_json(out / "results.json", {"search": rows, "indexing": idx})
+    lines = ["| N | d | queries | strategy | M′q operator | raw FAISS ms/query | ours ms/query | ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['N']:,} | {r['d']} | {r['queries']} | {r['strategy']} | {r['operator']} | "
+                     f"{r['raw_ms']:.3f} | {r['ours_ms']:.3f} | {r['ratio']:.2f}× |")
+    md = "\n".join(lines) + "\n\nIndexing throughput: " + json.dumps(idx) + "\n"
+    write_text(out / "results.md", md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

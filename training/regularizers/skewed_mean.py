@@ -1,0 +1,83 @@
+"""Skewed-mean repulsion of class proxies (paper 003).
+
+Proxies p_1…p_C (normalised), cosine similarities s_ij.
+R1, log-sum-exp per centre (the "skewed mean" of its similarities):
+    R1 = (1/C) Σ_i (1/γ) log( (1/(C−1)) Σ_{j≠i} exp(γ (s_ij − δ)) )
+  This differs from the issue's formula only by the constant log(C−1)/γ inside
+  (we average, not sum, inside the log), which leaves gradients unchanged and
+  makes the limits clean: γ → +∞ gives the max, γ → −∞ the min, γ → 0 the mean.
+R2, power mean of order −λ of the distances d_ij = ‖p_i − p_j‖ (positive, as
+  power means need):  M_{−λ}(d) = (mean d_ij^{−λ})^{−1/λ}; λ = 1 is the
+  UniformFace energy.  We penalise relu(δ₂ − M_{−λ}(d)), δ₂ = √2 by default
+  (the distance of orthogonal unit vectors): push the softly-closest proxies
+  apart until they are about orthogonal, then stop.
+For many classes a random subset of proxies is used each step (the paper
+notes this saves the C² work).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from .base import Regularizer
+
+
+@dataclass
+class SkewedMeanParams:
+    form: str = "r1"        # r1 | r2
+    gamma: float = 10.0     # R1 skew
+    delta: float = 0.0      # R1 margin δ3 on similarities
+    lam: float = 1.0        # R2 order −λ
+    target: float = math.sqrt(2.0)  # R2 δ₂
+    max_proxies: int = 512
+
+
+def lse_mean(a: torch.Tensor, gamma: float, dim: int = -1, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(1/γ) log mean exp(γ a) over `dim` (entries where mask is False are left out)."""
+    z = gamma * a
+    if mask is not None:
+        z = z.masked_fill(~mask, float("-inf"))
+        n = mask.sum(dim).clamp(min=1)
+    else:
+        n = torch.full(a.shape[:dim] + a.shape[dim + 1:] if dim != -1 else a.shape[:-1], a.shape[dim],
+                       device=a.device)
+    return (torch.logsumexp(z, dim) - torch.log(n.to(a.dtype))) / gamma
+
+
+def power_mean(d: torch.Tensor, p: float) -> torch.Tensor:
+    """(mean d^p)^(1/p) of positive entries; p = 0 is the geometric mean."""
+    if p == 0:
+        return torch.exp(torch.log(d).mean())
+    # log-space for stability at large |p|
+    return torch.exp((torch.logsumexp(p * torch.log(d), 0) - math.log(d.numel())) / p)
+
+
+class SkewedMeanRegularizer(Regularizer):
+    name = "skewed_mean"
+    needs_proxies = True
+
+    def _proxies(self, loss_module) -> torch.Tensor:
+        P = loss_module.class_proxies()
+        if len(P) > self.params.max_proxies:
+            idx = torch.randperm(len(P), device=P.device)[: self.params.max_proxies]
+            P = P[idx]
+        return P
+
+    def value(self, P: torch.Tensor) -> torch.Tensor:
+        P = F.normalize(P, dim=1)
+        C = len(P)
+        off = ~torch.eye(C, dtype=torch.bool, device=P.device)
+        if self.params.form == "r1":
+            S = P @ P.t()
+            return lse_mean(S - self.params.delta, self.params.gamma, dim=1, mask=off).mean()
+        iu = torch.triu_indices(C, C, 1, device=P.device)
+        d = (P[iu[0]] - P[iu[1]]).norm(dim=1).clamp(min=1e-6)
+        return F.relu(self.params.target - power_mean(d, -self.params.lam))
+
+    def term(self, ctx):
+        v = self.value(self._proxies(ctx["loss"]))
+        ctx["parts"][f"skew_{self.params.form}"] = float(v.detach())
+        return self.weight * v
