@@ -123,14 +123,21 @@ def test_build_search_cli_matches_api_and_refuses_other_model(tiny_run, tmp_path
     data = read_index(idx)
     assert data.manifest["split"] == "test" and data.manifest["count"] == 6 * 4
     img = Path(data.root) / data.items.paths[3]
-    out = tmp_path / "r.json"
-    r = subprocess.run([sys.executable, "-m", "index", "search", "--index", str(idx), "--image", str(img),
-                        "--strategy", "random", "--r", "0.5", "--seed", "1", "--k", "5", "--json", str(out)],
-                       cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    res = json.loads(out.read_text())["queries"][0]["results"]
-    assert len(res) == 5 and res[0]["id"] == int(data.items.ids[3])  # the image finds itself first
+    def cli_search(*extra):
+        out = tmp_path / "r.json"
+        r = subprocess.run([sys.executable, "-m", "index", "search", "--index", str(idx), "--image", str(img),
+                            "--k", "5", "--json", str(out), *extra], cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        return json.loads(out.read_text())["queries"][0]["results"]
+
+    res = cli_search("--strategy", "trained", "--mode", "cosine")
+    assert len(res) == 5 and res[0]["id"] == int(data.items.ids[3])  # cosine: the image finds itself first
+    assert res[0]["score"] == pytest.approx(1.0, abs=1e-4)
+    res = cli_search("--strategy", "random", "--r", "0.5", "--seed", "1")
     assert [x["score"] for x in res] == sorted([x["score"] for x in res], reverse=True)
+    api = Searcher(data).search(np.asarray(data.features[3:4]), "random", {"r": 0.5, "seed": 1}, k=5)
+    assert [x["id"] for x in res] == [int(data.items.ids[r]) for r in api.rows[0]]
+    assert [x["score"] for x in res] == pytest.approx(api.scores[0].tolist(), rel=1e-4, abs=1e-5)
     # a model from another checkpoint is refused
     from model.checkpoint import read_checkpoint, save_checkpoint, model_from_checkpoint
     other = tmp_path / "other.pt"
@@ -143,9 +150,9 @@ def test_build_search_cli_matches_api_and_refuses_other_model(tiny_run, tmp_path
     np.save(tmp_path / "q.npy", np.ones((1, 7), np.float32))
     r = subprocess.run([sys.executable, "-m", "index", "search", "--index", str(idx), "--features",
                         str(tmp_path / "q.npy")], cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == 2 and "this index holds 256-d features" in r.stderr
+    assert r.returncode == 2 and "this index holds 128-d features" in r.stderr
     # non-symmetric custom matrix via the CLI
-    A = np.eye(256)
+    A = np.eye(128)
     A[0, 1] = 1
     np.save(tmp_path / "A.npy", A)
     r = subprocess.run([sys.executable, "-m", "index", "search", "--index", str(idx), "--image", str(img),

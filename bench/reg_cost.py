@@ -1,0 +1,107 @@
+"""Issue-4 training cost: per-step wall time of each regularizer as a ratio to its plain base.
+
+  python bench/reg_cost.py [--steps 30] [--out bench/results/reg_cost]
+
+Measured in one run, interleaved (base, regularized, base, ...) so machine noise
+hits both alike; the median step time is compared.  Two settings:
+  frozen    the kanji demo setting: a step is neck + loss on cached trunk features
+            (so the base step is tiny and any extra network dominates the ratio)
+  finetune  efficientnet_lite0 trained end to end on 64-px kanji, batch 32
+            (the papers' setting: the backbone dominates the step)
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from core.atomic import write_json, write_text  # noqa: E402
+from training.train_config import TrainConfig  # noqa: E402
+from training.trainer import Run  # noqa: E402
+
+PAIRS = [("proxy_anchor", "nir", 1.2), ("proxy_anchor", "determinant", 1.5), ("triplet", "cgml", 2.1),
+         ("binomial", "cgml", 2.1), ("proxy_anchor", "skewed_mean", None)]
+
+
+def make_run(mode, loss, reg, batch, tmp):
+    cfg = TrainConfig(loss=loss, mode=mode, regularizer=(reg,) if reg else (), batch_size=batch,
+                      out=str(tmp / f"{mode}-{loss}-{reg}"), progress=False, epochs=1)
+    r = Run(cfg)
+    r.setup()
+    return r
+
+
+def batch_for(r: Run, mode: str, rng):
+    labels = np.asarray(r.cache["train"][1] if mode == "frozen" else r.splits.train.labels)
+    b = r._epoch_batches(labels, 1)[0]
+    y = torch.tensor([r.label_map[int(v)] for v in labels[b]])
+    if mode == "frozen":
+        return r.cache["train"][0][torch.from_numpy(b)], y
+    from training.data.loader import ImageDataset
+
+    ds = ImageDataset(r.splits.train, dataclasses.replace(r.spec, augment=True).build())
+    return torch.stack([ds[int(i)][0] for i in b]), y
+
+
+def step_time(r: Run, x, y, mode) -> float:
+    t = time.perf_counter()
+    feats = x if mode == "frozen" else r.backbone(x)
+    loss, _ = r._train_step(feats, y)
+    r._step(loss)
+    return time.perf_counter() - t
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--finetune-steps", type=int, default=8)
+    ap.add_argument("--out", default="bench/results/reg_cost")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for mode, batch, steps in (("frozen", 120, args.steps), ("finetune", 32, args.finetune_steps)):
+            for loss, reg, target in PAIRS:
+                torch.manual_seed(0)
+                rng = np.random.default_rng(0)
+                base, regd = make_run(mode, loss, None, batch, tmp), make_run(mode, loss, reg, batch, tmp)
+                for r in (base, regd):
+                    r.model.train()
+                    r.backbone.train(mode == "finetune")
+                xb, yb = batch_for(base, mode, rng)
+                xr, yr = batch_for(regd, mode, rng)  # CGML: twice the images (two class-aligned batches)
+                tb, tr = [], []
+                step_time(base, xb, yb, mode), step_time(regd, xr, yr, mode)  # warm-up
+                for _ in range(steps):
+                    tb.append(step_time(base, xb, yb, mode))
+                    tr.append(step_time(regd, xr, yr, mode))
+                ratio = float(np.median(tr) / np.median(tb))
+                rows.append({"mode": mode, "base": loss, "regularizer": reg, "base_ms": 1e3 * float(np.median(tb)),
+                             "reg_ms": 1e3 * float(np.median(tr)), "ratio": ratio, "target": target,
+                             "batch_images": int(len(yr))})
+                print(rows[-1], flush=True)
+    write_json(Path(args.out) / "results.json", rows)
+    lines = ["| mode | base | regularizer | base ms/step | regularized ms/step | ratio | target |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tgt = f"≤ {r['target']}×" if r["target"] else "—"
+        lines.append(f"| {r['mode']} | {r['base']} | {r['regularizer']} | {r['base_ms']:.1f} | {r['reg_ms']:.1f} | "
+                     f"{r['ratio']:.2f}× | {tgt} |")
+    md = "\n".join(lines) + "\n"
+    write_text(Path(args.out) / "results.md", md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
