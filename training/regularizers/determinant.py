@@ -33,7 +33,7 @@ from .base import Regularizer
 class DeterminantParams:
     flow: str = "realnvp"        # realnvp | nice
     transforms: int = 12         # the paper uses 12 coupling layers
-    hidden: int = 256
+    hidden: int = 128          # coupling-network width (kept small: 2 CPU cores)
     position: str = "neck"       # neck (the paper's) | trunk
     variant: str = "logdet"      # logdet | plus_one
     epsilon: float = 0.4         # tangent-plane augmentation; 0 = off

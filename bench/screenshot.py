@@ -1,0 +1,53 @@
+"""The README screenshot: the demo app, trained vs identity, on the test query where they disagree most.
+
+  python bench/screenshot.py [--index artifacts/demo/index] [--out docs/app.png]
+"""
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--index", default="artifacts/demo/index")
+    ap.add_argument("--out", default="docs/app.png")
+    args = ap.parse_args()
+    from playwright.sync_api import sync_playwright
+
+    from app.cli import build_parser, launch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    demo, svc = launch(build_parser().parse_args(["--index", args.index, "--port", str(port)]), block=False)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path="/usr/bin/chromium", args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"])
+        page = b.new_page(viewport={"width": 1500, "height": 1000})
+        page.goto(f"http://127.0.0.1:{port}/", wait_until="load")
+        page.wait_for_selector("button.thumbnail-item", timeout=120000)
+        page.get_by_text("Disagreements: test queries").click()
+        page.get_by_role("button", name="Find disagreements for the current strategy").click()
+        page.get_by_text("test queries with the largest AP change").wait_for(timeout=180000)
+        thumbs = page.locator("button.thumbnail-item")
+        n_examples = len(svc.examples())
+        thumbs.nth(n_examples).wait_for(timeout=30000)
+        thumbs.nth(n_examples).click()  # before any search, the disagreement thumbnails follow the examples
+        page.get_by_text("Query class:").wait_for(timeout=60000)
+        page.wait_for_timeout(2500)
+        page.screenshot(path=args.out, full_page=True)
+        b.close()
+    demo.close()
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
