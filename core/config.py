@@ -47,3 +47,32 @@ def config_from_args(cls, ns: argparse.Namespace, **override):
     kw = {k: v for k, v in vars(ns).items() if k in names}
     kw.update(override)
     return cls(**kw)
+
+
+def parse_typed_items(cls, items, what: str, prefix: str | None = None):
+    """Build dataclass `cls` from `key=value` strings (or `prefix.key=value`, keeping only
+    those for `prefix`), converting each value to its field's type."""
+    from .errors import UserError
+
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kw = {}
+    for item in items:
+        if "=" not in item:
+            raise UserError(f"{what}: want key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        if prefix is not None:
+            if "." not in key:
+                raise UserError(f"{what}: want name.key=value, got {item!r}")
+            owner, key = key.split(".", 1)
+            if owner != prefix:
+                continue
+        k = key.strip().replace("-", "_")
+        if k not in fields:
+            raise UserError(f"{what}: no parameter {k!r}; it has {sorted(fields)}")
+        t = hints[k]
+        try:
+            kw[k] = (value.lower() in ("1", "true", "yes")) if t is bool else t(value)
+        except ValueError:
+            raise UserError(f"{what}: {k}={value!r} is not a {t.__name__}") from None
+    return cls(**kw)

@@ -14,7 +14,6 @@ place: an interrupted build, add or remove leaves the previous index intact.
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ import faiss
 import numpy as np
 
 from core.atomic import atomic_dir
+from core.hashing import sha256_file
 from core.errors import UserError
 
 FORMAT = "dml-retrieval-index"
@@ -117,14 +117,6 @@ def make_faiss_index(features: np.ndarray, factory: str) -> faiss.Index:
     return index
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def write_index(path, features: np.ndarray, items: Items, W: np.ndarray, *, normalize: bool, info: dict,
                 factory: str | None = None, class_names: dict | None = None, root: str = "") -> Path:
     """Write a complete index directory atomically.
@@ -158,7 +150,7 @@ def write_index(path, features: np.ndarray, items: Items, W: np.ndarray, *, norm
             "count": int(len(items)), "trunk_dim": int(features.shape[1]), "embed_dim": int(W.shape[0]),
             "classes": int(len(np.unique(items.labels))), "normalize": bool(normalize),
             **info,
-            "files": {f: {"sha256": _sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size} for f in FILES},
+            "files": {f: {"sha256": sha256_file(tmp / f), "bytes": (tmp / f).stat().st_size} for f in FILES},
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
     return path
@@ -192,7 +184,7 @@ def read_index(path, verify: bool = True) -> IndexData:
         if size != want["bytes"]:
             raise UserError(f"index file {p} is {size} bytes, the manifest says {want['bytes']} "
                             f"(truncated or replaced)")
-        if verify and _sha256_file(p) != want["sha256"]:
+        if verify and sha256_file(p) != want["sha256"]:
             raise UserError(f"index file {p} does not match its checksum in the manifest (corrupted)")
     try:
         features = np.load(path / "features.npy", mmap_mode="r", allow_pickle=False)

@@ -7,13 +7,13 @@ and any extra state (loss proxies, flows) under "extra".
 """
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
 
 from core.atomic import write_with
 from core.errors import CheckpointMismatchError, UserError
+from core.hashing import sha256_file
 
 from .backbones import build_backbone
 from .embedder import EmbeddingModel
@@ -97,9 +97,4 @@ def load_model(path, **expect) -> tuple[EmbeddingModel, dict]:
     return model_from_checkpoint(ck), ck
 
 
-def file_sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+file_sha256 = sha256_file  # (the name the index and app use)

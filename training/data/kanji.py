@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from core.atomic import atomic_dir, write_json
 from core.errors import UserError
+from core.hashing import sha256_file
 
 from .splits import DatasetSplits, Subset, carve_validation
 
@@ -100,14 +101,6 @@ def find_fonts(ids: tuple[str, ...] = ()) -> list[tuple[str, str, Path, str]]:
     return found
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def covered_codepoints(path: Path) -> set[int]:
     from fontTools.ttLib import TTFont
 
@@ -139,7 +132,7 @@ def render_glyph(font: ImageFont.FreeTypeFont, ch: str, size: int, canvas: int) 
 def _key(cfg: KanjiConfig, fonts) -> str:
     h = hashlib.sha256(json.dumps({
         "v": RENDER_VERSION, "n": cfg.num_classes, "size": cfg.image_size, "seed": cfg.seed,
-        "fonts": [(fid, _sha256(p)) for fid, _, p, _ in fonts],
+        "fonts": [(fid, sha256_file(p)) for fid, _, p, _ in fonts],
     }, sort_keys=True).encode())
     return h.hexdigest()[:12]
 
@@ -188,7 +181,7 @@ def prepare_kanji(cfg: KanjiConfig, progress: bool = True) -> Path:
         manifest = {
             "dataset": "kanji", "render_version": RENDER_VERSION,
             "config": asdict(cfg) | {"fonts": list(cfg.fonts)},
-            "fonts": [{"id": fid, "package": pkg, "file": str(p), "style": st, "sha256": _sha256(p)}
+            "fonts": [{"id": fid, "package": pkg, "file": str(p), "style": st, "sha256": sha256_file(p)}
                       for fid, pkg, p, st in fonts],
             "characters": [chr(c) for c in chosen],
             "codepoints": chosen,

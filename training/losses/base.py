@@ -1,12 +1,12 @@
 """What every metric loss provides to the trainer and to the regularizers."""
 from __future__ import annotations
 
-import dataclasses
 import typing
 
 import torch
 from torch import nn
 
+from core.config import parse_typed_items
 from core.errors import UserError
 
 
@@ -64,19 +64,4 @@ class PMLProxyLoss(PMLLoss):
 
 def parse_params(cls, items: typing.Iterable[str], loss_name: str):
     """Build the loss's parameter dataclass from `key=value` strings, typed by its fields."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    kw = {}
-    for item in items:
-        if "=" not in item:
-            raise UserError(f"--loss-param wants key=value, got {item!r}")
-        k, v = item.split("=", 1)
-        k = k.strip().replace("-", "_")
-        if k not in fields:
-            raise UserError(f"loss {loss_name!r} has no parameter {k!r}; it has {sorted(fields)}")
-        t = hints[k]
-        try:
-            kw[k] = (v.lower() in ("1", "true", "yes")) if t is bool else t(v)
-        except ValueError:
-            raise UserError(f"loss parameter {k}={v!r} is not a {t.__name__}") from None
-    return cls(**kw)
+    return parse_typed_items(cls, items, f"loss {loss_name!r}")

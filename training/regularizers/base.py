@@ -11,11 +11,11 @@ batches per step (CGML).  `install(model)` may add a head to the model
 from __future__ import annotations
 
 import dataclasses
-import typing
 
 import torch
 from torch import nn
 
+from core.config import parse_typed_items
 from core.errors import UserError
 
 
@@ -46,22 +46,4 @@ class Regularizer:
 
 def parse_reg_params(cls, name: str, items) -> object:
     """`name.key=value` items addressed to this regularizer → its typed params dataclass."""
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    kw = {}
-    for item in items:
-        if "=" not in item or "." not in item.split("=", 1)[0]:
-            raise UserError(f"--reg-param wants regularizer.key=value, got {item!r}")
-        key, value = item.split("=", 1)
-        reg, k = key.split(".", 1)
-        if reg != name:
-            continue
-        k = k.replace("-", "_")
-        if k not in fields:
-            raise UserError(f"regularizer {name!r} has no parameter {k!r}; it has {sorted(fields)}")
-        t = hints[k]
-        try:
-            kw[k] = (value.lower() in ("1", "true", "yes")) if t is bool else t(value)
-        except ValueError:
-            raise UserError(f"regularizer parameter {key}={value!r} is not a {t.__name__}") from None
-    return cls(**kw)
+    return parse_typed_items(cls, items, f"regularizer {name!r}", prefix=name)
