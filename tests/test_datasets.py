@@ -207,6 +207,21 @@ def test_kanji_renders_cached_manifest_and_split(tmp_path):
     assert set(s3.class_names) != set(s.class_names)
 
 
+def test_kanji_all_qualifying_characters(tmp_path, monkeypatch):
+    from training.data import kanji
+    from training.data.kanji import KanjiConfig, load_kanji
+
+    monkeypatch.setattr(kanji, "CJK_RANGE", range(0x4E00, 0x5200))  # a slice of the block: fast
+
+    # two fonts, every covered character (num_classes=0): blank glyphs are dropped, not an error
+    s = load_kanji(KanjiConfig(root=str(tmp_path), num_classes=0, image_size=16, fonts=("ipag", "kouzan-sousyo")),
+                   progress=False)
+    man = json.loads(open(s.info["manifest"]).read())
+    assert man["qualifying_scanned_all"] and len(man["characters"]) + man["rejected_blank_in_some_font"] == \
+        man["candidates_covered_by_all_fonts"]
+    assert man["rejected_blank_in_some_font"] > 0  # the brush font maps some code points to empty glyphs
+
+
 def test_kanji_missing_font_names_package(tmp_path, monkeypatch):
     from training.data.kanji import KanjiConfig, load_kanji
 

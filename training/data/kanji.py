@@ -174,7 +174,7 @@ def prepare_kanji(cfg: KanjiConfig, progress: bool = True) -> Path:
             chosen.append(cp)
             bar.update(1)
         bar.close()
-        if len(chosen) < want:
+        if cfg.num_classes and len(chosen) < want:
             raise UserError(f"only {len(chosen)} characters qualify in these fonts; asked for {want}")
         if len(chosen) < 4:
             raise UserError("kanji needs at least 4 classes (train, validation and test classes)")
@@ -187,6 +187,7 @@ def prepare_kanji(cfg: KanjiConfig, progress: bool = True) -> Path:
             "codepoints": chosen,
             "candidates_covered_by_all_fonts": len(candidates),
             "rejected_blank_in_some_font": n_blank,
+            "qualifying_scanned_all": not cfg.num_classes,
             "image_size": cfg.image_size, "seed": cfg.seed,
             "images": len(chosen) * len(fonts),
             "checksum_sha256": h.hexdigest(),
