@@ -20,12 +20,15 @@ from training.data.loader import TransformSpec
 
 class ImageEmbedder:
     def __init__(self, checkpoint, manifest: dict | None = None):
-        checkpoint = Path(checkpoint)
+        if manifest is not None and not manifest.get("checkpoint_sha256"):
+            raise UserError("this index was built from precomputed features: it has no model to "
+                            "embed images with; search it by feature vectors (--features)")
+        checkpoint = Path(checkpoint or "")
+        if not checkpoint.is_file():
+            raise UserError(f"the model checkpoint {checkpoint} is not there: pass --checkpoint with the "
+                            "model this index was built with")
         if manifest is not None:
-            want = manifest.get("checkpoint_sha256")
-            if not want:
-                raise UserError("this index was built from precomputed features: it has no model to "
-                                "embed images with; search it by feature vectors (--features)")
+            want = manifest["checkpoint_sha256"]
             got = file_sha256(checkpoint)
             if got != want:
                 raise UserError(f"checkpoint {checkpoint} is not the model this index was built with "
