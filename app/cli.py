@@ -39,6 +39,9 @@ def launch(args, block: bool = True):
         hint = " Run `make demo` (or `python -m training demo --no-ui`) to build it." if args.index == DEMO_INDEX else ""
         raise UserError(f"index directory not found: {args.index}.{hint}")
     analysis = args.analysis or (DEMO_ANALYSIS if args.index == DEMO_INDEX else None)
+    from index.threads import serving_threads
+
+    serving_threads()
     svc = RetrievalService(args.index, args.checkpoint, analysis, verify=not args.no_verify)
     demo = build_ui(svc)
     demo.queue(default_concurrency_limit=args.concurrency, max_size=64)

@@ -52,8 +52,13 @@ def search_bench(N: int, d: int, n_single: int, batch: int, sklearn_max: int) ->
     rows = []
     k = 10
     reps = 5
+    from threadpoolctl import ThreadpoolController
+
+    ctl = ThreadpoolController()
     for threads, label, nq in ((1, "single query", n_single), (2, f"batch of {batch}", batch)):
         faiss.omp_set_num_threads(threads)
+        # single queries: numpy BLAS on 1 thread, as `index search` and the app serve (index/threads.py)
+        blas = ctl.limit(limits=1 if threads == 1 else None, user_api="blas")
         if nq == n_single:
             def raw_fn():
                 for i in range(nq):
@@ -93,6 +98,7 @@ def search_bench(N: int, d: int, n_single: int, batch: int, sklearn_max: int) ->
             t = time.perf_counter(); sk_fn(); sk = time.perf_counter() - t  # noqa: E702
             rows.append({"N": N, "d": d, "queries": label, "strategy": "sklearn brute (identity)",
                          "raw_ms": r1 / nq * 1e3, "ours_ms": sk / nq * 1e3, "ratio": sk / r1, "operator": "-"})
+        blas.restore_original_limits()
     return rows
 
 
@@ -182,6 +188,7 @@ def main():
     ap.add_argument("--sklearn-max", type=int, default=100000, help="largest N to time sklearn on")
     ap.add_argument("--out", default="bench/results/index")
     ap.add_argument("--skip-indexing", action="store_true")
+    ap.add_argument("--skip-ann", action="store_true")
     args = ap.parse_args()
     rows = []
     for d in [int(x) for x in args.dims.split(",")]:
@@ -189,7 +196,7 @@ def main():
             print(f"search N={N} d={d} ...", file=sys.stderr, flush=True)
             rows += search_bench(N, d, args.single, args.batch, args.sklearn_max)
     idx = {"skipped": "--skip-indexing"} if args.skip_indexing else indexing_bench(0)
-    ann = ann_recall_bench()
+    ann = [] if args.skip_ann else ann_recall_bench()
     out = Path(args.out)
     write_json(out / "results.json", {"search": rows, "indexing": idx, "ann": ann})
     lines = ["| N | d | queries | strategy | M′q operator | raw FAISS ms/query | ours ms/query | ratio |",

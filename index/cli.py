@@ -93,10 +93,10 @@ def cmd_search(args) -> int:
     from .search import Searcher
     from .store import read_index
 
+    from .threads import serving_threads
+
     data = read_index(args.index, verify=not args.no_verify)
-    if args.threads:
-        import faiss
-        faiss.omp_set_num_threads(args.threads)
+    serving_threads(args.threads or None)
     s = Searcher(data)
     if args.features:
         from core.arrays import load_npy

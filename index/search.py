@@ -63,6 +63,7 @@ class Searcher:
         self.exact = data.manifest["factory"] == "Flat"
         self.rerank_factor = rerank_factor
         self._cache: OrderedDict = OrderedDict()
+        self._raw: dict = {}
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._M_star = data.M_star
@@ -71,11 +72,17 @@ class Searcher:
 
     # ------------------------------------------------------------ metrics
     def metric(self, strategy: str = "trained", params: dict | None = None) -> RefinedMetric:
+        # fast path: the same (strategy, raw params) as before skips parsing them again
+        raw_key = (strategy, tuple(sorted((k, v) for k, v in (params or {}).items() if v is not None)))
+        hit = self._raw.get(raw_key)
+        if hit is not None:
+            return hit
         p = strategy_params(strategy, params)
         key = strategy_key(strategy, p)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
+                self._raw[raw_key] = self._cache[key]
                 return self._cache[key]
         M = refine(strategy, self._M_star, p)
         rm = RefinedMetric(strategy, p, M, MetricOperator.build(strategy, M, self.data.W, self._M_star))
@@ -83,6 +90,8 @@ class Searcher:
             self._cache[key] = rm
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
+            self._raw = {k: v for k, v in self._raw.items() if v in self._cache.values()}
+            self._raw[raw_key] = rm
         return rm
 
     def _cosine_parts(self, rm: RefinedMetric):
