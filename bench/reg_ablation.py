@@ -84,11 +84,13 @@ def main():
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--runs", default="runs/bench")
     ap.add_argument("--out", default="bench/results/regularizers")
+    ap.add_argument("--only", help="run just this regularizer's rows (no report); to split the work")
     args = ap.parse_args()
     setup_logging()
     seeds = [int(s) for s in args.seeds.split(",")]
     rows = []
-    for loss, reg, grid in PLAN:
+    plan = [p for p in PLAN if args.only is None or p[1] == args.only]
+    for loss, reg, grid in plan:
         chosen, tuning = None, []
         if reg is not None:
             for w in grid:
@@ -106,6 +108,8 @@ def main():
         rows.append({"base": loss, "regularizer": reg or "—", "weight": chosen, "tuning_on_val": tuning,
                      **{k: vals[k] for k in KEYS}})
         print(rows[-1]["base"], rows[-1]["regularizer"], chosen, fmt(vals["map@r"]), flush=True)
+    if args.only:
+        return
     write_json(Path(args.out) / "results.json", {"seeds": seeds, "rows": rows})
     lines = ["| base | regularizer | weight (val-chosen) | MAP@R | R@1 | NMI | uniformity | ρ |",
              "|---|---|---|---|---|---|---|---|"]
