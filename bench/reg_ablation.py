@@ -36,7 +36,12 @@ PLAN = [  # base loss, regularizer (None = plain), weight grid; the slow flows r
     ("binomial", None, None),
     ("binomial", "cgml", [0.002, 0.02]),
     ("proxy_anchor", "determinant", [0.001, 0.05]),
+    ("proxy_anchor", "determinant+1", [0.05]),   # the paper's eq. 7 "+1" variant (bounded below)
+    ("proxy_anchor", "nir-raw", [0.01, 0.1]),    # NIR on the un-normalised embedding
+    ("proxy_nca", "nir-raw", [0.01, 0.1]),
 ]
+VARIANTS = {"determinant+1": ("determinant", ("determinant.variant=plus_one",)),
+            "nir-raw": ("nir", ("nir.input=raw",))}
 
 
 def diagnostics_of(run_dir: str) -> dict:
@@ -69,7 +74,9 @@ def run(loss, reg, weight, seed, runs) -> tuple[dict, str]:
         cfg = TrainConfig(out=out, seed=seed, loss=loss, progress=False)
     else:
         out = f"{runs}/{loss}+{reg}-w{weight}-s{seed}"
-        cfg = TrainConfig(out=out, seed=seed, loss=loss, regularizer=(reg,), reg_weight=(weight,), progress=False)
+        name, params = VARIANTS.get(reg, (reg, ()))
+        cfg = TrainConfig(out=out, seed=seed, loss=loss, regularizer=(name,), reg_weight=(weight,),
+                          reg_param=params, progress=False)
     m, _ = train_or_reuse(cfg)
     return m, out
 

@@ -10,7 +10,9 @@ variant "exp": mean_batch(exp(nll_i / d)) — the official code averages
 exp(per-sample NLL); we divide the NLL by d inside the exponent, since exp of a
 d = 128 NLL overflows float32.  The proxies are not detached: gradients reach
 them through the condition.  Embeddings are L2-normalised first, as every
-proxy loss here compares directions.
+proxy loss here compares directions.  Unit embeddings lie on a sphere, where a
+density can be made arbitrarily peaked (the NLL is unbounded below); with
+`input=raw` the flow models the un-normalised neck output instead.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ class NIRParams:
     blocks: int = 5
     hidden: int = 128
     variant: str = "nll"     # nll | exp
+    input: str = "unit"      # unit: L2-normalised embeddings | raw: the neck output as is
 
 
 class NIRRegularizer(Regularizer):
@@ -40,6 +43,8 @@ class NIRRegularizer(Regularizer):
         super().__init__(weight, params, loss_module, embed_dim, trunk_dim)
         if params.variant not in ("nll", "exp"):
             raise ValueError("nir variant must be nll or exp")
+        if params.input not in ("unit", "raw"):
+            raise ValueError("nir input must be unit or raw")
         self.d = embed_dim
         self.flow = build_flow(FlowSpec("glow", embed_dim, params.blocks, (params.hidden, params.hidden),
                                         context=embed_dim))
@@ -50,7 +55,7 @@ class NIRRegularizer(Regularizer):
         return z, ladj
 
     def nll(self, emb, y, loss_module) -> torch.Tensor:
-        x = F.normalize(emb, dim=1)
+        x = F.normalize(emb, dim=1) if self.params.input == "unit" else emb
         c = loss_module.class_proxies()[y]
         z, ladj = self.residual(x, c)
         return 0.5 * (z ** 2).sum(1) - ladj
