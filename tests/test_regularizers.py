@@ -186,7 +186,7 @@ def test_refusals(tmp_path):
     ("proxy_anchor", ("determinant", "nir", "skewed_mean"), ("determinant.transforms=2", "determinant.hidden=16")),
     ("binomial", ("cgml", "determinant"), ("determinant.transforms=2", "determinant.hidden=16",
                                             "determinant.position=trunk", "determinant.variant=plus_one")),
-    ("proxy_nca", ("nir",), ("nir.variant=exp",)),
+    ("proxy_nca", ("nir",), ("nir.variant=exp", "nir.input=raw")),
 ])
 def test_several_regularizers_train_and_checkpoint_serves_the_index(tmp_path, loss, regs, params):
     from index.build import build_from_dataset
