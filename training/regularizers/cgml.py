@@ -6,6 +6,11 @@ paired sampler).  Within each batch an RBF graph S_ij = exp(−‖x_i − x_j‖
 over the L2-normalised embeddings, and
     L_GC = ‖S′X′ − S″X″‖_F,
 total = L_m(X′) + L_m(X″) + λ·L_GC (the trainer adds the two metric losses).
+
+Batch size: X′ and X″ *together* hold --batch-size images (each has
+batch_size/2, i.e. batch_size/(2m) classes × m), so a CGML step embeds as many
+images as a plain step.  The paper uses two full batches; pass a doubled
+--batch-size for that (and twice the per-step cost).
 """
 from __future__ import annotations
 
