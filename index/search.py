@@ -26,7 +26,7 @@ from .store import IndexData
 MODES = ("bilinear", "cosine")
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: fields hold numpy arrays
 class RefinedMetric:
     name: str
     params: object
@@ -90,7 +90,8 @@ class Searcher:
             self._cache[key] = rm
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-            self._raw = {k: v for k, v in self._raw.items() if v in self._cache.values()}
+            live = {id(v) for v in self._cache.values()}
+            self._raw = {k: v for k, v in self._raw.items() if id(v) in live}
             self._raw[raw_key] = rm
         return rm
 

@@ -119,3 +119,29 @@ def test_bad_queries_and_k(tmp_path):
 
 def test_strategy_registry_is_complete():
     assert {"trained", "identity", "diagonal", "random", "custom", "shrink", "spectral"} <= set(STRATEGIES)
+
+
+def test_metric_cache_churn_and_concurrency(tmp_path):
+    """Many strategies (more than the cache holds), from several threads: always the right M′."""
+    import threading
+
+    data, feats, W = make_index(tmp_path)
+    s = Searcher(data, cache_size=3)
+    q = np.abs(np.random.default_rng(1).normal(size=(2, D))).astype(np.float32)
+    errors = []
+
+    def work(t):
+        try:
+            for seed in range(12):
+                params = {"r": 0.3, "seed": seed + 100 * t}
+                res = s.search(q, "random", params, k=5)
+                M = refine("random", W.T.astype(np.float64) @ W, params)
+                assert_topk_exact(res, brute_force(feats, q, M, "bilinear", True), 5)
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert errors == []
+    assert len(s._cache) <= 3
