@@ -57,8 +57,9 @@ def search_bench(N: int, d: int, n_single: int, batch: int, sklearn_max: int) ->
     ctl = ThreadpoolController()
     for threads, label, nq in ((1, "single query", n_single), (2, f"batch of {batch}", batch)):
         faiss.omp_set_num_threads(threads)
-        # single queries: numpy BLAS on 1 thread, as `index search` and the app serve (index/threads.py)
-        blas = ctl.limit(limits=1 if threads == 1 else None, user_api="blas")
+        # numpy BLAS on 1 thread, as `index search` and the app serve (index/threads.py): its
+        # spinning workers would otherwise compete with FAISS's threads for the 2 cores
+        blas = ctl.limit(limits=1, user_api="blas")
         if nq == n_single:
             def raw_fn():
                 for i in range(nq):
