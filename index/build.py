@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,18 +35,36 @@ def _model_info(checkpoint, ck, spec) -> dict:
             "backbone": ck["backbone"], "transform": spec.describe()}
 
 
-def build_from_dataset(checkpoint, dcfg: DataConfig, out, split: str = "test", normalize: bool = True,
-                       factory: str | None = None, cache_dir: str | None = None, progress: bool = True) -> Path:
-    """Index a data-set split (In-Shop 'test' = its gallery) with a checkpoint's backbone."""
+@dataclass
+class SplitFeatures:
+    model: object
+    ck: dict
+    splits: object
+    subset: object
+    spec: object
+    feats: np.ndarray       # trunk features φ (after any trunk flow head)
+    labels: np.ndarray
+    kept: np.ndarray        # indices into subset of the images that could be read
+
+
+def embed_split(checkpoint, dcfg: DataConfig, split: str, cache_dir: str | None, progress: bool = True,
+                use_gallery: bool = True) -> SplitFeatures:
+    """Embed a data-set split's images with a checkpoint's trunk (through the feature cache).
+
+    For a query/gallery split (In-Shop 'test'), `use_gallery` picks the gallery; otherwise the
+    query = gallery protocol is required.
+    """
     model, ck = load_model(checkpoint)
     bb = model.backbone.eval()
     splits = load_data(dcfg, progress=progress)
     spec = transform_for(bb, dcfg.resolved_image_size(), dcfg.dataset)
     query, gallery = splits.eval_pair(split)
+    if gallery is not None and not use_gallery:
+        raise UserError("strategy evaluation uses the query = gallery protocol; this split is query/gallery")
     sub = gallery if gallery is not None else query
 
     def embed(s, sp):
-        return embed_subset(bb, s, sp, dcfg, f"index {s.name}", progress)
+        return embed_subset(bb, s, sp, dcfg, f"features {s.name}", progress)
 
     if cache_dir:
         from training.feature_cache import cached_features
@@ -54,13 +73,20 @@ def build_from_dataset(checkpoint, dcfg: DataConfig, out, split: str = "test", n
     else:
         feats, labels, kept, skipped = embed(sub, spec)
         if skipped:
-            log.warning("%d unreadable images left out of the index", len(skipped))
-    feats = to_trunk(model, feats)
-    items = Items(np.arange(len(kept), dtype=np.int64), labels.astype(np.int64),
-                  [sub.paths[i] for i in kept], [sub.name] * len(kept))
-    info = _model_info(checkpoint, ck, spec) | {"dataset": dcfg.dataset, "split": sub.name}
-    return write_index(out, feats, items, model.W.numpy(), normalize=normalize, info=info, factory=factory,
-                       class_names=splits.class_names, root=str(Path(sub.root).resolve()))
+            log.warning("%d unreadable images left out", len(skipped))
+    return SplitFeatures(model, ck, splits, sub, spec, to_trunk(model, feats), labels, kept)
+
+
+def build_from_dataset(checkpoint, dcfg: DataConfig, out, split: str = "test", normalize: bool = True,
+                       factory: str | None = None, cache_dir: str | None = None, progress: bool = True) -> Path:
+    """Index a data-set split (In-Shop 'test' = its gallery) with a checkpoint's backbone."""
+    e = embed_split(checkpoint, dcfg, split, cache_dir, progress)
+    sub = e.subset
+    items = Items(np.arange(len(e.kept), dtype=np.int64), e.labels.astype(np.int64),
+                  [sub.paths[i] for i in e.kept], [sub.name] * len(e.kept))
+    info = _model_info(checkpoint, e.ck, e.spec) | {"dataset": dcfg.dataset, "split": sub.name}
+    return write_index(out, e.feats, items, e.model.W.numpy(), normalize=normalize, info=info, factory=factory,
+                       class_names=e.splits.class_names, root=str(Path(sub.root).resolve()))
 
 
 def build_from_image_folder(checkpoint, folder, out, normalize: bool = True, factory: str | None = None,
@@ -159,22 +185,6 @@ def remove_ids(index_dir, ids) -> int:
 
 def split_features(checkpoint, dcfg: DataConfig, split: str, cache_dir: str | None = "cache/features",
                    progress: bool = True):
-    """(trunk features, labels, W) of a data-set split under a checkpoint's backbone (cached)."""
-    from training.feature_cache import cached_features
-
-    model, _ = load_model(checkpoint)
-    bb = model.backbone.eval()
-    splits = load_data(dcfg, progress=progress)
-    spec = transform_for(bb, dcfg.resolved_image_size(), dcfg.dataset)
-    query, gallery = splits.eval_pair(split)
-    if gallery is not None:
-        raise UserError("strategy evaluation uses the query = gallery protocol; this split is query/gallery")
-
-    def embed(s, sp):
-        return embed_subset(bb, s, sp, dcfg, f"features {s.name}", progress)
-
-    if cache_dir:
-        f, y, _ = cached_features(bb, splits, query, spec, embed, cache_dir, progress)
-    else:
-        f, y, _, _ = embed(query, spec)
-    return to_trunk(model, f), y, model.W.numpy()
+    """(trunk features, labels, W) of a data-set split under a checkpoint (query = gallery)."""
+    e = embed_split(checkpoint, dcfg, split, cache_dir, progress, use_gallery=False)
+    return e.feats, e.labels, e.model.W.numpy()

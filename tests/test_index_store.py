@@ -183,3 +183,18 @@ def test_strategy_evaluation_outputs(tmp_path):
     r0 = next(r for r in diag if r["params"]["r"] == 0.0)
     tr = next(r for r in res["test"] if r["strategy"] == "trained" and r["mode"] == "bilinear")
     assert r0["map@r"] == pytest.approx(tr["map@r"]) and is_trained_equivalent(r0)
+
+
+def test_select_cli_chooses_on_validation(tiny_run, tmp_path):
+    cfg, t = tiny_run
+    out = tmp_path / "sel.json"
+    r = subprocess.run([sys.executable, "-m", "index", "select", "--checkpoint", str(Path(cfg.out) / "best.pt"),
+                        "--dataset", "kanji", "--data-root", cfg.data_root, "--num-classes", "12",
+                        "--image-size", "32", "--kanji-fonts", ",".join(cfg.kanji_fonts), "--cache-dir",
+                        cfg.cache_dir, "--seeds", "1", "--no-progress", "--json", str(out)],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    best = max(res["all"], key=lambda row: row["map@r"])
+    assert res["strategy"] == best["strategy"] and res["val_map@r"] == pytest.approx(best["map@r"])
+    assert {"trace_over_frobenius", "frobenius_over_trace"} <= set(res["principles"])
