@@ -36,7 +36,7 @@ STRATEGIES = [("trained", {}), ("identity", {}), ("diagonal", {"r": 0.5, "seed":
               ("random", {"r": 0.5, "seed": 0}), ("shrink", {"alpha": 0.5}), ("spectral", {"p": 0.5})]
 
 
-def search_bench(N: int, d: int, n_single: int, batch: int, sklearn_max: int) -> list[dict]:
+def search_bench(N: int, d: int, n_single: int, batch: int, sklearn_max: int, reps: int = 5) -> list[dict]:
     rng = np.random.default_rng(0)
     X = rng.standard_normal((N, d), dtype=np.float32)
     X /= np.linalg.norm(X, axis=1, keepdims=True)
@@ -51,7 +51,6 @@ def search_bench(N: int, d: int, n_single: int, batch: int, sklearn_max: int) ->
     s = Searcher(data)
     rows = []
     k = 10
-    reps = 5
     from threadpoolctl import ThreadpoolController
 
     ctl = ThreadpoolController()
@@ -190,12 +189,14 @@ def main():
     ap.add_argument("--out", default="bench/results/index")
     ap.add_argument("--skip-indexing", action="store_true")
     ap.add_argument("--skip-ann", action="store_true")
+    ap.add_argument("--reps", type=int, default=5, help="interleaved timing repetitions per setting")
     args = ap.parse_args()
     rows = []
     for d in [int(x) for x in args.dims.split(",")]:
         for N in [int(x) for x in args.sizes.split(",")]:
             print(f"search N={N} d={d} ...", file=sys.stderr, flush=True)
-            rows += search_bench(N, d, args.single, args.batch, args.sklearn_max)
+            rows += search_bench(N, d, args.single, args.batch, args.sklearn_max, args.reps)
+            write_json(Path(args.out) / "partial.json", rows)  # keep what is done if interrupted
     idx = {"skipped": "--skip-indexing"} if args.skip_indexing else indexing_bench(0)
     ann = [] if args.skip_ann else ann_recall_bench()
     out = Path(args.out)
