@@ -1,8 +1,6 @@
 """Embed a data-set split with a backbone or a trained model."""
 from __future__ import annotations
 
-import numpy as np
-import torch
 
 from model.inference import extract
 
@@ -38,8 +36,3 @@ def evaluate_model_on_split(fn, backbone, splits, split: str, cfg: DataConfig, *
 def backbone_fn(backbone):
     backbone.eval()
     return lambda x: backbone(x)
-
-
-def set_threads(n: int | None = None) -> None:
-    if n:
-        torch.set_num_threads(n)

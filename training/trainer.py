@@ -32,7 +32,7 @@ from .data.loader import make_loader, transform_for
 from .embed import embed_subset
 from .feature_cache import cached_features
 from .losses import LOSSES, build_loss
-from .train_config import TrainConfig
+from .train_config import RUNTIME_FIELDS, TrainConfig
 
 log = logging.getLogger("training")
 
@@ -286,8 +286,7 @@ class Run:
         start, best, best_epoch, history = 0, -1.0, -1, []
         if cfg.resume and (self.out / "latest.pt").is_file():
             old = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-            old_id = {k: v for k, v in old.items() if k not in ("resume", "progress", "threads", "workers",
-                                                                  "cache_dir", "out", "eval_batch_size")}
+            old_id = {k: v for k, v in old.items() if k not in RUNTIME_FIELDS}
             if json.loads(json.dumps(old_id)) != json.loads(json.dumps(cfg.identity())):
                 raise UserError(f"cannot resume {self.out}: its config.json differs from this run's config")
         self.setup()
