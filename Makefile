@@ -9,11 +9,11 @@ setup:
 	bash scripts/bootstrap.sh
 
 demo: setup
-	$(PY) -m training demo $(DEMO_ARGS)
+	$(PY) -m demo $(DEMO_ARGS)
 
 test:
 	WITH_BROWSER=1 bash scripts/bootstrap.sh
 	$(PY) -m pytest -q $(TEST_ARGS)
 
 clean:
-	rm -rf .venv data runs cache artifacts
+	rm -rf .venv runs cache artifacts

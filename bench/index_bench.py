@@ -145,8 +145,9 @@ def indexing_bench(images: int) -> dict:
 
     from index.build import build_from_dataset, split_features  # noqa: F401
     from model.checkpoint import load_model
-    from training.config import DataConfig, load_data
-    from training.data.loader import make_loader, transform_for
+    from data import DataConfig, load_data
+    from data.loader import make_loader
+    from model.preprocess import transform_for
 
     ck = ROOT / "runs" / "demo-proxy_anchor" / "best.pt"
     if not ck.is_file():
@@ -156,7 +157,7 @@ def indexing_bench(images: int) -> dict:
     sub = splits.test
     model, _ = load_model(ck)
     bb = model.backbone.eval()
-    spec = transform_for(bb, dcfg.resolved_image_size(), "kanji")
+    spec = transform_for(bb, dcfg)
     torch.set_num_threads(2)
 
     def bare():

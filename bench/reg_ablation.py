@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from core.atomic import write_json, write_text  # noqa: E402
 from core.logs import setup_logging  # noqa: E402
-from training.train_config import TrainConfig  # noqa: E402
+from training.config import TrainConfig  # noqa: E402
 from training.trainer import train_or_reuse  # noqa: E402
 
 KEYS = ("map@r", "recall@1", "nmi", "uniformity", "spectral_decay")
@@ -46,25 +46,18 @@ VARIANTS = {"determinant+1": ("determinant", ("determinant.variant=plus_one",)),
 
 def diagnostics_of(run_dir: str) -> dict:
     """Test embeddings of the selected checkpoint → diagnostics (same for every row)."""
-    import torch
-
     from evaluation.diagnostics import embedding_diagnostics
-    from index.build import to_trunk
+    from data import DataConfig, load_data
     from model.checkpoint import load_model
-    from training.config import DataConfig, load_data
-    from training.data.loader import transform_for
-    from training.embed import embed_subset
-    from training.feature_cache import cached_features
+    from model.features import backbone_features
+    from model.preprocess import transform_for
 
     model, _ = load_model(Path(run_dir) / "best.pt")
     dcfg = DataConfig()
     splits = load_data(dcfg, progress=False)
-    spec = transform_for(model.backbone, dcfg.resolved_image_size(), "kanji")
-    f, y, _ = cached_features(model.backbone, splits, splits.test, spec,
-                              lambda s, sp: embed_subset(model.backbone.eval(), s, sp, dcfg, "f", False),
-                              "cache/features", False)
-    with torch.inference_mode():
-        e = model.eval().embed_features(torch.from_numpy(to_trunk(model, f))).numpy()
+    spec = transform_for(model.backbone, dcfg)
+    f, y, _ = backbone_features(model.backbone, splits, splits.test, spec, dcfg, "cache/features", False)
+    e = model.embed_of_backbone(f)
     return embedding_diagnostics(e, y)
 
 

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from core.atomic import write_json, write_text  # noqa: E402
-from training.train_config import TrainConfig  # noqa: E402
+from training.config import TrainConfig  # noqa: E402
 from training.trainer import Run  # noqa: E402
 
 PAIRS = [("proxy_anchor", "nir", 1.2), ("proxy_anchor", "determinant", 1.5), ("triplet", "cgml", 2.1),
@@ -45,7 +45,7 @@ def batch_for(r: Run, mode: str, rng):
     y = torch.tensor([r.label_map[int(v)] for v in labels[b]])
     if mode == "frozen":
         return r.cache["train"][0][torch.from_numpy(b)], y
-    from training.data.loader import ImageDataset
+    from data.loader import ImageDataset
 
     ds = ImageDataset(r.splits.train, dataclasses.replace(r.spec, augment=True).build())
     return torch.stack([ds[int(i)][0] for i in b]), y

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from core.atomic import write_json, write_text  # noqa: E402
 from core.logs import setup_logging  # noqa: E402
-from training.train_config import TrainConfig  # noqa: E402
+from training.config import TrainConfig  # noqa: E402
 from training.trainer import train_or_reuse  # noqa: E402
 
 KEYS = ("map@r", "recall@1", "nmi")
@@ -46,8 +46,8 @@ def main():
     rows = []
 
     # raw trunk: deterministic, no seed dependence
-    from training.demo import pretrained_baselines
-    from training.config import DataConfig, load_data
+    from demo.pipeline import pretrained_baselines
+    from data import DataConfig, load_data
     dcfg = DataConfig()
     base = pretrained_baselines(dcfg, load_data(dcfg), "cache/features")
     raw = base["efficientnet_lite0 trunk, ImageNet, no training"]

@@ -1,35 +1,62 @@
-"""Typed configuration: dataclasses with defaults, and argparse generated from them.
+"""Typed configuration: dataclasses with defaults, argparse generated from them, TOML files.
 
 A field's help text lives in its metadata (`field(default, metadata={"help": ...})`);
 tuples are given on the command line comma-separated; bools get --x/--no-x.
+`--config FILE.toml` loads the same fields from a file; flags given on the
+command line override the file (the file's values become the parser's defaults).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import math
+import tomllib
 import typing
+from pathlib import Path
+
+from .errors import UserError
+from .registry import build_params, convert, parse_items
 
 
 def _parse_tuple(elem_type):
     def parse(s: str):
         return tuple(elem_type(v) for v in s.split(",") if v.strip())
+    parse.__name__ = f"comma-separated {elem_type.__name__}s"
     return parse
 
 
-def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
+def _unwrap_optional(t):
+    origin = typing.get_origin(t)
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        t = next(a for a in typing.get_args(t) if a is not type(None))
+    return t
+
+
+def field_default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory()  # type: ignore[misc]
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (),
+                    defaults: dict | None = None, registries: dict | None = None) -> None:
+    """One option per dataclass field.  `defaults` (from a config file) replace the field defaults;
+    `registries` maps a field name to the Registry whose names it takes (choices + docs in --help)."""
     hints = typing.get_type_hints(cls)
+    registries = registries or {}
     for f in dataclasses.fields(cls):
         if f.name in skip or f.metadata.get("cli") is False:
             continue
-        t = hints[f.name]
+        t = _unwrap_optional(hints[f.name])
         flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        help_ = f.metadata.get("help", "") + f" (default: {default})"
-        origin = typing.get_origin(t)
-        args = typing.get_args(t)
-        if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
-            t = next(a for a in args if a is not type(None))
-            origin, args = typing.get_origin(t), typing.get_args(t)
+        default = (defaults or {}).get(f.name, field_default(f))
+        hlp = f.metadata.get("help", "")
+        origin, args = typing.get_origin(t), typing.get_args(t)
+        if f.name in registries:
+            registries[f.name].add_argument(parser, flag, default=default, help=hlp, many=origin is tuple)
+            continue
+        help_ = hlp.replace("%", "%%") + " (default: %(default)s)"
         if t is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
         elif origin is tuple:
@@ -38,8 +65,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] 
         elif origin is typing.Literal:
             parser.add_argument(flag, choices=list(args), default=default, help=help_)
         else:
-            kw = {"choices": f.metadata["choices"]} if "choices" in f.metadata else {}
-            parser.add_argument(flag, type=t, default=default, help=help_, **kw)
+            parser.add_argument(flag, type=t, default=default, help=help_)
 
 
 def config_from_args(cls, ns: argparse.Namespace, **override):
@@ -52,27 +78,76 @@ def config_from_args(cls, ns: argparse.Namespace, **override):
 def parse_typed_items(cls, items, what: str, prefix: str | None = None):
     """Build dataclass `cls` from `key=value` strings (or `prefix.key=value`, keeping only
     those for `prefix`), converting each value to its field's type."""
-    from .errors import UserError
+    return build_params(cls, parse_items(items, what, prefix), what)
 
+
+# ---------------------------------------------------------------- files
+def read_config_file(cls, path) -> dict:
+    """A TOML file's values for `cls`, typed; unknown keys are refused with the valid ones.
+    Tables are flattened (a `[data]` table's keys count as top-level keys)."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file not found: {p}")
+    try:
+        raw = tomllib.loads(p.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"config file {p} is not valid TOML: {e}") from None
+    flat: dict = {}
+    for k, v in raw.items():
+        if isinstance(v, dict):
+            flat.update(v)
+        else:
+            flat[k] = v
     hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    kw = {}
-    for item in items:
-        if "=" not in item:
-            raise UserError(f"{what}: want key=value, got {item!r}")
-        key, value = item.split("=", 1)
-        if prefix is not None:
-            if "." not in key:
-                raise UserError(f"{what}: want name.key=value, got {item!r}")
-            owner, key = key.split(".", 1)
-            if owner != prefix:
-                continue
-        k = key.strip().replace("-", "_")
-        if k not in fields:
-            raise UserError(f"{what}: no parameter {k!r}; it has {sorted(fields)}")
-        t = hints[k]
-        try:
-            kw[k] = (value.lower() in ("1", "true", "yes")) if t is bool else t(value)
-        except ValueError:
-            raise UserError(f"{what}: {k}={value!r} is not a {t.__name__}") from None
-    return cls(**kw)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    out = {}
+    for k, v in flat.items():
+        key = k.replace("-", "_")
+        if key not in fields:
+            raise UserError(f"config file {p}: unknown setting {k!r}; valid: {sorted(fields)}")
+        t = _unwrap_optional(hints[key])
+        if typing.get_origin(t) is tuple:
+            elem = typing.get_args(t)[0]
+            seq = v if isinstance(v, list) else [s for s in str(v).split(",") if s.strip()]
+            out[key] = tuple(convert(x, elem, f"config file {p}: {k}") for x in seq)
+        else:
+            out[key] = convert(v, hints[key], f"config file {p}: {k}")
+    return out
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v) or math.isinf(v):
+            return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+        return repr(v)
+    if isinstance(v, (tuple, list)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if v is None:
+        return '""'  # no null in TOML: "" reads back as None for optional fields
+    return json.dumps(str(v))
+
+
+def config_toml(cfg, header: str = "") -> str:
+    """A dataclass config as a flat TOML document that `read_config_file` reads back."""
+    lines = [f"# {line}" for line in header.splitlines()]
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        hlp = f.metadata.get("help", "")
+        lines.append(f"{f.name} = {_toml_value(v)}" + (f"  # {hlp}" if hlp else ""))
+    return "\n".join(lines) + "\n"
+
+
+def parse_with_config_file(build_parser, argv, cls_of_command: dict):
+    """Parse `argv`; when the chosen command takes `--config FILE`, re-parse with the file's
+    values as defaults, so flags on the command line override the file."""
+    args = build_parser().parse_args(argv)
+    path = getattr(args, "config", None)
+    cls = cls_of_command.get(getattr(args, "command", None))
+    if path and cls is not None:
+        values = read_config_file(cls, path)
+        args = build_parser({args.command: values}).parse_args(argv)
+    return args

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from core.arrays import l2_normalize
+
 
 def embedding_diagnostics(x: np.ndarray, labels: np.ndarray, n_pairs: int = 200_000, seed: int = 0) -> dict:
     x = np.asarray(x, dtype=np.float64)
-    x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+    x = l2_normalize(x)
     labels = np.asarray(labels)
     rng = np.random.default_rng(seed)
     n = len(x)

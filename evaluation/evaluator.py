@@ -15,7 +15,9 @@ from __future__ import annotations
 import numpy as np
 
 from .clustering import clustering_scores
-from .knn import flat_index, knn_chunks, l2_normalize
+from core.arrays import l2_normalize
+
+from .knn import flat_index, knn_chunks
 
 DEFAULT_KS = (1, 2, 4, 8)
 

@@ -6,11 +6,7 @@ from typing import Iterator
 import faiss
 import numpy as np
 
-
-def l2_normalize(x: np.ndarray) -> np.ndarray:
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    n = np.linalg.norm(x, axis=1, keepdims=True)
-    return x / np.maximum(n, 1e-12)
+from core.arrays import l2_normalize
 
 
 def flat_index(gallery: np.ndarray, metric: str) -> faiss.Index:

@@ -1,80 +1,28 @@
 """Building and changing index directories (the Python API the CLI and the app use)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from core.arrays import load_npy
+from core.arrays import l2_normalize, load_npy
 from core.errors import UserError
-from model.checkpoint import file_sha256, load_model
-from training.config import DataConfig, load_data
-from training.data.loader import transform_for
-from training.embed import embed_subset
+from core.hashing import sha256_file
+from data import DataConfig
+from model.checkpoint import load_model
+from model.features import embed_split, embed_subset
+from model.preprocess import transform_for
 
 from .store import Items, read_index, write_index
 
 log = logging.getLogger("index")
 
 
-@torch.inference_mode()
-def to_trunk(model, backbone_feats: np.ndarray) -> np.ndarray:
-    """Backbone outputs → the model's trunk features φ (applies a trunk flow head, if any)."""
-    if model.trunk_head is None or len(backbone_feats) == 0:
-        return backbone_feats
-    model.eval()
-    x = torch.from_numpy(np.ascontiguousarray(backbone_feats, dtype=np.float32))
-    return torch.cat([model.head_trunk(x[i: i + 4096]) for i in range(0, len(x), 4096)]).numpy()
-
-
 def _model_info(checkpoint, ck, spec) -> dict:
-    return {"checkpoint": str(Path(checkpoint).resolve()), "checkpoint_sha256": file_sha256(checkpoint),
+    return {"checkpoint": str(Path(checkpoint).resolve()), "checkpoint_sha256": sha256_file(checkpoint),
             "backbone": ck["backbone"], "transform": spec.describe()}
-
-
-@dataclass
-class SplitFeatures:
-    model: object
-    ck: dict
-    splits: object
-    subset: object
-    spec: object
-    feats: np.ndarray       # trunk features φ (after any trunk flow head)
-    labels: np.ndarray
-    kept: np.ndarray        # indices into subset of the images that could be read
-
-
-def embed_split(checkpoint, dcfg: DataConfig, split: str, cache_dir: str | None, progress: bool = True,
-                use_gallery: bool = True) -> SplitFeatures:
-    """Embed a data-set split's images with a checkpoint's trunk (through the feature cache).
-
-    For a query/gallery split (In-Shop 'test'), `use_gallery` picks the gallery; otherwise the
-    query = gallery protocol is required.
-    """
-    model, ck = load_model(checkpoint)
-    bb = model.backbone.eval()
-    splits = load_data(dcfg, progress=progress)
-    spec = transform_for(bb, dcfg.resolved_image_size(), dcfg.dataset)
-    query, gallery = splits.eval_pair(split)
-    if gallery is not None and not use_gallery:
-        raise UserError("strategy evaluation uses the query = gallery protocol; this split is query/gallery")
-    sub = gallery if gallery is not None else query
-
-    def embed(s, sp):
-        return embed_subset(bb, s, sp, dcfg, f"features {s.name}", progress)
-
-    if cache_dir:
-        from training.feature_cache import cached_features
-
-        feats, labels, kept = cached_features(bb, splits, sub, spec, embed, cache_dir, progress)
-    else:
-        feats, labels, kept, skipped = embed(sub, spec)
-        if skipped:
-            log.warning("%d unreadable images left out", len(skipped))
-    return SplitFeatures(model, ck, splits, sub, spec, to_trunk(model, feats), labels, kept)
 
 
 def build_from_dataset(checkpoint, dcfg: DataConfig, out, split: str = "test", normalize: bool = True,
@@ -93,21 +41,21 @@ def build_from_image_folder(checkpoint, folder, out, normalize: bool = True, fac
                             batch_size: int = 64, workers: int = 1, image_size: int | None = None,
                             progress: bool = True) -> Path:
     """Index every image under `folder`; sub-folder names become class labels."""
-    from training.data.imagefolder import scan_image_folder
-    from training.data.splits import Subset
+    from data.imagefolder import scan_image_folder
+    from data.splits import Subset
 
     model, ck = load_model(checkpoint)
     bb = model.backbone.eval()
     root, paths, labels, names = scan_image_folder(folder)
-    cfg = ck["config"]
-    size = image_size or cfg.get("image_size") or (64 if cfg.get("dataset") == "kanji" else 224)
-    spec = transform_for(bb, size, cfg.get("dataset", "") if image_size is None else "")
-    dcfg = DataConfig(eval_batch_size=batch_size, workers=workers)
+    dcfg = DataConfig.from_dict(ck["config"])
+    dcfg = dataclasses.replace(dcfg, image_size=image_size or dcfg.image_size, eval_batch_size=batch_size,
+                               workers=workers)
+    spec = transform_for(bb, dcfg)
     feats, ys, kept, skipped = embed_subset(bb, Subset("gallery", root, paths, labels), spec, dcfg,
                                             "index images", progress)
     if skipped:
         log.warning("%d unreadable images left out of the index", len(skipped))
-    feats = to_trunk(model, feats)
+    feats = model.trunk_of_backbone(feats)
     items = Items(np.arange(len(kept), dtype=np.int64), ys, [paths[i] for i in kept], ["gallery"] * len(kept))
     return write_index(out, feats, items, model.W.numpy(), normalize=normalize,
                        info=_model_info(checkpoint, ck, spec) | {"dataset": "imagefolder"},
@@ -155,7 +103,7 @@ def add_features(index_dir, feats: np.ndarray, labels, paths=None, split: str = 
     ids = np.arange(start, start + len(feats), dtype=np.int64)
     new = Items(ids, labels.copy(), list(paths) if paths is not None else [""] * len(feats), [split] * len(feats))
     if data.manifest["normalize"]:
-        feats = feats / np.maximum(np.linalg.norm(feats, axis=1, keepdims=True), 1e-12)
+        feats = l2_normalize(feats)
     all_feats = np.concatenate([np.asarray(data.features), feats])
     _rewrite(data, all_feats, data.items.concat(new))
     return ids.tolist()

@@ -13,7 +13,7 @@ from core.atomic import write_json
 from core.config import add_config_args, config_from_args
 from core.errors import UserError
 from core.logs import setup_logging
-from training.config import DataConfig
+from data import DataConfig
 
 log = logging.getLogger("index")
 

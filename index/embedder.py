@@ -14,8 +14,10 @@ import torch
 
 from core.errors import UserError
 from core.images import load_rgb
-from model.checkpoint import file_sha256, load_model
-from training.data.loader import TransformSpec
+from core.hashing import sha256_file
+from data import DataConfig
+from model.checkpoint import load_model
+from model.preprocess import TransformSpec, transform_for
 
 
 class ImageEmbedder:
@@ -29,7 +31,7 @@ class ImageEmbedder:
                             "model this index was built with")
         if manifest is not None:
             want = manifest["checkpoint_sha256"]
-            got = file_sha256(checkpoint)
+            got = sha256_file(checkpoint)
             if got != want:
                 raise UserError(f"checkpoint {checkpoint} is not the model this index was built with "
                                 f"(checksum {got[:12]}… ≠ {want[:12]}…)")
@@ -38,16 +40,12 @@ class ImageEmbedder:
             raise UserError(f"model trunk dim {self.model.trunk_dim} ≠ index dim {manifest['trunk_dim']}")
         self.backbone = self.model.backbone.eval()
         t = (manifest or {}).get("transform")
-        if t is None:
-            from training.data.loader import transform_for
-
-            cfg = self.ck["config"]
-            size = cfg.get("image_size") or (64 if cfg.get("dataset") == "kanji" else 224)
-            self.spec = transform_for(self.backbone, size, cfg.get("dataset", ""))
+        if t is None:  # no manifest: the checkpoint's own data settings decide the preprocessing
+            self.spec = transform_for(self.backbone, DataConfig.from_dict(self.ck["config"]))
         else:
-            self.spec = TransformSpec(t["image_size"], t["resize"], tuple(t["mean"]), tuple(t["std"]), False)
+            self.spec = TransformSpec.from_dict(t)
         self.transform = self.spec.build()
-        self.sha256 = file_sha256(checkpoint)
+        self.sha256 = sha256_file(checkpoint)
         self.path = checkpoint
 
     @torch.inference_mode()

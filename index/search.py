@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import faiss
 import numpy as np
 
+from core.arrays import l2_normalize
 from core.errors import UserError
 
 from .metric import matrix_report, m_norms
@@ -48,12 +49,6 @@ class RefinedMetric:
 class SearchResult:
     rows: np.ndarray      # n × k positions into the index (−1 = no result)
     scores: np.ndarray    # n × k similarities (higher is more similar)
-
-
-def normalize_rows(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float32)
-    n = np.linalg.norm(x, axis=1, keepdims=True)
-    return x / np.maximum(n, 1e-12)
 
 
 class Searcher:
@@ -119,7 +114,7 @@ class Searcher:
                             f"{self.data.dim}-d features")
         if not np.isfinite(feats).all():
             raise UserError("query features contain NaN or inf")
-        return normalize_rows(feats) if self.normalize else feats
+        return l2_normalize(feats) if self.normalize else feats
 
     def query_view(self, strategy: str = "trained", params: dict | None = None, mode: str = "bilinear"):
         """(transform, index): searching `index` with `transform(φ(q))` by inner product ranks

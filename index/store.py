@@ -21,6 +21,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
+from core.arrays import l2_normalize
 from core.atomic import atomic_dir
 from core.hashing import sha256_file
 from core.errors import UserError
@@ -88,7 +89,7 @@ def in_memory_index(features: np.ndarray, labels: np.ndarray, W: np.ndarray, nor
     """An exact IndexData without a directory (for evaluating strategies on a split)."""
     x = np.ascontiguousarray(features, dtype=np.float32)
     if normalize:
-        x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+        x = l2_normalize(x)
     n = len(x)
     items = Items(np.arange(n, dtype=np.int64), np.asarray(labels, dtype=np.int64), [""] * n, ["eval"] * n)
     man = {"normalize": normalize, "factory": "Flat", "count": n, "trunk_dim": x.shape[1],
@@ -126,7 +127,7 @@ def write_index(path, features: np.ndarray, items: Items, W: np.ndarray, *, norm
     """
     features = np.ascontiguousarray(features, dtype=np.float32)
     if normalize and len(features):
-        features = features / np.maximum(np.linalg.norm(features, axis=1, keepdims=True), 1e-12)
+        features = l2_normalize(features)
     if features.ndim != 2 or len(features) != len(items):
         raise UserError(f"features ({features.shape}) and metadata ({len(items)} items) do not match")
     if W.ndim != 2 or W.shape[1] != features.shape[1]:

@@ -19,7 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from core.atomic import write_json, write_text, write_with
-from evaluation.evaluator import evaluate_ranking
+from evaluation.evaluator import DEFAULT_KS, evaluate_ranking
 
 from .search import Searcher
 from .store import in_memory_index
@@ -28,7 +28,6 @@ log = logging.getLogger("index")
 R_GRID = [round(0.1 * i, 1) for i in range(11)]
 ALPHA_GRID = [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0]
 P_GRID = [0.0, 0.25, 0.5, 0.75, 1.0, 1.5]
-KS = (1, 2, 4, 8)
 METRICS = ("map@r", "precision@1", "r_precision", "recall@1", "recall@2", "recall@4", "recall@8")
 
 
@@ -55,7 +54,7 @@ def evaluate_configs(features, labels, W, configs, normalize=True, progress=True
         if mode == "cosine" and not rep["psd"]:
             continue
         transform, index, _ = s.query_view(name, params, mode)
-        res = evaluate_ranking(index, transform(q), y, y, same_set=True, ks=KS)
+        res = evaluate_ranking(index, transform(q), y, y, same_set=True, ks=DEFAULT_KS)
         rows.append({"strategy": name, "params": dict(params), "mode": mode,
                      **{m: res[m] for m in METRICS}, "n_queries": res["n_queries"],
                      **{f"M_{k}": v for k, v in rep.items()}})

@@ -13,10 +13,9 @@ import torch
 
 from core.atomic import write_with
 from core.errors import CheckpointMismatchError, UserError
-from core.hashing import sha256_file
 
 from .backbones import build_backbone
-from .embedder import EmbeddingModel
+from .network import EmbeddingModel
 
 FORMAT = "dml-retrieval-checkpoint"
 VERSION = 1
@@ -72,7 +71,7 @@ def check_compatible(ck: dict, *, backbone: str | None = None, embed_dim: int | 
 
 def model_from_checkpoint(ck: dict) -> EmbeddingModel:
     """Rebuild the embedding model; weights come from the checkpoint, nothing is downloaded."""
-    from .embedder import FlowHead
+    from .network import FlowHead
     from .flows import FlowSpec
 
     backbone = build_backbone(ck["backbone"], weights="none")
@@ -96,5 +95,3 @@ def load_model(path, **expect) -> tuple[EmbeddingModel, dict]:
     check_compatible(ck, source=str(path), **expect)
     return model_from_checkpoint(ck), ck
 
-
-file_sha256 = sha256_file  # (the name the index and app use)

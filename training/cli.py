@@ -1,4 +1,4 @@
-"""`python -m training <command>`: prepare data, train, evaluate, run the demo pipeline."""
+"""`python -m training <command>`: prepare data, train, evaluate, list the registries."""
 from __future__ import annotations
 
 import argparse
@@ -13,8 +13,9 @@ from core.atomic import write_json
 from core.config import add_config_args, config_from_args
 from core.errors import UserError
 from core.logs import setup_logging
+from evaluation.evaluator import DEFAULT_KS
 
-from .config import DataConfig, load_data
+from data import DataConfig, load_data
 
 log = logging.getLogger("training")
 
@@ -98,34 +99,27 @@ def evaluate_model(args) -> dict:
     from model.backbones import build_backbone
     from model.checkpoint import load_model
 
-    from .embed import backbone_fn, evaluate_model_on_split
+    from .evaluate import evaluate_model_on_split
 
     cfg = config_from_args(DataConfig, args)
     if args.checkpoint:
         model, ck = load_model(args.checkpoint)
         if args.features == "trunk":
-            fn = backbone_fn(model.backbone)
+            fn = model.backbone.eval()
         else:
             fn = model.eval()
         backbone = model.backbone
     else:
         backbone = build_backbone(args.backbone, weights=args.weights)
-        fn = backbone_fn(backbone)
+        fn = backbone.eval()
     splits = load_data(cfg)
     return evaluate_model_on_split(fn, backbone, splits, args.split, cfg, ks=args.ks,
                                    normalize=not args.no_normalize)
 
 
-# ---------------------------------------------------------------- demo
-def cmd_demo(args) -> int:
-    from .demo import run_demo
-
-    return run_demo(args)
-
-
 # ---------------------------------------------------------------- train
 def cmd_train(args) -> int:
-    from .train_config import TrainConfig
+    from .config import TrainConfig
     from .trainer import train
 
     cfg = config_from_args(TrainConfig, args)
@@ -161,13 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--backbone", help="a pretrained backbone (raw trunk features) to evaluate")
     se.add_argument("--weights", default=None, help="backbone weights: imagenet | none | PATH")
     se.add_argument("--split", default="test", help="split to evaluate (default test)")
-    se.add_argument("--ks", type=_ks, default=(1, 2, 4, 8), help="Recall@K values (default 1,2,4,8)")
+    se.add_argument("--ks", type=_ks, default=DEFAULT_KS, help="Recall@K values (default: 1,2,4,8)")
     se.add_argument("--no-normalize", action="store_true", help="compare raw vectors by L2 distance")
     se.add_argument("--json", help="write the flat metrics object here (atomically)")
     add_config_args(se, DataConfig)
     se.set_defaults(func=cmd_evaluate)
 
-    from .train_config import TrainConfig
+    from .config import TrainConfig
 
     st = sub.add_parser("train", help="train an embedding model (frozen-backbone or fine-tuning)",
                         description="Train backbone + neck W with a metric loss; select on validation "
@@ -175,11 +169,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(st, TrainConfig)
     st.set_defaults(func=cmd_train)
 
-    sd = sub.add_parser("demo", help="the demo pipeline (prepare kanji, embed, evaluate)")
-    sd.add_argument("--out", default="artifacts/demo", help="where results are written")
-    sd.add_argument("--num-classes", type=int, default=500)
-    sd.add_argument("--no-ui", action="store_true", help="non-interactive: do not launch the app")
-    sd.set_defaults(func=cmd_demo)
     return p
 
 

@@ -25,14 +25,14 @@ from core.errors import UserError
 from evaluation import evaluate
 from model.backbones import build_backbone
 from model.checkpoint import read_checkpoint, save_checkpoint
-from model.embedder import EmbeddingModel
+from model.network import EmbeddingModel
 
-from .config import load_data
-from .data.loader import make_loader, transform_for
-from .embed import embed_subset
-from .feature_cache import cached_features
+from data import load_data
+from model.features import cached_features, embed_subset
+from model.preprocess import transform_for
+
+from .config import RUNTIME_FIELDS, TrainConfig
 from .losses import LOSSES, build_loss
-from .train_config import RUNTIME_FIELDS, TrainConfig
 
 log = logging.getLogger("training")
 
@@ -68,7 +68,7 @@ class Run:
         self.splits = load_data(self.dcfg, progress=cfg.progress)
         self.backbone = build_backbone(cfg.backbone, weights=cfg.weights)
         self.model = EmbeddingModel(self.backbone, cfg.embed_dim)
-        self.spec = transform_for(self.backbone, self.dcfg.resolved_image_size(), self.dcfg.dataset)
+        self.spec = transform_for(self.backbone, self.dcfg)
         train_classes = self.splits.train.classes
         if len(train_classes) < 2:
             raise UserError("training needs at least 2 train classes")
@@ -204,7 +204,7 @@ class Run:
         batches = self._epoch_batches(labels, self.steps_per_epoch(len(labels)))
         from torch.utils.data import DataLoader
 
-        from .data.loader import ImageDataset, collate_skip
+        from data.loader import ImageDataset, collate_skip
 
         loader = DataLoader(ImageDataset(sub, spec.build()), batch_sampler=batches,
                             num_workers=self.dcfg.workers, collate_fn=collate_skip)
@@ -231,16 +231,10 @@ class Run:
         self.model.eval()
         if self.cfg.mode == "frozen" and name in self.cache:
             f, y = self.cache[name]
-            return self.embedding_of_features(f).numpy(), y
+            return self.model.embed_of_backbone(f).numpy(), y
         sub = self.splits.get(name)
         e, y, _, _ = embed_subset(self.model, sub, self.spec, self.dcfg, f"embed {name}", self.cfg.progress)
         return e, y
-
-    def embedding_of_features(self, f: torch.Tensor) -> torch.Tensor:
-        out = []
-        for i in range(0, len(f), 4096):
-            out.append(self.model.embed_features(self.model.head_trunk(f[i: i + 4096])))
-        return torch.cat(out) if out else torch.zeros(0, self.cfg.embed_dim)
 
     def validate(self) -> dict:
         e, y = self.embed_split("val")
@@ -341,7 +335,7 @@ class Run:
             def embed(sub):
                 f, y, _ = cached_features(self.backbone, self.splits, sub, self.spec, self._embed,
                                           self.cfg.cache_dir, self.cfg.progress)
-                return self.embedding_of_features(torch.from_numpy(f)).numpy(), y
+                return self.model.embed_of_backbone(f), y
         else:
             def embed(sub):
                 e, y, _, _ = embed_subset(self.model, sub, self.spec, self.dcfg, f"embed {sub.name}",

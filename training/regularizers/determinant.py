@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from model.embedder import FlowHead
+from model.network import FlowHead
 from model.flows import FlowSpec, flow_forward
 
 from .base import Regularizer

@@ -9,7 +9,7 @@ import torch
 from core.errors import CheckpointMismatchError, UserError
 from model.backbones import BACKBONES, build_backbone
 from model.checkpoint import load_model, read_checkpoint, save_checkpoint
-from model.embedder import EmbeddingModel
+from model.network import EmbeddingModel
 
 
 def test_efficientnet_lite0_pretrained_load_is_complete():

@@ -6,7 +6,8 @@ from pathlib import Path
 
 from core.errors import DatasetLayoutError
 
-from .splits import make_splits
+from .registry import DATASETS, require_root
+from .splits import DatasetSplits, make_splits
 
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
 
@@ -40,3 +41,8 @@ def load_image_folder(root, val_fraction: float = 0.2, seed: int = 0,
     n_test = max(1, int(round(len(cl) * test_fraction)))
     return make_splits("imagefolder", root, paths, labels, sorted(order[n_test:]),
                        sorted(order[:n_test]), val_fraction, seed, class_names=names)
+
+
+@DATASETS.register("imagefolder", doc="any folder of class sub-folders (root/<class>/<image>); half the classes test")
+def _image_folder(cfg, progress: bool = True) -> DatasetSplits:
+    return load_image_folder(require_root(cfg), cfg.val_fraction, cfg.data_seed)

@@ -3,16 +3,13 @@ import json
 import os
 import shutil
 import socket
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-ARTIFACTS = ROOT / "artifacts" / "test"
+from conftest import ROOT, run_module
 
 
 def free_port() -> int:
@@ -63,9 +60,9 @@ def test_api_search_matches_cli(server, tmp_path):
     assert "/search" in client.view_api(print_info=False, return_format="dict")["named_endpoints"]
     res = client.predict(handle_file(str(img)), "random", 0.4, 2, 0.5, 0.5, "bilinear", 6, api_name="/search")
     out = tmp_path / "cli.json"
-    r = subprocess.run([sys.executable, "-m", "index", "search", "--index", str(svc.index_dir), "--image",
-                        str(img), "--strategy", "random", "--r", "0.4", "--seed", "2", "--k", "6",
-                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True)
+    r = run_module("index", "search", "--index", str(svc.index_dir), "--image",
+                   str(img), "--strategy", "random", "--r", "0.4", "--seed", "2", "--k", "6",
+                   "--json", str(out), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     cli = json.loads(out.read_text())["queries"][0]["results"]
     assert [x["id"] for x in res["results"]] == [x["id"] for x in cli]
@@ -99,12 +96,11 @@ def _chromium():
 
 @pytest.mark.skipif(_chromium() is None, reason="Debian's chromium is not installed "
                     "(make setup installs it as root; elsewhere: apt-get install chromium)")
-def test_real_browser_upload_search_switch(server):
+def test_real_browser_upload_search_switch(server, tmp_path):
     from playwright.sync_api import sync_playwright
 
     url, svc, _ = server
     img = svc.root / svc.data.items.paths[9]
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=_chromium(), args=[
             "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -128,7 +124,7 @@ def test_real_browser_upload_search_switch(server):
             assert galleries.count() == 2
             thumbs = [galleries.nth(i).locator("button.thumbnail-item").count() for i in range(2)]
             assert thumbs == [12, 12], thumbs
-            page.screenshot(path=str(ARTIFACTS / "app_browser.png"), full_page=True)
+            page.screenshot(path=str(tmp_path / "app_browser.png"), full_page=True)
         finally:
             browser.close()
-    assert (ARTIFACTS / "app_browser.png").stat().st_size > 10_000
+    assert (tmp_path / "app_browser.png").stat().st_size > 10_000

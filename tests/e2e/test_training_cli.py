@@ -1,23 +1,22 @@
 """`python -m training evaluate` end to end, and its refusals."""
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import run_module
+
+
+
+@pytest.fixture(autouse=True)
+def _cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # CLI outputs (cache/, runs/) land in tmp, never in the repository
 
 
 def run(*args, check=True):
-    r = subprocess.run([sys.executable, "-m", "training", *args], cwd=ROOT, capture_output=True,
-                       text=True, env={"PATH": "/usr/bin:/bin", "TQDM_DISABLE": "1",
-                                       "HOME": str(ROOT)})
-    if check and r.returncode != 0:
-        raise AssertionError(r.stderr)
-    return r
+    return run_module("training", *args, cwd=Path.cwd(), check=check)
 
 
 def test_embeddings_to_flat_json(tmp_path):

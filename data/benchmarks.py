@@ -12,6 +12,7 @@ from pathlib import Path
 
 from core.errors import DatasetLayoutError
 
+from .registry import DATASETS, require_root
 from .splits import DatasetSplits, carve_validation, make_splits, subset_of
 
 
@@ -124,3 +125,23 @@ def load_inshop(root, val_fraction: float = 0.2, seed: int = 0) -> DatasetSplits
         gallery=Subset("gallery", img_root, *by_status["gallery"]),
         class_names={v: k for k, v in item_id.items()},
     )
+
+
+@DATASETS.register("cub", doc="CUB-200-2011 (root holds images/, images.txt, image_class_labels.txt); 100/100 classes")
+def _cub(cfg, progress: bool = True) -> DatasetSplits:
+    return load_cub(require_root(cfg), cfg.val_fraction, cfg.data_seed)
+
+
+@DATASETS.register("cars", doc="Cars196 (root holds cars_annos.mat and car_ims/); 98/98 classes")
+def _cars(cfg, progress: bool = True) -> DatasetSplits:
+    return load_cars(require_root(cfg), cfg.val_fraction, cfg.data_seed)
+
+
+@DATASETS.register("sop", doc="Stanford Online Products (Ebay_train.txt, Ebay_test.txt); 11,318/11,316 classes")
+def _sop(cfg, progress: bool = True) -> DatasetSplits:
+    return load_sop(require_root(cfg), cfg.val_fraction, cfg.data_seed)
+
+
+@DATASETS.register("inshop", doc="In-Shop Clothes (list_eval_partition.txt, img/); query/gallery test split")
+def _inshop(cfg, progress: bool = True) -> DatasetSplits:
+    return load_inshop(require_root(cfg), cfg.val_fraction, cfg.data_seed)

@@ -6,8 +6,13 @@ import pytest
 from PIL import Image
 
 from core.errors import DatasetLayoutError, UserError
-from training.data import load_dataset
-from training.data.splits import carve_validation
+from data import DataConfig, load_data
+
+
+def load_dataset(name, root, val_fraction=0.2, seed=0):
+    return load_data(DataConfig(dataset=name, data_root=None if root is None else str(root),
+                                val_fraction=val_fraction, data_seed=seed), progress=False)
+from data.splits import carve_validation
 
 
 def _img(path, color=(0, 0, 0)):
@@ -184,7 +189,7 @@ KANJI_FONTS = ("ipag", "ipam", "seto", "kouzan-sousyo")
 
 
 def test_kanji_renders_cached_manifest_and_split(tmp_path):
-    from training.data.kanji import KanjiConfig, load_kanji
+    from data.kanji import KanjiConfig, load_kanji
 
     cfg = KanjiConfig(root=str(tmp_path), num_classes=12, image_size=32, seed=1, fonts=KANJI_FONTS)
     s = load_kanji(cfg, progress=False)
@@ -208,8 +213,8 @@ def test_kanji_renders_cached_manifest_and_split(tmp_path):
 
 
 def test_kanji_all_qualifying_characters(tmp_path, monkeypatch):
-    from training.data import kanji
-    from training.data.kanji import KanjiConfig, load_kanji
+    from data import kanji
+    from data.kanji import KanjiConfig, load_kanji
 
     monkeypatch.setattr(kanji, "CJK_RANGE", range(0x4E00, 0x5200))  # a slice of the block: fast
 
@@ -223,7 +228,7 @@ def test_kanji_all_qualifying_characters(tmp_path, monkeypatch):
 
 
 def test_kanji_missing_font_names_package(tmp_path, monkeypatch):
-    from training.data.kanji import KanjiConfig, load_kanji
+    from data.kanji import KanjiConfig, load_kanji
 
     monkeypatch.setenv("KANJI_FONT_DIRS", str(tmp_path))
     with pytest.raises(UserError, match=r"fonts-ipafont-gothic.*apt-get install"):
@@ -231,7 +236,7 @@ def test_kanji_missing_font_names_package(tmp_path, monkeypatch):
 
 
 def test_kanji_interrupted_render_leaves_no_manifest(tmp_path, monkeypatch):
-    from training.data import kanji
+    from data import kanji
 
     calls = {"n": 0}
     real = kanji.render_glyph

@@ -1,4 +1,6 @@
-"""The demo pipeline behind `make demo`: each step reuses what a previous run made.
+"""The demo pipeline behind `make demo` (`python -m demo`): each step reuses what a previous run made.
+
+The only package that imports training, index and app together.
 
 1. prepare kanji  2. evaluate the raw pretrained trunk (and the random floor)
 3. train ProxyAnchor on frozen efficientnet_lite0 features  4. evaluate it on test
@@ -15,11 +17,10 @@ import torch
 
 from core.atomic import write_json
 
-from .config import DataConfig, load_data
-from .train_config import TrainConfig
+from data import DataConfig, load_data
+from training.config import TrainConfig
 
-log = logging.getLogger("training.demo")
-KS = (1, 2, 4, 8)
+log = logging.getLogger("demo")
 
 
 def demo_train_config(num_classes: int = 500, out: str = "runs/demo-proxy_anchor") -> TrainConfig:
@@ -35,27 +36,25 @@ def _row(name: str, res: dict) -> str:
 def pretrained_baselines(cfg: DataConfig, splits, cache_dir: str) -> dict:
     """Raw trunk features (through the same feature cache training uses)."""
     from evaluation import evaluate
+    from evaluation.evaluator import DEFAULT_KS
     from model.backbones import build_backbone
 
-    from .data.loader import transform_for
-    from .embed import embed_subset
-    from .feature_cache import cached_features
+    from model.features import backbone_features
+    from model.preprocess import transform_for
 
     out = {}
     for name, bb_name, weights in [("efficientnet_lite0 trunk, ImageNet, no training", "efficientnet_lite0", "imagenet"),
                                    ("small_cnn, random init (floor)", "small_cnn", "none")]:
         torch.manual_seed(0)
         bb = build_backbone(bb_name, weights=weights).eval()
-        spec = transform_for(bb, cfg.resolved_image_size(), cfg.dataset)
-        f, y, _ = cached_features(bb, splits, splits.test, spec,
-                                  lambda sub, sp: embed_subset(bb, sub, sp, cfg, f"features {sub.name}"),
-                                  cache_dir)
-        out[name] = evaluate(f, y, ks=KS)
+        spec = transform_for(bb, cfg)
+        f, y, _ = backbone_features(bb, splits, splits.test, spec, cfg, cache_dir)
+        out[name] = evaluate(f, y, ks=DEFAULT_KS)
     return out
 
 
 def run_demo(args) -> int:
-    from .trainer import train_or_reuse
+    from training.trainer import train_or_reuse
 
     t0 = time.time()
     out = Path(args.out)
@@ -90,10 +89,10 @@ def build_demo_index(tcfg: TrainConfig, out: Path) -> tuple[Path, Path]:
 
     from index.build import build_from_dataset, split_features
     from index.strategy_eval import run_evaluation
-    from model.checkpoint import file_sha256
+    from core.hashing import sha256_file
 
     ck = Path(tcfg.out) / "best.pt"
-    sha = file_sha256(ck)
+    sha = sha256_file(ck)
     index_dir, strat = out / "index", out / "strategies"
     try:
         built = json.loads((index_dir / "manifest.json").read_text())["checkpoint_sha256"] == sha
@@ -114,3 +113,24 @@ def build_demo_index(tcfg: TrainConfig, out: Path) -> tuple[Path, Path]:
         from core.atomic import write_text
         write_text(stamp, sha + "\n")
     return index_dir, strat
+
+
+def build_parser():
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="artifacts/demo", help="where results, index and strategy evaluation "
+                   "are written (default: %(default)s)")
+    p.add_argument("--num-classes", type=int, default=500, help="kanji characters to render (default: %(default)s)")
+    p.add_argument("--no-ui", action="store_true", help="non-interactive: do not launch the app at the end")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return p
+
+
+def main(argv=None) -> int:
+    from core.logs import setup_logging
+
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    return run_demo(args)

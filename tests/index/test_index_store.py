@@ -1,18 +1,16 @@
 """Index directories: round trip, refusal of damaged ones, add/remove, build and search end to end."""
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import run_module
 from core.errors import UserError
 from index.build import add_features, build_from_dataset, build_from_features, remove_ids
 from index.search import Searcher
 from index.store import FILES, Items, read_index, write_index
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def small_index(path, n=50, d=12, k=4, seed=0):
@@ -125,8 +123,8 @@ def test_build_search_cli_matches_api_and_refuses_other_model(tiny_run, tmp_path
     img = Path(data.root) / data.items.paths[3]
     def cli_search(*extra):
         out = tmp_path / "r.json"
-        r = subprocess.run([sys.executable, "-m", "index", "search", "--index", str(idx), "--image", str(img),
-                            "--k", "5", "--json", str(out), *extra], cwd=ROOT, capture_output=True, text=True)
+        r = run_module("index", "search", "--index", str(idx), "--image", str(img),
+                            "--k", "5", "--json", str(out), *extra, cwd=tmp_path)
         assert r.returncode == 0, r.stderr
         return json.loads(out.read_text())["queries"][0]["results"]
 
@@ -143,21 +141,20 @@ def test_build_search_cli_matches_api_and_refuses_other_model(tiny_run, tmp_path
     other = tmp_path / "other.pt"
     ckd = read_checkpoint(ck)
     save_checkpoint(other, model_from_checkpoint(ckd), config=ckd["config"], metrics={"x": 1})
-    r = subprocess.run([sys.executable, "-m", "index", "search", "--index", str(idx), "--image", str(img),
-                        "--checkpoint", str(other)], cwd=ROOT, capture_output=True, text=True)
+    r = run_module("index", "search", "--index", str(idx), "--image", str(img),
+                        "--checkpoint", str(other), cwd=tmp_path)
     assert r.returncode == 2 and "not the model this index was built with" in r.stderr
     # a query of the wrong dimension is refused
     np.save(tmp_path / "q.npy", np.ones((1, 7), np.float32))
-    r = subprocess.run([sys.executable, "-m", "index", "search", "--index", str(idx), "--features",
-                        str(tmp_path / "q.npy")], cwd=ROOT, capture_output=True, text=True)
+    r = run_module("index", "search", "--index", str(idx), "--features",
+                        str(tmp_path / "q.npy"), cwd=tmp_path)
     assert r.returncode == 2 and "this index holds 128-d features" in r.stderr
     # non-symmetric custom matrix via the CLI
     A = np.eye(128)
     A[0, 1] = 1
     np.save(tmp_path / "A.npy", A)
-    r = subprocess.run([sys.executable, "-m", "index", "search", "--index", str(idx), "--image", str(img),
-                        "--strategy", "custom", "--metric-matrix", str(tmp_path / "A.npy")],
-                       cwd=ROOT, capture_output=True, text=True)
+    r = run_module("index", "search", "--index", str(idx), "--image", str(img),
+                        "--strategy", "custom", "--metric-matrix", str(tmp_path / "A.npy"), cwd=tmp_path)
     assert r.returncode == 2 and "not symmetric" in r.stderr
 
 
@@ -188,11 +185,10 @@ def test_strategy_evaluation_outputs(tmp_path):
 def test_select_cli_chooses_on_validation(tiny_run, tmp_path):
     cfg, t = tiny_run
     out = tmp_path / "sel.json"
-    r = subprocess.run([sys.executable, "-m", "index", "select", "--checkpoint", str(Path(cfg.out) / "best.pt"),
+    r = run_module("index", "select", "--checkpoint", str(Path(cfg.out) / "best.pt"),
                         "--dataset", "kanji", "--data-root", cfg.data_root, "--num-classes", "12",
                         "--image-size", "32", "--kanji-fonts", ",".join(cfg.kanji_fonts), "--cache-dir",
-                        cfg.cache_dir, "--seeds", "1", "--no-progress", "--json", str(out)],
-                       cwd=ROOT, capture_output=True, text=True)
+                        cfg.cache_dir, "--seeds", "1", "--no-progress", "--json", str(out), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     best = max(res["all"], key=lambda row: row["map@r"])

@@ -27,6 +27,7 @@ from core.atomic import atomic_dir, write_json
 from core.errors import UserError
 from core.hashing import sha256_file
 
+from .registry import DATASETS
 from .splits import DatasetSplits, Subset, carve_validation
 
 RENDER_VERSION = 1
@@ -63,7 +64,7 @@ FONTS: list[tuple[str, str, str, str]] = [
 
 @dataclass
 class KanjiConfig:
-    root: str = "data/kanji"
+    root: str = "cache/kanji"  # rendered once; not a data/ folder (that name is the package)
     num_classes: int = 500        # 0 = every qualifying character (~3,300)
     image_size: int = 64
     seed: int = 0
@@ -222,3 +223,12 @@ def load_kanji(cfg: KanjiConfig, progress: bool = True) -> DatasetSplits:
         info={"manifest": str(d / "manifest.json"), "fonts": font_ids,
               "render_seconds": man["render_seconds"], "checksum": man["checksum_sha256"]},
     )
+
+
+@DATASETS.register("kanji", doc="kanji glyphs rendered offline from 23 Debian CJK fonts (class = character)",
+                   image_size=64, resize_mode="resize")
+def _kanji(cfg, progress: bool = True) -> DatasetSplits:
+    kc = KanjiConfig(root=cfg.data_root or KanjiConfig.root, num_classes=cfg.num_classes,
+                     image_size=cfg.resolved_image_size(), seed=cfg.data_seed, val_fraction=cfg.val_fraction,
+                     fonts=tuple(cfg.kanji_fonts))
+    return load_kanji(kc, progress=progress)

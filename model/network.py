@@ -15,6 +15,7 @@ Optional flow "metric layers" (determinant regularizer, paper 000):
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -88,6 +89,24 @@ class EmbeddingModel(nn.Module):
         """Embeddings from trunk features φ."""
         z = self.neck(features)
         return z if self.embed_head is None else self.embed_head(z)
+
+    @torch.inference_mode()
+    def _chunked(self, fn, x, out_dim: int, chunk: int = 4096):
+        was_np = isinstance(x, np.ndarray)
+        t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)) if was_np else x
+        self.eval()
+        out = torch.cat([fn(t[i: i + chunk]) for i in range(0, len(t), chunk)]) if len(t) else t.new_zeros(0, out_dim)
+        return out.numpy() if was_np else out
+
+    def trunk_of_backbone(self, backbone_features):
+        """Backbone outputs (array or tensor) → trunk features φ, in chunks (eval mode)."""
+        if self.trunk_head is None:
+            return backbone_features
+        return self._chunked(self.head_trunk, backbone_features, self.trunk_dim)
+
+    def embed_of_backbone(self, backbone_features):
+        """Backbone outputs (array or tensor) → embeddings, in chunks (eval mode)."""
+        return self._chunked(lambda f: self.embed_features(self.head_trunk(f)), backbone_features, self.embed_dim)
 
     def heads_spec(self) -> dict:
         return {name: getattr(self, name).spec.to_dict()

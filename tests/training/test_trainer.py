@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from core.errors import UserError
-from training.train_config import TrainConfig
+from training.config import TrainConfig
 from training.trainer import train
 
 FONTS = ("ipag", "ipam", "seto", "kouzan-sousyo", "ume-gothic", "ukai")
@@ -73,15 +73,16 @@ def test_same_seed_same_metrics_and_resume_equals_uninterrupted(tmp_path, kanji_
 
 def test_cache_key_changes_with_transform_and_weights(tmp_path, kanji_root):
     from model.backbones import build_backbone
-    from training.config import load_data
-    from training.data.loader import transform_for
-    from training.feature_cache import cache_key
+    from data import load_data
+    from model.features import cache_key
+    from model.preprocess import transform_for
 
     cfg = tiny(tmp_path, kanji_root)
     splits = load_data(cfg.data_config(), progress=False)
     torch.manual_seed(0)
     bb = build_backbone("small_cnn", "none")
-    spec = transform_for(bb, 32, "kanji")
+    spec = transform_for(bb, cfg.data_config())
+    assert (spec.image_size, spec.resize) == (32, 32)  # kanji: plain resize
     k = cache_key(bb, splits, splits.train, spec)
     assert k == cache_key(bb, splits, splits.train, spec)
     assert k != cache_key(bb, splits, splits.train, dataclasses.replace(spec, image_size=48, resize=48))
@@ -94,7 +95,7 @@ def test_cache_key_changes_with_transform_and_weights(tmp_path, kanji_root):
 
 
 def test_finetune_with_warmup_and_corrupt_image(tmp_path, kanji_root):
-    from training.config import load_data
+    from data import load_data
 
     cfg = tiny(tmp_path, kanji_root, mode="finetune", epochs=2, warmup_epochs=1, batch_size=8)
     splits = load_data(cfg.data_config(), progress=False)

@@ -159,7 +159,7 @@ FONTS = ("ipag", "ipam", "seto", "ukai", "kouzan-sousyo", "ume-gothic")
 
 
 def tiny_cfg(tmp_path, **kw):
-    from training.train_config import TrainConfig
+    from training.config import TrainConfig
 
     base = dict(dataset="kanji", data_root=str(tmp_path.parent / "kanji-reg"), num_classes=16, image_size=32,
                 kanji_fonts=FONTS, backbone="small_cnn", weights="none", embed_dim=8, epochs=2, batch_size=16,

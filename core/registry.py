@@ -1,0 +1,231 @@
+"""The one registry shape behind every user choice: backbones, data sets, losses,
+regularizers and refinement strategies.
+
+An entry is a name, a builder, a parameter dataclass and a one-line doc (plus
+free-form `meta` a registry may need, e.g. a regularizer's default weight).
+From the entries come argparse `choices`, `--help` text that lists every name
+with its doc, typed `key=value` parsing that refuses unknown keys with the
+valid ones, and the `list` subcommands' output.  A new choice is one module
+with `@REG.register(...)` plus one import line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from .errors import UserError
+
+
+@dataclass
+class NoParams:
+    """For entries without parameters."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    builder: Callable[..., Any]
+    params: type
+    doc: str
+    meta: dict = field(default_factory=dict)
+
+    def param_defaults(self) -> dict:
+        return {f.name: _default(f) for f in dataclasses.fields(self.params)}
+
+    def param_help(self) -> dict:
+        return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(self.params)}
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return None
+
+
+def first_line(text: str | None) -> str:
+    lines = (text or "").strip().splitlines()
+    return lines[0].strip() if lines else ""
+
+
+def convert(value, t, what: str):
+    """Convert a string (or value) to the field type `t` (bool, int, float, str, Optional[...])."""
+    origin = typing.get_origin(t)
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "")):
+            return None
+        t = next(a for a in typing.get_args(t) if a is not type(None))
+    if origin is typing.Literal:
+        choices = typing.get_args(t)
+        if value not in choices:
+            raise UserError(f"{what}: {value!r} is not one of {list(choices)}")
+        return value
+    if t is bool:
+        if isinstance(value, bool):
+            return value
+        s = str(value).lower()
+        if s not in ("1", "true", "yes", "0", "false", "no"):
+            raise UserError(f"{what}: {value!r} is not a boolean (true/false)")
+        return s in ("1", "true", "yes")
+    try:
+        return t(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{what}: {value!r} is not a {getattr(t, '__name__', t)}") from None
+
+
+def build_params(cls: type, given: dict | None, what: str, *, ignore_unknown: bool = False):
+    """The dataclass `cls` from a dict of raw values, each converted to its field's type.
+    Unknown keys are refused (with the valid ones) unless `ignore_unknown`; a
+    `validate()` method on the dataclass runs last."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kw = {}
+    for k, v in (given or {}).items():
+        key = str(k).strip().replace("-", "_")
+        if key not in names:
+            if ignore_unknown:
+                continue
+            raise UserError(f"{what}: no parameter {key!r}; valid: {names or 'none'}")
+        if v is None:
+            continue
+        kw[key] = convert(v, hints[key], f"{what}: {key}")
+    p = cls(**kw)
+    if hasattr(p, "validate"):
+        p.validate()
+    return p
+
+
+def parse_items(items: Iterable[str], what: str, prefix: str | None = None) -> dict:
+    """`key=value` (or `prefix.key=value`, keeping only those for `prefix`) → dict of strings."""
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise UserError(f"{what}: want key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        if prefix is not None:
+            if "." not in key:
+                raise UserError(f"{what}: want name.key=value, got {item!r}")
+            owner, key = key.split(".", 1)
+            if owner != prefix:
+                continue
+        out[key.strip()] = value.strip()
+    return out
+
+
+class Registry:
+    """name → Entry(builder, params dataclass, doc, meta)."""
+
+    def __init__(self, kind: str, plural: str | None = None):
+        self.kind = kind
+        self.plural = plural or kind + "s"
+        self._entries: dict[str, Entry] = {}
+
+    # ------------------------------------------------------------ registration
+    def register(self, name: str, params: type = NoParams, doc: str | None = None, **meta):
+        """Decorator: `@REG.register("name", Params, doc="...", **meta)` over the builder."""
+        if not dataclasses.is_dataclass(params):
+            raise TypeError(f"{self.kind} {name!r}: params must be a dataclass")
+
+        def deco(fn):
+            self._entries[name] = Entry(name, fn, params, doc or first_line(fn.__doc__), dict(meta))
+            return fn
+        return deco
+
+    def unregister(self, name: str) -> None:
+        self._entries.pop(name, None)
+
+    # ------------------------------------------------------------ lookup
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def entries(self) -> list[Entry]:
+        return [self._entries[n] for n in self.names()]
+
+    def __contains__(self, name) -> bool:
+        return name in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self):
+        return iter(self.names())
+
+    def get(self, name: str) -> Entry:
+        if name not in self._entries:
+            raise UserError(f"unknown {self.kind} {name!r}; choose from {', '.join(self.names())}")
+        return self._entries[name]
+
+    __getitem__ = get
+
+    # ------------------------------------------------------------ parameters
+    def params(self, name: str, given: dict | Iterable[str] | None = None, *, ignore_unknown: bool = False):
+        """The entry's typed parameters from a dict or `key=value` strings."""
+        e = self.get(name)
+        if given is not None and not isinstance(given, dict):
+            given = parse_items(given, f"{self.kind} {name!r}")
+        return build_params(e.params, given, f"{self.kind} {name!r}", ignore_unknown=ignore_unknown)
+
+    def build(self, name: str, *args, **kwargs):
+        return self.get(name).builder(*args, **kwargs)
+
+    # ------------------------------------------------------------ help
+    def help_text(self) -> str:
+        """'a: doc; b: doc' for argparse help (argparse folds the lines)."""
+        return "; ".join(f"{e.name}: {e.doc}" for e in self.entries())
+
+    def params_help(self) -> str:
+        """Every entry's parameter keys with their defaults, for --*-param help."""
+        parts = []
+        for e in self.entries():
+            d = e.param_defaults()
+            if d:
+                parts.append(f"{e.name}: " + ", ".join(f"{k}={v}" for k, v in d.items()))
+        return "; ".join(parts) or "none take parameters"
+
+    def describe(self) -> list[dict]:
+        return [{"name": e.name, "doc": e.doc,
+                 "params": {k: {"default": v, "help": e.param_help()[k]} for k, v in e.param_defaults().items()}}
+                for e in self.entries()]
+
+    def listing(self) -> str:
+        """Human-readable listing for the `list` subcommands."""
+        lines = [f"{self.plural}:"]
+        for e in self.entries():
+            lines.append(f"  {e.name:<20} {e.doc}")
+            helps = e.param_help()
+            for k, v in e.param_defaults().items():
+                h = f"  {helps[k]}" if helps[k] else ""
+                lines.append(f"      {k} = {v!r}{h}")
+        return "\n".join(lines)
+
+    def add_argument(self, parser, flag: str, *, many: bool = False, **kw):
+        """An argparse option whose choices are this registry's names and whose help lists each
+        name with its doc.  `many`: a comma-separated list of names."""
+        hlp = kw.pop("help", f"{self.kind} name")
+        text = f"{hlp} (default: %(default)s). Choices: {self.help_text()}".replace("%", "%%")
+        text = text.replace("%%(default)s", "%(default)s")
+        if many:
+            def check(value: str) -> tuple[str, ...]:
+                names = tuple(v.strip() for v in value.split(",") if v.strip())
+                for v in names:
+                    self.get(v)
+                return names
+            return parser.add_argument(flag, type=_argtype(check), metavar="NAME,...", help=text, **kw)
+        return parser.add_argument(flag, type=_argtype(self.get, lambda e: e.name),
+                                   metavar="{" + ",".join(self.names()) + "}", help=text, **kw)
+
+
+def _argtype(fn, post=lambda v: v):
+    """Turn a UserError into argparse's own error (one line, exit 2)."""
+    import argparse
+
+    def parse(value):
+        try:
+            return post(fn(value))
+        except UserError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    parse.__name__ = "name"
+    return parse

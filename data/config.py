@@ -1,0 +1,57 @@
+"""The typed data configuration: which data set, where, at what size, split how.
+
+It is recorded in every checkpoint, so downstream commands can rebuild exactly
+the data a model was trained on.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+DEFAULT_IMAGE_SIZE = 224        # photos, unless the data set's registry entry says otherwise
+DEFAULT_RESIZE_MODE = "crop"    # resize the shorter side to size·256/224, then centre-crop
+
+
+@dataclass
+class DataConfig:
+    dataset: str = field(default="kanji", metadata={"help": "data set"})
+    data_root: str | None = field(default=None, metadata={"help": "data-set folder (kanji: render cache, "
+                                                                   "default cache/kanji)"})
+    num_classes: int = field(default=500, metadata={"help": "kanji: characters to render (0 = all ~3,300)"})
+    image_size: int = field(default=0, metadata={"help": "input size in pixels; 0 = the data set's default "
+                                                         "(kanji 64, others 224)"})
+    data_seed: int = field(default=0, metadata={"help": "seed of the class split (and kanji class choice)"})
+    val_fraction: float = field(default=0.2, metadata={"help": "fraction of train classes held out for validation"})
+    kanji_fonts: tuple[str, ...] = field(default=(), metadata={"help": "kanji: font ids to use (default all 23)"})
+    workers: int = field(default=1, metadata={"help": "image-loading worker processes"})
+    eval_batch_size: int = field(default=128, metadata={"help": "batch size for embedding images"})
+
+    def _meta(self) -> dict:
+        from .registry import DATASETS
+
+        return DATASETS.get(self.dataset).meta if self.dataset in DATASETS else {}
+
+    def resolved_image_size(self) -> int:
+        return self.image_size or int(self._meta().get("image_size", DEFAULT_IMAGE_SIZE))
+
+    def resize_mode(self) -> str:
+        return self._meta().get("resize_mode", DEFAULT_RESIZE_MODE)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DataConfig":
+        """The data fields of any recorded config (a checkpoint's, an index manifest's)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        if "kanji_fonts" in kw:
+            kw["kanji_fonts"] = tuple(kw["kanji_fonts"])
+        return cls(**kw)
+
+    def data_fields(self) -> dict:
+        names = {f.name for f in dataclasses.fields(DataConfig)}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k in names}
+
+
+def load_data(cfg: DataConfig, progress: bool = True):
+    from .registry import DATASETS
+
+    return DATASETS.build(cfg.dataset, cfg, progress)

@@ -1,0 +1,159 @@
+"""Embedding a data set, and the on-disk feature cache (used by training, index and demo).
+
+Trunk features are computed once per (backbone, weights, data, split, transform)
+and kept on disk.  The key hashes everything that decides the features: backbone
+name and a hash of its exact parameter values, the data set's identity (kanji:
+its content checksum; others: every file's path, size and mtime), the split's
+file list and labels, and the full transform (size, resize, normalisation,
+augmentation).  A stale cache therefore can never be picked up: any change gives
+a new key.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from core.atomic import atomic_dir
+from core.errors import UserError
+from data import DataConfig, load_data
+from data.loader import make_loader
+
+from .preprocess import TransformSpec, transform_for
+
+log = logging.getLogger(__name__)
+CACHE_VERSION = 1
+
+
+@torch.inference_mode()
+def extract(fn, loader, desc: str = "embed",
+            progress: bool = True):
+    """Run `fn` over every batch.  Returns (features float32 N×d, labels, kept indices, skipped).
+
+    `skipped` lists (index, message) of unreadable images; they are absent from
+    the outputs, and the count is logged.
+    """
+    feats, labels, idx, skipped = [], [], [], []
+    for images, y, i, bad in tqdm(loader, desc=desc, unit="batch", disable=not progress):
+        skipped.extend(bad)
+        for j, msg in bad:
+            log.warning("skipped: %s", msg)
+        if images is None:
+            continue
+        feats.append(fn(images).float().cpu().numpy())
+        labels.append(y.numpy())
+        idx.append(i.numpy())
+    if skipped:
+        log.warning("%d unreadable image(s) skipped in %s", len(skipped), desc)
+    if not feats:
+        return np.zeros((0, 0), np.float32), np.zeros(0, np.int64), np.zeros(0, np.int64), skipped
+    return (np.concatenate(feats).astype(np.float32), np.concatenate(labels).astype(np.int64),
+            np.concatenate(idx).astype(np.int64), skipped)
+
+
+def embed_subset(fn, subset, spec: TransformSpec, dcfg: DataConfig, desc: str, progress: bool = True):
+    """(features, labels, kept indices, skipped) of a Subset's images under `fn`."""
+    loader = make_loader(subset, spec.build(), batch_size=dcfg.eval_batch_size, workers=dcfg.workers)
+    return extract(fn, loader, desc=desc, progress=progress)
+
+
+def subset_identity(splits, subset) -> str:
+    h = hashlib.sha256()
+    h.update(splits.name.encode())
+    h.update(str(splits.info.get("checksum", "")).encode())
+    kanji = "checksum" in splits.info  # content-addressed already
+    for p, y in zip(subset.paths, subset.labels):
+        h.update(f"{p}\t{y}\n".encode())
+        if not kanji:
+            try:
+                st = os.stat(subset.root / p)
+                h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+            except OSError:
+                h.update(b"missing")
+    return h.hexdigest()
+
+
+def cache_key(backbone, splits, subset, spec) -> str:
+    blob = json.dumps({
+        "v": CACHE_VERSION, "backbone": backbone.name, "weights": backbone.fingerprint(),
+        "data": subset_identity(splits, subset), "split": subset.name,
+        "transform": spec.describe(),
+    }, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def cached_features(backbone, splits, subset, spec, embed_fn, cache_dir="cache/features",
+                    progress: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(features N×d float32, labels, kept indices into subset); computed on a miss."""
+    key = cache_key(backbone, splits, subset, spec)
+    d = Path(cache_dir) / f"{backbone.name}-{splits.name}-{subset.name}-{key}"
+    if (d / "meta.json").is_file():
+        log.info("feature cache hit: %s", d)
+        return (np.load(d / "features.npy", allow_pickle=False),
+                np.load(d / "labels.npy", allow_pickle=False),
+                np.load(d / "index.npy", allow_pickle=False))
+    feats, labels, idx, skipped = embed_fn(subset, spec)
+    with atomic_dir(d) as tmp:
+        np.save(tmp / "features.npy", feats)
+        np.save(tmp / "labels.npy", labels)
+        np.save(tmp / "index.npy", idx)
+        (tmp / "meta.json").write_text(json.dumps({
+            "backbone": backbone.name, "split": subset.name, "n": int(len(labels)),
+            "dim": int(feats.shape[1]) if feats.ndim == 2 else 0, "skipped": [m for _, m in skipped],
+            "transform": spec.describe(), "key": key}, indent=2))
+    return feats, labels, idx
+
+
+def backbone_features(backbone, splits, subset, spec: TransformSpec, dcfg: DataConfig,
+                      cache_dir: str | None, progress: bool = True):
+    """Frozen backbone features of a subset: through the cache when `cache_dir`, else computed."""
+    backbone.eval()
+
+    def embed(sub, sp):
+        return embed_subset(backbone, sub, sp, dcfg, f"features {sub.name}", progress)
+
+    if cache_dir:
+        return cached_features(backbone, splits, subset, spec, embed, cache_dir, progress)
+    feats, labels, kept, skipped = embed(subset, spec)
+    if skipped:
+        log.warning("%d unreadable images left out", len(skipped))
+    return feats, labels, kept
+
+
+@dataclass
+class SplitFeatures:
+    model: object
+    ck: dict
+    splits: object
+    subset: object
+    spec: TransformSpec
+    feats: np.ndarray       # trunk features φ (after any trunk flow head)
+    labels: np.ndarray
+    kept: np.ndarray        # indices into subset of the images that could be read
+
+
+def embed_split(checkpoint, dcfg: DataConfig, split: str, cache_dir: str | None, progress: bool = True,
+                use_gallery: bool = True) -> SplitFeatures:
+    """Embed a data-set split's images with a checkpoint's trunk (through the feature cache).
+
+    For a query/gallery split (In-Shop 'test'), `use_gallery` picks the gallery; otherwise the
+    query = gallery protocol is required.
+    """
+    from .checkpoint import load_model
+
+    model, ck = load_model(checkpoint)
+    splits = load_data(dcfg, progress=progress)
+    spec = transform_for(model.backbone, dcfg)
+    query, gallery = splits.eval_pair(split)
+    if gallery is not None and not use_gallery:
+        raise UserError("strategy evaluation uses the query = gallery protocol; this split is query/gallery")
+    sub = gallery if gallery is not None else query
+    feats, labels, kept = backbone_features(model.backbone, splits, sub, spec, dcfg, cache_dir, progress)
+    return SplitFeatures(model, ck, splits, sub, spec, model.trunk_of_backbone(feats), labels, kept)
