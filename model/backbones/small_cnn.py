@@ -6,7 +6,7 @@ from torch import nn
 from core.errors import UserError
 
 from .base import Backbone, load_complete, load_state_file
-from .registry import register
+from .registry import BACKBONES
 
 
 def _block(cin: int, cout: int) -> nn.Sequential:
@@ -32,7 +32,7 @@ class SmallCNN(nn.Module):
         return self.pool(self.features(x)).flatten(1)
 
 
-@register("small_cnn")
+@BACKBONES.register("small_cnn", doc="a small 4-block CNN, random init, for training from scratch; 128-d")
 def small_cnn(weights: str | None = None) -> Backbone:
     weights = weights or "none"
     if weights == "imagenet":

@@ -14,7 +14,7 @@ from torch import nn
 from core.errors import UserError
 
 from .base import IMAGENET_MEAN, IMAGENET_STD, Backbone, load_complete, load_state_file
-from .registry import register
+from .registry import BACKBONES
 
 _SPECS = {
     # name: (constructor, weights enum, feature dim)
@@ -65,19 +65,19 @@ def _build(name: str, weights: str) -> Backbone:
     return Backbone(name, net, dim, IMAGENET_MEAN, IMAGENET_STD, weights)
 
 
-@register("resnet18")
+@BACKBONES.register("resnet18", doc="torchvision ResNet-18; ImageNet weights from --weights PATH or the torch cache; 512-d")
 def resnet18(weights: str | None = None) -> Backbone:
     weights = weights or "imagenet"
     return _build("resnet18", weights)
 
 
-@register("resnet50")
+@BACKBONES.register("resnet50", doc="torchvision ResNet-50; ImageNet weights from --weights PATH or the torch cache; 2048-d")
 def resnet50(weights: str | None = None) -> Backbone:
     weights = weights or "imagenet"
     return _build("resnet50", weights)
 
 
-@register("googlenet")
+@BACKBONES.register("googlenet", doc="torchvision GoogLeNet (Inception v1); ImageNet weights from --weights PATH or the torch cache; 1024-d")
 def googlenet(weights: str | None = None) -> Backbone:
     weights = weights or "imagenet"
     return _build("googlenet", weights)
