@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Literal
 
 DEFAULT_IMAGE_SIZE = 224        # photos, unless the data set's registry entry says otherwise
 DEFAULT_RESIZE_MODE = "crop"    # resize the shorter side to size·256/224, then centre-crop
@@ -20,6 +21,10 @@ class DataConfig:
     num_classes: int = field(default=500, metadata={"help": "kanji: characters to render (0 = all ~3,300)"})
     image_size: int = field(default=0, metadata={"help": "input size in pixels; 0 = the data set's default "
                                                          "(kanji 64, others 224)"})
+    resize_mode: Literal["auto", "crop", "resize", "pad"] = field(default="auto", metadata={
+        "help": "how images reach the square input: crop (resize to 256/224 of the size, centre crop: "
+                "photos), resize (squash: square glyphs), pad (pad to square with the border, then resize: "
+                "full-bleed icons); auto = the data set's own (kanji resize, others crop)"})
     data_seed: int = field(default=0, metadata={"help": "seed of the class split (and kanji class choice)"})
     val_fraction: float = field(default=0.2, metadata={"help": "fraction of train classes held out for validation"})
     kanji_fonts: tuple[str, ...] = field(default=(), metadata={"help": "kanji: font ids to use (default all 23)"})
@@ -34,7 +39,9 @@ class DataConfig:
     def resolved_image_size(self) -> int:
         return self.image_size or int(self._meta().get("image_size", DEFAULT_IMAGE_SIZE))
 
-    def resize_mode(self) -> str:
+    def resolved_resize_mode(self) -> str:
+        if self.resize_mode != "auto":
+            return self.resize_mode
         return self._meta().get("resize_mode", DEFAULT_RESIZE_MODE)
 
     @classmethod

@@ -12,29 +12,55 @@ import torch
 from torchvision.transforms import v2 as T
 
 CROP_RATIO = 256 / 224  # the usual resize-then-centre-crop of ImageNet evaluation
+RESIZE_MODES = ("crop", "resize", "pad")
+
+
+class PadToSquare(torch.nn.Module):
+    """Pad a uint8 image tensor (C × H × W) to a square by repeating its border pixels:
+    full-bleed icons and glyphs keep every pixel and get no black bars."""
+
+    def forward(self, img: torch.Tensor) -> torch.Tensor:
+        h, w = img.shape[-2:]
+        if h == w:
+            return img
+        d = abs(h - w)
+        pad = (0, 0, d // 2, d - d // 2) if w > h else (d // 2, d - d // 2, 0, 0)
+        return torch.nn.functional.pad(img[None].float(), pad, mode="replicate")[0].to(img.dtype)
 
 
 @dataclass(frozen=True)
 class TransformSpec:
     image_size: int
-    resize: int                     # shorter side before the centre crop (= image_size: plain resize)
+    resize: int                     # crop: shorter side before the centre crop; resize/pad: = image_size
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     augment: bool = False           # random resized crop (training only)
+    resize_mode: str = ""           # crop | resize | pad ("" = implied by resize: the format before pad)
+
+    @property
+    def mode(self) -> str:
+        return self.resize_mode or ("resize" if self.resize == self.image_size else "crop")
 
     def describe(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        # crop and resize are implied by `resize`, as in specs (and feature-cache keys) made before
+        # pad existed; only pad is spelled out, so existing caches and index manifests stay valid
+        if self.mode != "pad":
+            d.pop("resize_mode")
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "TransformSpec":
         return cls(int(d["image_size"]), int(d["resize"]), tuple(d["mean"]), tuple(d["std"]),
-                   bool(d.get("augment", False)))
+                   bool(d.get("augment", False)), str(d.get("resize_mode", "")))
 
     def build(self):
         s = self.image_size
         if self.augment:
             geo = [T.RandomResizedCrop(s, scale=(0.6, 1.0), ratio=(0.8, 1.25), antialias=True)]
-        elif self.resize == s:
+        elif self.mode == "pad":
+            geo = [PadToSquare(), T.Resize((s, s), antialias=True)]
+        elif self.mode == "resize":
             geo = [T.Resize((s, s), antialias=True)]
         else:
             geo = [T.Resize(self.resize, antialias=True), T.CenterCrop(s)]
@@ -43,9 +69,11 @@ class TransformSpec:
 
 
 def transform_for(backbone, dcfg, augment: bool = False) -> TransformSpec:
-    """The evaluation transform of `backbone` for the data configuration `dcfg`: its size, and its
-    data set's resize mode (rendered glyphs are square and centred: plain resize; photos:
-    resize to 256/224 of the crop, then centre crop)."""
+    """The evaluation transform of `backbone` for the data configuration `dcfg`: its image size and
+    resize mode (crop: resize to 256/224 of the size, then centre crop, as for photos; resize: plain
+    resize, for square centred glyphs; pad: pad to a square with the border, then resize)."""
     size = dcfg.resolved_image_size()
-    resize = size if dcfg.resize_mode() == "resize" else int(round(size * CROP_RATIO))
-    return TransformSpec(size, resize, tuple(backbone.mean), tuple(backbone.std), augment)
+    mode = dcfg.resolved_resize_mode()
+    resize = int(round(size * CROP_RATIO)) if mode == "crop" else size
+    return TransformSpec(size, resize, tuple(backbone.mean), tuple(backbone.std), augment,
+                         "pad" if mode == "pad" else "")
