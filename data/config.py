@@ -58,6 +58,43 @@ class DataConfig:
         return {k: v for k, v in dataclasses.asdict(self).items() if k in names}
 
 
+def largest_image_side(splits, limit: int) -> int | None:
+    """The largest side over every image of the data set, or None as soon as one reaches `limit`.
+    Reads image headers only (PIL opens lazily)."""
+    from PIL import Image
+
+    largest = 0
+    for sub in splits.subsets().values():
+        for i in range(len(sub)):
+            try:
+                with Image.open(sub.abspath(i)) as im:
+                    largest = max(largest, *im.size)
+            except OSError:
+                continue  # unreadable: the loader skips and reports it
+            if largest >= limit:
+                return None
+    return largest or None
+
+
+def resolve(cfg: DataConfig, splits) -> DataConfig:
+    """A copy with a concrete image size and resize mode, as recorded in checkpoints.
+    With image_size 0, a data set whose registry entry sets `size_from_images` (ImageFolder)
+    takes the largest image side when every image is smaller than the default: small icons
+    are not blown up to 224 px."""
+    import logging
+
+    size, how = cfg.image_size, "given"
+    if not size:
+        size, how = cfg.resolved_image_size(), "the data set's default"
+        if cfg._meta().get("size_from_images"):
+            side = largest_image_side(splits, size)
+            if side:
+                size, how = side, f"every image is at most {side} px (default {DEFAULT_IMAGE_SIZE})"
+    out = dataclasses.replace(cfg, image_size=size, resize_mode=cfg.resolved_resize_mode())
+    logging.getLogger("data").info("image size %d px (%s), resize mode %s", size, how, out.resize_mode)
+    return out
+
+
 def load_data(cfg: DataConfig, progress: bool = True):
     from .registry import DATASETS
 

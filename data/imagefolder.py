@@ -43,6 +43,7 @@ def load_image_folder(root, val_fraction: float = 0.2, seed: int = 0,
                        sorted(order[:n_test]), val_fraction, seed, class_names=names)
 
 
-@DATASETS.register("imagefolder", doc="any folder of class sub-folders (root/<class>/<image>); half the classes test")
+@DATASETS.register("imagefolder", doc="any folder of class sub-folders (root/<class>/<image>); half the classes test",
+                   size_from_images=True)
 def _image_folder(cfg, progress: bool = True) -> DatasetSplits:
     return load_image_folder(require_root(cfg), cfg.val_fraction, cfg.data_seed)

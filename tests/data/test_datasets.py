@@ -1,4 +1,5 @@
 """Data-set loaders on tiny synthetic trees in their exact official layouts."""
+import dataclasses
 import json
 
 import numpy as np
@@ -255,3 +256,20 @@ def test_kanji_interrupted_render_leaves_no_manifest(tmp_path, monkeypatch):
     monkeypatch.setattr(kanji, "render_glyph", real)
     s = kanji.load_kanji(cfg, progress=False)  # a later run renders cleanly
     assert len(s.test) == 4 * 4
+
+
+def test_image_folder_size_follows_small_images(tmp_path):
+    from data.config import resolve
+
+    for c in range(4):
+        (tmp_path / f"c{c}").mkdir()
+        for j in range(2):
+            Image.new("RGB", (48 + 8 * j, 40), (c * 40, 0, 0)).save(tmp_path / f"c{c}" / f"{j}.png")
+    cfg = DataConfig(dataset="imagefolder", data_root=str(tmp_path))
+    r = resolve(cfg, load_data(cfg, progress=False))
+    assert (r.image_size, r.resize_mode) == (56, "crop")  # the largest side, not 224
+    assert resolve(dataclasses.replace(cfg, image_size=32), load_data(cfg, progress=False)).image_size == 32
+    Image.new("RGB", (300, 20)).save(tmp_path / "c0" / "big.png")
+    assert resolve(cfg, load_data(cfg, progress=False)).image_size == 224  # one large image: the default
+    kanji = DataConfig(dataset="kanji")
+    assert (kanji.resolved_image_size(), kanji.resolved_resize_mode()) == (64, "resize")
