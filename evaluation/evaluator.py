@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .clustering import clustering_scores
 from core.arrays import l2_normalize
+from core.errors import UserError
 
+from .clustering import clustering_scores
 from .knn import flat_index, knn_chunks
 
 DEFAULT_KS = (1, 2, 4, 8)
@@ -88,6 +89,21 @@ def evaluate_ranking(index, query: np.ndarray, query_labels: np.ndarray, gallery
     return out
 
 
+def class_labels(labels, what: str = "labels") -> np.ndarray:
+    """Labels as int64; refuses strings, non-integral floats, non-finite values and other shapes."""
+    a = np.asarray(labels)
+    if a.ndim != 1:
+        raise UserError(f"{what} must be 1-D, got shape {a.shape}")
+    if a.dtype.kind in "iub":
+        return a.astype(np.int64)
+    if a.dtype.kind != "f":
+        raise UserError(f"{what} must be integer class ids, got dtype {a.dtype}")
+    if not np.isfinite(a).all() or (a != np.round(a)).any():
+        bad = a[~np.isfinite(a) | (a != np.round(a))][:3]
+        raise UserError(f"{what} must be integer class ids; found {bad.tolist()}")
+    return a.astype(np.int64)
+
+
 def evaluate(query: np.ndarray, query_labels, gallery: np.ndarray | None = None, gallery_labels=None,
              *, ks=DEFAULT_KS, normalize: bool = True, metric: str | None = None,
              clustering: bool = True, chunk: int = 4096, seed: int = 1234) -> dict:
@@ -97,19 +113,23 @@ def evaluate(query: np.ndarray, query_labels, gallery: np.ndarray | None = None,
     `metric` is "l2" (default) or "ip" on the raw vectors.
     """
     query = np.ascontiguousarray(query, dtype=np.float32)
-    query_labels = np.asarray(query_labels).astype(np.int64)
+    query_labels = class_labels(query_labels, "query labels" if gallery is not None else "labels")
     same_set = gallery is None
+    if len(query) == 0:
+        raise UserError("no embeddings to evaluate (empty input)")
     if same_set:
         gallery, gallery_labels = query, query_labels
     else:
         gallery = np.ascontiguousarray(gallery, dtype=np.float32)
-        gallery_labels = np.asarray(gallery_labels).astype(np.int64)
+        gallery_labels = class_labels(gallery_labels, "gallery labels")
+        if len(gallery) == 0:
+            raise UserError("the gallery is empty")
         if gallery.shape[1] != query.shape[1]:
-            raise ValueError(f"query dim {query.shape[1]} != gallery dim {gallery.shape[1]}")
+            raise UserError(f"query dimension {query.shape[1]} differs from gallery dimension {gallery.shape[1]}")
     if len(query) != len(query_labels) or len(gallery) != len(gallery_labels):
-        raise ValueError("embeddings and labels differ in length")
+        raise UserError(f"embeddings and labels differ in length ({len(query)} vs {len(query_labels)})")
     if not np.isfinite(query).all() or not np.isfinite(gallery).all():
-        raise ValueError("embeddings contain NaN or inf")
+        raise UserError("embeddings contain NaN or inf")
     if normalize:
         query = l2_normalize(query)
         gallery = query if same_set else l2_normalize(gallery)
@@ -120,6 +140,12 @@ def evaluate(query: np.ndarray, query_labels, gallery: np.ndarray | None = None,
     index = flat_index(gallery, metric)
     out = evaluate_ranking(index, query, query_labels, gallery_labels, same_set=same_set,
                            ks=ks, chunk=chunk)
+    if out["n_queries"] == 0:
+        raise UserError(f"no query has a positive: none of the {len(query)} queries has another item of "
+                        "its class in the gallery, so retrieval metrics are undefined")
+    if clustering and len(np.unique(gallery_labels)) < 2:
+        raise UserError("clustering scores need at least 2 classes; the gallery has 1 "
+                        "(evaluate without clustering, or with more classes)")
     if clustering:
         out.update(clustering_scores(gallery, gallery_labels, seed=seed))
     return out

@@ -58,6 +58,10 @@ def test_bad_inputs_give_clear_errors(tmp_path):
     assert r.returncode == 2 and "data-set folder not found" in r.stderr
     r = run("evaluate", "--ks", "0", "--embeddings", "a", check=False)
     assert r.returncode == 2 and "--ks" in r.stderr
+    np.save(tmp_path / "unique.npy", np.arange(4))  # every label unique: no query has a positive
+    r = run("evaluate", "--embeddings", str(tmp_path / "E.npy"), "--labels", str(tmp_path / "unique.npy"),
+            check=False)
+    assert r.returncode == 2 and "no query has a positive" in r.stderr and "NaN" not in r.stdout
 
 
 def test_backbone_on_image_folder_skips_corrupt_image(tmp_path):

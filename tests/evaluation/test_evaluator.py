@@ -124,7 +124,36 @@ def test_pairwise_f1_against_counting():
 
 
 def test_rejects_nan_and_mismatched_dims():
-    with pytest.raises(ValueError, match="NaN"):
+    from core.errors import UserError
+
+    with pytest.raises(UserError, match="NaN"):
         evaluate(np.array([[np.nan, 1.0], [1.0, 0.0]]), [0, 0])
-    with pytest.raises(ValueError, match="dim"):
+    with pytest.raises(UserError, match="query dimension 2 differs from gallery dimension 4"):
         evaluate(np.ones((3, 2)), [0, 0, 1], np.ones((3, 4)), [0, 1, 1])
+
+
+@pytest.mark.parametrize("labels, message", [
+    (np.array([0.0, 0.5, 1.0, 1.0]), r"integer class ids; found \[0.5\]"),
+    (np.array(["a", "b", "a", "b"]), "integer class ids, got dtype <U1"),
+    (np.array([0, 1, 2, 3]), "no query has a positive"),
+    (np.array([[0, 0], [1, 1]]).reshape(4, 1), "must be 1-D"),
+    (np.array([7, 7, 7, 7]), "need at least 2 classes"),
+])
+def test_degenerate_inputs_are_refused_not_nan(labels, message):
+    from core.errors import UserError
+
+    x = np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32)
+    with pytest.raises(UserError, match=message):
+        evaluate(x, labels)
+
+
+def test_empty_and_single_row_are_refused_integral_floats_accepted():
+    from core.errors import UserError
+
+    with pytest.raises(UserError, match="empty input"):
+        evaluate(np.zeros((0, 3), np.float32), np.zeros(0, np.int64))
+    with pytest.raises(UserError, match="no query has a positive"):
+        evaluate(np.ones((1, 3), np.float32), np.array([0]))
+    x = np.eye(4, dtype=np.float32)
+    res = evaluate(x, np.array([0.0, 0.0, 1.0, 1.0]), clustering=False)  # integral floats are class ids
+    assert res["n_queries"] == 4 and np.isfinite(res["map@r"])
