@@ -5,6 +5,8 @@ import hashlib
 import os
 from pathlib import Path
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -15,9 +17,16 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 class Backbone(nn.Module):
-    """Wraps a trunk network; `forward(images) -> (B, dim)` trunk features."""
+    """Wraps a trunk network; `forward(images) -> (B, dim)` trunk features.
 
-    def __init__(self, name: str, trunk: nn.Module, dim: int, mean, std, weights: str):
+    `stages_fn(trunk)` lists the trunk's stages in order as (name, module) pairs, the
+    last one ending in the global pooling, so that running them in turn is the
+    forward pass.  Partial fine-tuning freezes a prefix of them.  They are looked up
+    from the trunk on demand, so the state-dict keys (and checkpoints) stay the trunk's.
+    """
+
+    def __init__(self, name: str, trunk: nn.Module, dim: int, mean, std, weights: str,
+                 stages_fn: Callable[[nn.Module], list] | None = None):
         super().__init__()
         self.name = name
         self.trunk = trunk
@@ -25,9 +34,21 @@ class Backbone(nn.Module):
         self.mean = tuple(float(m) for m in mean)
         self.std = tuple(float(s) for s in std)
         self.weights = weights  # "imagenet", "none" or a file path: where the weights came from
+        self._stages_fn = stages_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.trunk(x)
+
+    def stages(self) -> list[tuple[str, nn.Module]]:
+        if self._stages_fn is None:
+            return [("trunk", self.trunk)]
+        return self._stages_fn(self.trunk)
+
+    def run_stages(self, x: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Stages start … stop−1 on x: (0, n) is a prefix's output, (n, None) the rest of the trunk."""
+        for _, m in self.stages()[start:stop]:
+            x = m(x)
+        return x
 
     def fingerprint(self) -> str:
         """Hash of the exact parameter values: part of every feature-cache key."""
@@ -36,6 +57,18 @@ class Backbone(nn.Module):
             h.update(k.encode())
             h.update(v.detach().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()[:16]
+
+
+class Pooled(nn.Module):
+    """A stage followed by global pooling to (B, C): the trunk's last stage."""
+
+    def __init__(self, stage: nn.Module, pool: Callable[[torch.Tensor], torch.Tensor]):
+        super().__init__()
+        self.stage = stage
+        self.pool = pool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(self.stage(x))
 
 
 def load_state_file(path: str | os.PathLike) -> dict:

@@ -13,7 +13,7 @@ import torch
 
 from core.errors import UserError
 
-from .base import Backbone, load_complete, load_state_file
+from .base import Backbone, Pooled, load_complete, load_state_file
 from .registry import BACKBONES
 
 
@@ -61,4 +61,12 @@ def efficientnet_lite0(weights: str | None = None) -> Backbone:
             src = map_positional(src, list(own), {k: v.shape for k, v in own.items()})
         load_complete(net, src, str(path))
     net.reset_classifier(0)  # trunk only: global-pooled 1280-d features
-    return Backbone("efficientnet_lite0", net, net.num_features, cfg["mean"], cfg["std"], weights)
+    return Backbone("efficientnet_lite0", net, net.num_features, cfg["mean"], cfg["std"], weights,
+                    stages_fn=stages)
+
+
+def stages(net) -> list:
+    """stem, the 7 block groups, then the head convolution with global pooling."""
+    return ([("stem", torch.nn.Sequential(net.conv_stem, net.bn1))]
+            + [(f"blocks{i}", b) for i, b in enumerate(net.blocks)]
+            + [("head", Pooled(torch.nn.Sequential(net.conv_head, net.bn2), net.forward_head))])

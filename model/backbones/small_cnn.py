@@ -5,7 +5,7 @@ from torch import nn
 
 from core.errors import UserError
 
-from .base import Backbone, load_complete, load_state_file
+from .base import Backbone, Pooled, load_complete, load_state_file
 from .registry import BACKBONES
 
 
@@ -40,4 +40,12 @@ def small_cnn(weights: str | None = None) -> Backbone:
     net = SmallCNN()
     if weights != "none":
         load_complete(net, load_state_file(weights), weights)
-    return Backbone("small_cnn", net, net.out_dim, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), weights)
+    return Backbone("small_cnn", net, net.out_dim, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), weights, stages_fn=stages)
+
+
+def stages(net: SmallCNN) -> list:
+    """Its conv blocks; the last one with global pooling."""
+    blocks = list(net.features)
+    pool = lambda x: net.pool(x).flatten(1)  # noqa: E731
+    return ([(f"block{i}", b) for i, b in enumerate(blocks[:-1])]
+            + [(f"block{len(blocks) - 1}", Pooled(blocks[-1], pool))])

@@ -13,7 +13,7 @@ from torch import nn
 
 from core.errors import UserError
 
-from .base import IMAGENET_MEAN, IMAGENET_STD, Backbone, load_complete, load_state_file
+from .base import IMAGENET_MEAN, IMAGENET_STD, Backbone, Pooled, load_complete, load_state_file
 from .registry import BACKBONES
 
 _SPECS = {
@@ -62,7 +62,40 @@ def _build(name: str, weights: str) -> Backbone:
         net.aux1 = None
         net.aux2 = None
     net.fc = nn.Identity()
-    return Backbone(name, net, dim, IMAGENET_MEAN, IMAGENET_STD, weights)
+    return Backbone(name, net, dim, IMAGENET_MEAN, IMAGENET_STD, weights,
+                    stages_fn=googlenet_stages if name == "googlenet" else resnet_stages)
+
+
+def _pool(net):
+    return lambda x: torch.flatten(net.avgpool(x), 1)
+
+
+def resnet_stages(net) -> list:
+    """stem (conv1, bn, relu, max-pool), layer1 … layer4 (the last with global pooling)."""
+    return [("stem", nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool)),
+            ("layer1", net.layer1), ("layer2", net.layer2), ("layer3", net.layer3),
+            ("layer4", Pooled(net.layer4, _pool(net)))]
+
+
+class _GoogLeNetStem(nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        n = self.net
+        x = n._transform_input(x)
+        return n.maxpool2(n.conv3(n.conv2(n.maxpool1(n.conv1(x)))))
+
+
+def googlenet_stages(net) -> list:
+    """stem, then the inception groups 3 (a, b), 4 (a–e) and 5 (a, b, with global pooling);
+    dropout is left out: it is the identity in evaluation and these are trunk features."""
+    return [("stem", _GoogLeNetStem(net)),
+            ("inception3", nn.Sequential(net.inception3a, net.inception3b, net.maxpool3)),
+            ("inception4", nn.Sequential(net.inception4a, net.inception4b, net.inception4c, net.inception4d,
+                                         net.inception4e, net.maxpool4)),
+            ("inception5", Pooled(nn.Sequential(net.inception5a, net.inception5b), _pool(net)))]
 
 
 @BACKBONES.register("resnet18", doc="torchvision ResNet-18; ImageNet weights from --weights PATH or the torch cache; 512-d")
