@@ -40,8 +40,8 @@ def collate_skip(batch):
 
 
 def make_loader(subset: Subset, transform, batch_size: int = 64, workers: int = 1,
-                shuffle: bool = False, sampler=None, generator=None) -> DataLoader:
+                shuffle: bool = False, sampler=None, generator=None, pin_memory: bool = False) -> DataLoader:
     return DataLoader(ImageDataset(subset, transform), batch_size=batch_size,
                       shuffle=shuffle if sampler is None else False, sampler=sampler,
                       num_workers=workers, collate_fn=collate_skip, generator=generator,
-                      persistent_workers=False)
+                      persistent_workers=False, pin_memory=pin_memory)

@@ -26,6 +26,7 @@ from core.errors import UserError
 from data import DataConfig, load_data
 from data.loader import make_loader
 
+from .device import autocast
 from .preprocess import TransformSpec, transform_for
 
 log = logging.getLogger(__name__)
@@ -33,13 +34,15 @@ CACHE_VERSION = 1
 
 
 @torch.inference_mode()
-def extract(fn, loader, desc: str = "embed",
-            progress: bool = True):
-    """Run `fn` over every batch.  Returns (features float32 N×d, labels, kept indices, skipped).
+def extract(fn, loader, desc: str = "embed", progress: bool = True, device: torch.device | None = None,
+            precision: str = "fp32"):
+    """Run `fn` over every batch (on `device`, the one `fn`'s parameters live on).  Returns
+    (features float32 N×d, labels, kept indices, skipped).
 
     `skipped` lists (index, message) of unreadable images; they are absent from
     the outputs, and the count is logged.
     """
+    device = device or torch.device("cpu")
     feats, labels, idx, skipped = [], [], [], []
     for images, y, i, bad in tqdm(loader, desc=desc, unit="batch", disable=not progress):
         skipped.extend(bad)
@@ -47,7 +50,9 @@ def extract(fn, loader, desc: str = "embed",
             log.warning("skipped: %s", msg)
         if images is None:
             continue
-        feats.append(fn(images).float().cpu().numpy())
+        with autocast(device, precision):
+            out = fn(images.to(device, non_blocking=True))
+        feats.append(out.float().cpu().numpy())
         labels.append(y.numpy())
         idx.append(i.numpy())
     if skipped:
@@ -58,10 +63,13 @@ def extract(fn, loader, desc: str = "embed",
             np.concatenate(idx).astype(np.int64), skipped)
 
 
-def embed_subset(fn, subset, spec: TransformSpec, dcfg: DataConfig, desc: str, progress: bool = True):
-    """(features, labels, kept indices, skipped) of a Subset's images under `fn`."""
-    loader = make_loader(subset, spec.build(), batch_size=dcfg.eval_batch_size, workers=dcfg.workers)
-    return extract(fn, loader, desc=desc, progress=progress)
+def embed_subset(fn, subset, spec: TransformSpec, dcfg: DataConfig, desc: str, progress: bool = True,
+                 device: torch.device | None = None, precision: str = "fp32"):
+    """(features, labels, kept indices, skipped) of a Subset's images under `fn` (on `device`)."""
+    device = device or torch.device("cpu")
+    loader = make_loader(subset, spec.build(), batch_size=dcfg.eval_batch_size, workers=dcfg.workers,
+                         pin_memory=device.type == "cuda")
+    return extract(fn, loader, desc=desc, progress=progress, device=device, precision=precision)
 
 
 def subset_identity(splits, subset) -> str:

@@ -1,0 +1,48 @@
+"""Device and precision selection, shared by every command that runs a model.
+
+`--device auto|cpu|cuda|cuda:N`: auto takes CUDA when available.  Asking for a
+CUDA device that is not there is refused (one line), never silently downgraded.
+`--precision fp32|bf16|fp16`: autocast for the forward pass; fp16 on CPU is
+refused (CPU autocast is bf16 only).  FAISS stays on the CPU: outputs come back
+as contiguous float32.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+
+import torch
+
+from core.errors import UserError
+
+DEVICE_HELP = "auto (CUDA when available) | cpu | cuda | cuda:N"
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def resolve_device(spec: str | None = "auto") -> torch.device:
+    spec = (spec or "auto").strip().lower()
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec == "cpu":
+        return torch.device("cpu")
+    m = re.fullmatch(r"cuda(?::(\d+))?", spec)
+    if not m:
+        raise UserError(f"--device must be {DEVICE_HELP}, got {spec!r}")
+    if not torch.cuda.is_available():
+        raise UserError(f"--device {spec}: CUDA is not available on this machine; use --device cpu or auto")
+    idx = int(m.group(1) or 0)
+    if idx >= torch.cuda.device_count():
+        raise UserError(f"--device {spec}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return torch.device("cuda", idx)
+
+
+def autocast(device: torch.device, precision: str = "fp32"):
+    """A context for the forward pass at `precision` on `device` (fp32: no autocast)."""
+    if precision not in PRECISIONS:
+        raise UserError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if device.type == "cpu" and precision == "fp16":
+        raise UserError("--precision fp16 needs CUDA; on the CPU use bf16 or fp32")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
