@@ -88,13 +88,13 @@ def subset_identity(splits, subset) -> str:
     return h.hexdigest()
 
 
-def cache_key(backbone, splits, subset, spec) -> str:
-    blob = json.dumps({
-        "v": CACHE_VERSION, "backbone": backbone.name, "weights": backbone.fingerprint(),
-        "data": subset_identity(splits, subset), "split": subset.name,
-        "transform": spec.describe(),
-    }, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+def cache_key(backbone, splits, subset, spec, prefix: int | None = None) -> str:
+    """Feature-cache key; with `prefix`, the key of the first `prefix` stages' output maps."""
+    d = {"v": CACHE_VERSION, "backbone": backbone.name, "weights": backbone.fingerprint(prefix),
+         "data": subset_identity(splits, subset), "split": subset.name, "transform": spec.describe()}
+    if prefix is not None:
+        d["prefix_stages"] = prefix
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:20]
 
 
 def cached_features(backbone, splits, subset, spec, embed_fn, cache_dir="cache/features",
@@ -117,6 +117,62 @@ def cached_features(backbone, splits, subset, spec, embed_fn, cache_dir="cache/f
             "dim": int(feats.shape[1]) if feats.ndim == 2 else 0, "skipped": [m for _, m in skipped],
             "transform": spec.describe(), "key": key}, indent=2))
     return feats, labels, idx
+
+
+@dataclass
+class PrefixCache:
+    """Output maps of a backbone's frozen prefix for one subset, float16 and memory-mapped."""
+    maps: np.ndarray        # N × C × H × W float16 (np.memmap): rows of the kept images
+    labels: np.ndarray
+    kept: np.ndarray        # indices into the subset
+    path: Path
+
+
+@torch.inference_mode()
+def cached_prefix(backbone, n_stages: int, splits, subset, spec: TransformSpec, dcfg: DataConfig,
+                  cache_dir: str, progress: bool = True, device: torch.device | None = None) -> PrefixCache:
+    """The first `n_stages` stages' outputs for every image of `subset`, computed once (the prefix is
+    frozen and sees no augmentation, so its output is a pure function of the image) and stored
+    as float16 .npy, memory-mapped on read so RAM stays bounded by the batch."""
+    if not 0 < n_stages < len(backbone.stages()):
+        raise UserError(f"a cached prefix needs 1 … {len(backbone.stages()) - 1} stages, got {n_stages}")
+    key = cache_key(backbone, splits, subset, spec, prefix=n_stages)
+    d = Path(cache_dir) / f"{backbone.name}-prefix{n_stages}-{splits.name}-{subset.name}-{key}"
+    if not (d / "meta.json").is_file():
+        device = device or torch.device("cpu")
+        backbone.eval().to(device)
+        loader = make_loader(subset, spec.build(), batch_size=dcfg.eval_batch_size, workers=dcfg.workers)
+        with atomic_dir(d) as tmp:
+            maps = None
+            labels, kept, n = [], [], 0
+            for images, y, i, bad in tqdm(loader, desc=f"prefix {subset.name}", unit="batch",
+                                          disable=not progress):
+                for _, msg in bad:
+                    log.warning("skipped: %s", msg)
+                if images is None:
+                    continue
+                out = backbone.run_stages(images.to(device), 0, n_stages).to("cpu", torch.float16).numpy()
+                if maps is None:  # rows for every image; unreadable ones are left unused at the end
+                    maps = np.lib.format.open_memmap(tmp / "maps.npy", mode="w+", dtype=np.float16,
+                                                     shape=(len(subset), *out.shape[1:]))
+                maps[n: n + len(out)] = out
+                n += len(out)
+                labels.append(y.numpy())
+                kept.append(i.numpy())
+            if maps is None:
+                raise UserError(f"no readable images in {subset.root} ({subset.name} split)")
+            maps.flush()
+            del maps
+            np.save(tmp / "labels.npy", np.concatenate(labels).astype(np.int64))
+            np.save(tmp / "index.npy", np.concatenate(kept).astype(np.int64))
+            (tmp / "meta.json").write_text(json.dumps({
+                "backbone": backbone.name, "prefix_stages": n_stages, "split": subset.name, "n": n,
+                "transform": spec.describe(), "key": key}, indent=2))
+    else:
+        log.info("prefix cache hit: %s", d)
+    labels = np.load(d / "labels.npy", allow_pickle=False)
+    maps = np.load(d / "maps.npy", mmap_mode="r", allow_pickle=False)[: len(labels)]
+    return PrefixCache(maps, labels, np.load(d / "index.npy", allow_pickle=False), d)
 
 
 def backbone_features(backbone, splits, subset, spec: TransformSpec, dcfg: DataConfig,

@@ -50,10 +50,18 @@ class Backbone(nn.Module):
             x = m(x)
         return x
 
-    def fingerprint(self) -> str:
-        """Hash of the exact parameter values: part of every feature-cache key."""
+    def fingerprint(self, prefix: int | None = None) -> str:
+        """Hash of the exact parameter (and buffer) values: part of every feature-cache key.
+        With `prefix`, only those of the first `prefix` stages: a cached prefix stays valid
+        while the stages after it train."""
         h = hashlib.sha256(self.name.encode())
-        for k, v in self.trunk.state_dict().items():
+        if prefix is None:
+            items = self.trunk.state_dict().items()
+        else:
+            h.update(f"prefix:{prefix}".encode())
+            items = [(f"{i}.{k}", v) for i, (_, m) in enumerate(self.stages()[:prefix])
+                     for k, v in m.state_dict().items()]
+        for k, v in items:
             h.update(k.encode())
             h.update(v.detach().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()[:16]

@@ -1,0 +1,69 @@
+"""model/features.py: the cached frozen prefix equals the prefix computed on the fly."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from core.errors import UserError
+from data import DataConfig, load_data
+from model.backbones import build_backbone
+from model.features import cache_key, cached_prefix
+from model.preprocess import transform_for
+
+
+@pytest.fixture()
+def folder(tmp_path):
+    rng = np.random.default_rng(0)
+    for c in range(4):
+        (tmp_path / "img" / f"c{c}").mkdir(parents=True)
+        for j in range(3):
+            Image.fromarray(rng.integers(0, 255, (24, 24, 3), dtype=np.uint8)).save(
+                tmp_path / "img" / f"c{c}" / f"{j}.png")
+    (tmp_path / "img" / "c0" / "broken.png").write_bytes(b"not a png")
+    return tmp_path
+
+
+def test_prefix_maps_equal_on_the_fly_and_are_reused(folder):
+    cfg = DataConfig(dataset="imagefolder", data_root=str(folder / "img"), image_size=32, eval_batch_size=5)
+    splits = load_data(cfg, progress=False)
+    torch.manual_seed(0)
+    bb = build_backbone("small_cnn", "none").eval()
+    spec = transform_for(bb, cfg)
+    sub = splits.train
+    pc = cached_prefix(bb, 2, splits, sub, spec, cfg, str(folder / "cache"), progress=False)
+    assert isinstance(pc.maps, np.memmap) and pc.maps.dtype == np.float16
+    tf = spec.build()
+    from core.images import load_rgb
+    readable = [i for i in range(len(sub)) if not sub.paths[i].endswith("broken.png")]
+    assert pc.kept.tolist() == readable and len(pc.maps) == len(readable)
+    x = torch.stack([tf(load_rgb(sub.abspath(i))) for i in readable])
+    with torch.no_grad():
+        ref = bb.run_stages(x, 0, 2)
+    assert torch.allclose(torch.from_numpy(np.asarray(pc.maps, dtype=np.float32)), ref, atol=2e-2, rtol=1e-2)
+    # the tail on the cached maps gives the trunk's features (float16 round-off aside)
+    with torch.no_grad():
+        tail = bb.run_stages(torch.from_numpy(np.asarray(pc.maps, dtype=np.float32)), 2)
+        full = bb(x)
+    assert torch.allclose(tail, full, atol=5e-2, rtol=5e-2)
+    again = cached_prefix(bb, 2, splits, sub, spec, cfg, str(folder / "cache"), progress=False)
+    assert again.path == pc.path and len(list(Path(folder / "cache").iterdir())) == 1
+
+
+def test_prefix_key_ignores_the_tail_and_tracks_the_prefix(folder):
+    cfg = DataConfig(dataset="imagefolder", data_root=str(folder / "img"), image_size=32)
+    splits = load_data(cfg, progress=False)
+    torch.manual_seed(0)
+    bb = build_backbone("small_cnn", "none")
+    spec = transform_for(bb, cfg)
+    k2 = cache_key(bb, splits, splits.train, spec, prefix=2)
+    assert k2 != cache_key(bb, splits, splits.train, spec, prefix=1)
+    with torch.no_grad():
+        bb.stages()[3][1].stage[0].weight.add_(1.0)   # training the tail keeps the prefix cache valid
+    assert cache_key(bb, splits, splits.train, spec, prefix=2) == k2
+    with torch.no_grad():
+        bb.stages()[0][1][0].weight.add_(1.0)         # a changed prefix is a new cache
+    assert cache_key(bb, splits, splits.train, spec, prefix=2) != k2
+    with pytest.raises(UserError, match="needs 1 … 3 stages"):
+        cached_prefix(bb, 4, splits, splits.train, spec, cfg, str(folder / "cache"), progress=False)
