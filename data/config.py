@@ -31,6 +31,24 @@ class DataConfig:
     workers: int = field(default=1, metadata={"help": "image-loading worker processes"})
     eval_batch_size: int = field(default=128, metadata={"help": "batch size for embedding images"})
 
+    def validate(self) -> None:
+        """Refuse an impossible setting before anything is read or written."""
+        from core.errors import UserError
+
+        from .registry import DATASETS
+
+        DATASETS.get(self.dataset)
+        checks = [(self.num_classes >= 0, f"--num-classes must be ≥ 0 (0 = all), got {self.num_classes}"),
+                  (self.image_size == 0 or 16 <= self.image_size <= 2048,
+                   f"--image-size must be 0 (the data set's default) or 16 … 2048, got {self.image_size}"),
+                  (0.0 <= self.val_fraction < 1.0, f"--val-fraction must be in [0, 1), got {self.val_fraction}"),
+                  (self.data_seed >= 0, f"--data-seed must be ≥ 0, got {self.data_seed}"),
+                  (self.workers >= 0, f"--workers must be ≥ 0, got {self.workers}"),
+                  (self.eval_batch_size >= 1, f"--eval-batch-size must be ≥ 1, got {self.eval_batch_size}")]
+        for ok, msg in checks:
+            if not ok:
+                raise UserError(msg)
+
     def _meta(self) -> dict:
         from .registry import DATASETS
 
@@ -98,4 +116,5 @@ def resolve(cfg: DataConfig, splits) -> DataConfig:
 def load_data(cfg: DataConfig, progress: bool = True):
     from .registry import DATASETS
 
+    cfg.validate()
     return DATASETS.build(cfg.dataset, cfg, progress)

@@ -67,9 +67,15 @@ def embed_subset(fn, subset, spec: TransformSpec, dcfg: DataConfig, desc: str, p
                  device: torch.device | None = None, precision: str = "fp32"):
     """(features, labels, kept indices, skipped) of a Subset's images under `fn` (on `device`)."""
     device = device or torch.device("cpu")
+    if len(subset) == 0:
+        raise UserError(f"the {subset.name} split has no images (under {subset.root})")
     loader = make_loader(subset, spec.build(), batch_size=dcfg.eval_batch_size, workers=dcfg.workers,
                          pin_memory=device.type == "cuda")
-    return extract(fn, loader, desc=desc, progress=progress, device=device, precision=precision)
+    out = extract(fn, loader, desc=desc, progress=progress, device=device, precision=precision)
+    if len(out[2]) == 0:
+        raise UserError(f"no readable images in {subset.root} ({subset.name} split: all {len(subset)} "
+                        f"failed to load, e.g. {out[3][0][1]})")
+    return out
 
 
 def subset_identity(splits, subset) -> str:

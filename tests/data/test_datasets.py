@@ -273,3 +273,30 @@ def test_image_folder_size_follows_small_images(tmp_path):
     assert resolve(cfg, load_data(cfg, progress=False)).image_size == 224  # one large image: the default
     kanji = DataConfig(dataset="kanji")
     assert (kanji.resolved_image_size(), kanji.resolved_resize_mode()) == (64, "resize")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("num_classes", -1, "--num-classes must be ≥ 0"), ("image_size", 8, "--image-size must be 0"),
+    ("val_fraction", 1.0, r"--val-fraction must be in \[0, 1\)"), ("eval_batch_size", 0, "--eval-batch-size"),
+    ("workers", -2, "--workers must be ≥ 0"), ("dataset", "mnist", "unknown data set 'mnist'"),
+])
+def test_data_config_is_validated_before_anything_is_read(tmp_path, field, value, message):
+    cfg = dataclasses.replace(DataConfig(dataset="imagefolder", data_root=str(tmp_path / "none")), **{field: value})
+    with pytest.raises(UserError, match=message):
+        load_data(cfg)
+
+
+def test_a_folder_of_only_corrupt_images_is_refused_clearly(tmp_path):
+    from model.backbones import build_backbone
+    from model.features import embed_subset
+    from model.preprocess import transform_for
+
+    for c in range(4):
+        (tmp_path / f"c{c}").mkdir()
+        for j in range(2):
+            (tmp_path / f"c{c}" / f"{j}.jpg").write_bytes(b"garbage")
+    cfg = DataConfig(dataset="imagefolder", data_root=str(tmp_path), image_size=32)
+    splits = load_data(cfg, progress=False)
+    bb = build_backbone("small_cnn", "none")
+    with pytest.raises(UserError, match=r"no readable images in .* \(test split: all 4 failed to load, e.g. cannot"):
+        embed_subset(bb.eval(), splits.test, transform_for(bb, cfg), cfg, "x", progress=False)
