@@ -16,12 +16,12 @@ def build_parser():
     p.add_argument("--checkpoint", help="model for query images (default: the one the index was built with)")
     p.add_argument("--analysis", default=None, help="folder written by `python -m index evaluate` "
                    f"(default: {DEMO_ANALYSIS} for the demo index)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    p.add_argument("--port", type=int, default=7860)
-    p.add_argument("--max-upload-mb", type=float, default=10.0, help="upload size cap")
-    p.add_argument("--concurrency", type=int, default=2, help="searches served at once (queue)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, loopback only)")
+    p.add_argument("--port", type=int, default=7860, help="port to serve on (default: %(default)s)")
+    p.add_argument("--max-upload-mb", type=float, default=10.0, help="upload size cap (default: %(default)s)")
+    p.add_argument("--concurrency", type=int, default=2, help="searches served at once (queue) (default: %(default)s)")
     p.add_argument("--no-verify", action="store_true", help="skip index checksum verification at start")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
 
@@ -36,7 +36,7 @@ def launch(args, block: bool = True):
     from .ui import CSS, build_ui, offline_theme
 
     if not Path(args.index).is_dir():
-        hint = " Run `make demo` (or `python -m training demo --no-ui`) to build it." if args.index == DEMO_INDEX else ""
+        hint = " Run `make demo` (or `python -m demo --no-ui`) to build it." if args.index == DEMO_INDEX else ""
         raise UserError(f"index directory not found: {args.index}.{hint}")
     analysis = args.analysis or (DEMO_ANALYSIS if args.index == DEMO_INDEX else None)
     from index.threads import serving_threads

@@ -8,7 +8,6 @@ Read paths are lock-free (FAISS searches are thread-safe); caches are locked.
 """
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import logging
@@ -21,13 +20,13 @@ from PIL import Image, ImageDraw
 
 from core.errors import CorruptImageError, UserError
 from core.images import load_rgb
-from evaluation.evaluator import evaluate_ranking, per_query_metrics, relevant_counts
+from evaluation.evaluator import evaluate_ranking, per_query_metrics
 from index.embedder import ImageEmbedder
+from index.refinements import REFINEMENTS, file_params, strategy_label
 from index.search import Searcher
 from index.store import read_index
 
 log = logging.getLogger("app")
-STRATEGY_CHOICES = ("trained", "identity", "diagonal", "random", "shrink", "spectral", "custom")
 
 
 @dataclass
@@ -54,19 +53,7 @@ class Spec:
     mode: str = "cosine"
 
     def label(self) -> str:
-        p = {k: v for k, v in self.params.items() if v not in (None, "")}
-        if self.strategy in ("trained", "identity"):
-            p = {}
-        elif self.strategy in ("diagonal", "random"):
-            p = {k: p[k] for k in ("r", "seed") if k in p}
-        elif self.strategy == "shrink":
-            p = {k: p[k] for k in ("alpha",) if k in p}
-        elif self.strategy == "spectral":
-            p = {k: p[k] for k in ("p",) if k in p}
-        elif self.strategy == "custom":
-            p = {"file": Path(str(p.get("path", ""))).name}
-        args = ", ".join(f"{k}={v}" for k, v in p.items())
-        return f"{self.strategy}{'(' + args + ')' if args else ''} · {self.mode}"
+        return f"{strategy_label(self.strategy, self.params)} · {self.mode}"
 
 
 class RetrievalService:
@@ -87,6 +74,12 @@ class RetrievalService:
         self._per_query: dict = {}
         self._pca = None
         self._thumbs: dict[int, Image.Image] = {}
+
+    @staticmethod
+    def strategy_choices(with_files: bool = True) -> list[str]:
+        """The registered refinement strategies; `with_files=False`: only those that need no
+        user-supplied file (what an API call can name)."""
+        return [n for n in REFINEMENTS.names() if with_files or not file_params(n)]
 
     # ------------------------------------------------------------ queries
     def query_from_upload(self, source) -> Query:

@@ -2,6 +2,7 @@
 UserErrors into a visible message, so a bad upload never stops the app."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -10,8 +11,9 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import gradio as gr  # noqa: E402
 
 from core.errors import UserError  # noqa: E402
+from index.refinements import REFINEMENTS, SharedParam, file_params, shared_params, strategy_params  # noqa: E402
 
-from .service import STRATEGY_CHOICES, Panel, RetrievalService, Spec  # noqa: E402
+from .service import Panel, RetrievalService, Spec  # noqa: E402
 
 log = logging.getLogger("app")
 
@@ -30,13 +32,27 @@ class UploadImage(gr.Image):
         return super().preprocess(payload)
 
 
-def spec_from(strategy, r, seed, alpha, p, custom, mode) -> Spec:
-    params = {"r": r, "seed": int(seed or 0), "alpha": alpha, "p": p}
-    if strategy == "custom":
-        if not custom:
-            raise UserError("strategy custom: upload a symmetric d × d .npy matrix first")
-        params["path"] = custom if isinstance(custom, str) else getattr(custom, "name", str(custom))
-    return Spec(strategy, params, mode)
+def spec_from(strategy, mode, values: dict) -> Spec:
+    """A Spec from the parameter controls' values (every strategy's, by name): the chosen
+    strategy's typed parameters, so that its label shows exactly what was searched."""
+    for name in file_params(strategy):
+        if not values.get(name):
+            raise UserError(f"strategy {strategy}: upload {REFINEMENTS.get(strategy).param_help()[name]} first")
+    return Spec(strategy, dataclasses.asdict(strategy_params(strategy, values)), mode)
+
+
+def param_control(sp: SharedParam, api: bool = False):
+    """The control for one strategy parameter, from its registry metadata: a file upload,
+    a slider (where it declares a range), else a number or text box.  `api`: a plain value."""
+    label = sp.name if api else f"{sp.name}: {sp.describe()}"
+    if sp.metadata.get("file"):
+        return gr.File(label=label, file_types=list(sp.metadata["file"]), type="filepath")
+    if "range" in sp.metadata and not api:
+        lo, hi = sp.metadata["range"]
+        return gr.Slider(lo, hi, sp.default, step=sp.metadata.get("step", (hi - lo) / 20), label=label)
+    if sp.type in (int, float):
+        return gr.Number(sp.default, precision=0 if sp.type is int else None, label=label)
+    return gr.Textbox(sp.default, label=label)
 
 
 def gallery_items(svc: RetrievalService, panel: Panel) -> list:
@@ -65,13 +81,13 @@ class Handlers:
             return self.svc.query_from_item(int(qstate["id"]))
         return self.svc.query_from_upload(upload)
 
-    def on_search(self, qstate, upload, strategy, r, seed, alpha, p, custom, mode, k):
+    def on_search(self, qstate, upload, strategy, mode, k, **params):
         """→ left title, left gallery, right title, right gallery, status, results state, M′ heatmap,
-        M′ report, 2-D map."""
+        M′ report, 2-D map.  `params`: every strategy parameter control's value, by name."""
         k = int(k)
         try:
             q = self._query(qstate, upload)
-            spec = spec_from(strategy, r, seed, alpha, p, custom, mode)
+            spec = spec_from(strategy, mode, params)
             left, right = self.svc.compare(q, spec, k, left_mode=mode if mode == "cosine" else "bilinear")
             rep = self.svc.metric_report(spec)
             known = "" if q.label is None else f" Query class: **{self.svc.class_name(q.label)}**."
@@ -85,9 +101,9 @@ class Handlers:
             return ("### Left", [], "### Right", [], f"⚠️ {e}", {"left": [], "right": []},
                     gr.update(), gr.update(), gr.update())
 
-    def on_disagreements(self, strategy, r, seed, alpha, p, custom, mode):
+    def on_disagreements(self, strategy, mode, **params):
         try:
-            spec = spec_from(strategy, r, seed, alpha, p, custom, mode)
+            spec = spec_from(strategy, mode, params)
             rows = self.svc.disagreements(spec, left_mode=mode if mode == "cosine" else "bilinear")
         except UserError as e:
             gr.Warning(str(e))
@@ -109,12 +125,12 @@ def report_md(spec: Spec, rep: dict) -> str:
 
 
 def api_search(svc: RetrievalService):
-    def search(image, strategy="identity", r=0.5, seed=0, alpha=0.5, p=0.5, mode="bilinear", k=10) -> dict:
+    # the API's parameters: image, strategy, then each file-free strategy parameter, mode, k
+    def search(image, strategy="identity", *, mode="bilinear", k=10, **params) -> dict:
         """Search the gallery with an image under a metric; returns the ranked results."""
         try:
             q = svc.query_from_upload(image)
-            spec = spec_from(strategy, r, seed, alpha, p, None, mode)
-            panel = svc.panel(q, spec, int(k))
+            panel = svc.panel(q, spec_from(strategy, mode, params), int(k))
         except UserError as e:
             raise gr.Error(str(e)) from None
         # "relative_path", not "path": gradio_client would take a "path" key for a file to download
@@ -151,15 +167,10 @@ def build_ui(svc: RetrievalService) -> gr.Blocks:
                 with gr.Column(scale=1, min_width=280):
                     query = UploadImage(label="Query: upload or paste an image", type="filepath",
                                         sources=["upload", "clipboard"], height=200)
-                    strategy = gr.Dropdown(list(STRATEGY_CHOICES), value="identity", label="Right-panel strategy")
+                    strategy = gr.Dropdown(svc.strategy_choices(), value="identity", label="Right-panel strategy")
                     mode = gr.Radio(["cosine", "bilinear"], value="cosine", label="Mode (both panels)")
                     with gr.Accordion("Strategy parameters", open=True):
-                        r = gr.Slider(0, 1, 0.5, step=0.05, label="r: restraint degree (diagonal, random)")
-                        seed = gr.Number(0, precision=0, label="seed (diagonal, random)")
-                        alpha = gr.Slider(0, 1, 0.5, step=0.05, label="α: shrink towards identity")
-                        p = gr.Slider(0, 2, 0.5, step=0.05, label="p: spectral power")
-                        custom = gr.File(label="custom M′ (.npy, d × d, symmetric)", file_types=[".npy"],
-                                         type="filepath")
+                        controls = {sp.name: param_control(sp) for sp in shared_params()}
                     k = gr.Slider(1, 48, 12, step=1, label="k")
                     go = gr.Button("Search", variant="primary")
                     status = gr.Markdown("Pick an example below or upload an image.")
@@ -196,24 +207,24 @@ def build_ui(svc: RetrievalService) -> gr.Blocks:
                 gal_map = gr.Image(svc.gallery_map(), label="2-D map of the gallery", interactive=False)
             m_report = gr.Markdown()
 
-        inputs = [qstate, query, strategy, r, seed, alpha, p, custom, mode, k]
+        inputs = [qstate, query, strategy, mode, k]
         outputs = [left_title, left, right_title, right, status, results_state, m_prime, m_report, gal_map]
 
-        go.click(h.on_search, inputs, outputs, api_visibility="private")
-        query.upload(lambda: {"kind": "upload"}, None, qstate, api_visibility="private").then(
-            h.on_search, inputs, outputs, api_visibility="private")
-        for ctl in (strategy, mode, custom):
-            ctl.change(h.on_search, inputs, outputs, api_visibility="private")
-        for sl in (r, alpha, p, k):
-            sl.release(h.on_search, inputs, outputs, api_visibility="private")
-        seed.submit(h.on_search, inputs, outputs, api_visibility="private")
+        def search_on(event):
+            return event(h.on_search, inputs, outputs, inputs_kwargs=controls, api_visibility="private")
+
+        search_on(go.click)
+        search_on(query.upload(lambda: {"kind": "upload"}, None, qstate, api_visibility="private").then)
+        for ctl in (strategy, mode, *controls.values(), k):
+            # sliders search when let go, boxes on enter, the rest on any change
+            search_on(ctl.release if isinstance(ctl, gr.Slider) else
+                      ctl.submit if isinstance(ctl, (gr.Number, gr.Textbox)) else ctl.change)
 
         def pick_example(evt: gr.SelectData):
             i = example_ids[evt.index]
             return {"kind": "item", "id": i}, svc.thumbnail(i, size=200)
 
-        examples.select(pick_example, None, [qstate, query], api_visibility="private").then(
-            h.on_search, inputs, outputs, api_visibility="private")
+        search_on(examples.select(pick_example, None, [qstate, query], api_visibility="private").then)
 
         def pick_result(side):
             def f(ids, evt: gr.SelectData):
@@ -230,32 +241,27 @@ def build_ui(svc: RetrievalService) -> gr.Blocks:
                 return gr.update(), gr.update()
             return {"kind": "item", "id": int(sel)}, svc.thumbnail(int(sel), size=200)
 
-        follow.click(follow_up, selected, [qstate, query], api_visibility="private").then(
-            h.on_search, inputs, outputs, api_visibility="private")
+        search_on(follow.click(follow_up, selected, [qstate, query], api_visibility="private").then)
 
-        dis_go.click(h.on_disagreements, [strategy, r, seed, alpha, p, custom, mode], [dis, dis_ids, dis_msg],
+        dis_go.click(h.on_disagreements, [strategy, mode], [dis, dis_ids, dis_msg], inputs_kwargs=controls,
                      api_visibility="private")
 
         def pick_dis(ids, evt: gr.SelectData):
             i = ids[evt.index]
             return {"kind": "item", "id": i}, svc.thumbnail(i, size=200)
 
-        dis.select(pick_dis, dis_ids, [qstate, query], api_visibility="private").then(
-            h.on_search, inputs, outputs, api_visibility="private")
+        search_on(dis.select(pick_dis, dis_ids, [qstate, query], api_visibility="private").then)
 
         # The HTTP API `/search` (gradio_client, see README): hidden components give it typed,
-        # file-uploading parameters; the UI never shows them.
+        # file-uploading parameters; the UI never shows them.  Strategies needing a file are left out.
         with gr.Row(visible=False):
             a_img = UploadImage(type="filepath", label="image")
-            a_strategy = gr.Dropdown(list(STRATEGY_CHOICES[:-1]), value="identity", label="strategy")
-            a_r = gr.Number(0.5, label="r")
-            a_seed = gr.Number(0, precision=0, label="seed")
-            a_alpha = gr.Number(0.5, label="alpha")
-            a_p = gr.Number(0.5, label="p")
+            a_strategy = gr.Dropdown(svc.strategy_choices(with_files=False), value="identity", label="strategy")
+            a_params = {sp.name: param_control(sp, api=True) for sp in shared_params() if not sp.metadata.get("file")}
             a_mode = gr.Dropdown(["bilinear", "cosine"], value="bilinear", label="mode")
             a_k = gr.Number(10, precision=0, label="k")
             a_out = gr.JSON(label="results")
             a_btn = gr.Button()
-        a_btn.click(api_search(svc), [a_img, a_strategy, a_r, a_seed, a_alpha, a_p, a_mode, a_k], a_out,
+        a_btn.click(api_search(svc), [a_img, a_strategy], a_out, inputs_kwargs=a_params | {"mode": a_mode, "k": a_k},
                     api_name="search")
     return demo

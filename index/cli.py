@@ -2,46 +2,59 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from core.atomic import write_json
-from core.config import add_config_args, config_from_args
+from core.config import add_config_args, config_from_args, parse_with_config_file
 from core.errors import UserError
 from core.logs import setup_logging
-from data import DataConfig
+from core.registry import convert
+from data import DATASETS, DataConfig
+
+from .build_config import BuildConfig
+from .refinements import MODES, REFINEMENTS, shared_params
 
 log = logging.getLogger("index")
 
 
 def _strategy_args(p):
-    from .refinements import STRATEGIES
+    g = p.add_argument_group("metric (refinement strategy; `python -m index list` shows each one's parameters)")
+    REFINEMENTS.add_argument(g, "--strategy", default="trained", help="refinement strategy M* ↦ M′")
+    # one flag per parameter name over all strategies; unset = the chosen strategy's default
+    for sp in shared_params():
+        g.add_argument(sp.flag, dest=sp.name, type=_param_type(sp), default=None,
+                       help=sp.describe().replace("%", "%%"))
+    g.add_argument("--mode", choices=MODES, default="bilinear",
+                   help="bilinear φ(q)ᵀM′φ(x) (any symmetric M′) or cosine under M′ (PSD only) "
+                        "(default: %(default)s)")
 
-    g = p.add_argument_group("metric (refinement strategy)")
-    g.add_argument("--strategy", default="trained", choices=sorted(STRATEGIES),
-                   help="; ".join(f"{n}: {s.doc}" for n, s in sorted(STRATEGIES.items())))
-    g.add_argument("--r", type=float, help="restraint degree for diagonal/random (default 0.5)")
-    g.add_argument("--seed", type=int, help="seed for diagonal/random (default 0)")
-    g.add_argument("--alpha", type=float, help="shrink weight α (default 0.5)")
-    g.add_argument("--p", type=float, help="spectral power p (default 0.5)")
-    g.add_argument("--metric-matrix", help="custom: a symmetric d × d .npy file")
-    g.add_argument("--mode", choices=["bilinear", "cosine"], default="bilinear",
-                   help="bilinear φ(q)ᵀM′φ(x) (any symmetric M′) or cosine under M′ (PSD only)")
+
+def _param_type(sp):
+    def parse(value: str):
+        try:
+            return convert(value, sp.type, "value")
+        except UserError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    parse.__name__ = getattr(sp.type, "__name__", "value")
+    return parse
 
 
 def strategy_params_from(args) -> dict:
-    return {"r": args.r, "seed": args.seed, "alpha": args.alpha, "p": args.p, "path": args.metric_matrix}
+    return {sp.name: getattr(args, sp.name) for sp in shared_params()}
 
 
 # ---------------------------------------------------------------- commands
 def cmd_build(args) -> int:
     from .build import build_from_dataset, build_from_features, build_from_image_folder
 
-    normalize = not args.no_normalize
+    if not args.out:
+        raise UserError("give --out (the index directory to write), on the command line or in --config")
+    normalize, progress = args.normalize, args.progress
     if args.features:
         if not args.labels:
             raise UserError("--features needs --labels")
@@ -50,11 +63,11 @@ def cmd_build(args) -> int:
         if not args.checkpoint:
             raise UserError("--image-folder needs --checkpoint")
         path = build_from_image_folder(args.checkpoint, args.image_folder, args.out, normalize, args.factory,
-                                       args.eval_batch_size, args.workers, progress=not args.no_progress)
+                                       args.eval_batch_size, args.workers, progress=progress)
     elif args.checkpoint:
         dcfg = config_from_args(DataConfig, args)
         path = build_from_dataset(args.checkpoint, dcfg, args.out, args.split, normalize, args.factory,
-                                  cache_dir=args.cache_dir or None, progress=not args.no_progress)
+                                  cache_dir=args.cache_dir or None, progress=progress)
     else:
         raise UserError("give --checkpoint (with --dataset or --image-folder) or --features")
     man = json.loads((Path(path) / "manifest.json").read_text())
@@ -168,78 +181,88 @@ def cmd_select(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def cmd_list(args) -> int:
+    print(REFINEMENTS.listing())
+    return 0
+
+
+def _data_args(p, defaults: dict | None = None) -> None:
+    add_config_args(p, DataConfig, defaults=defaults, registries={"dataset": DATASETS})
+
+
+def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
+    """`defaults`: {command: values} from a --config file, replacing the field defaults."""
+    defaults = defaults or {}
     p = argparse.ArgumentParser(prog="python -m index", description=__doc__)
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("build", help="build an index from a data-set split, an image folder, or features")
-    b.add_argument("--out", required=True, help="index directory to write (atomically)")
-    b.add_argument("--checkpoint", help="trained checkpoint whose backbone embeds the images")
-    b.add_argument("--split", default="test", help="data-set split to index (default test)")
-    b.add_argument("--image-folder", help="index every image in this folder (sub-folders = classes)")
-    b.add_argument("--features", help="precomputed trunk features .npy (n × d)")
-    b.add_argument("--labels", help="labels .npy for --features")
-    b.add_argument("--neck", help="neck W .npy (k × d) for --features (default identity)")
-    b.add_argument("--no-normalize", action="store_true", help="do not L2-normalise φ(x)")
-    b.add_argument("--factory", help="FAISS factory string (default Flat up to 1e5 items, else HNSW32)")
-    b.add_argument("--no-progress", action="store_true")
-    add_config_args(b, DataConfig)
-    b.add_argument("--cache-dir", default="cache/features", help="trunk-feature cache ('' = off)")
+    b.add_argument("--config", help="TOML file with these settings (flags given here override it); "
+                                    "the data-set fields may sit in a [data] table")
+    data_fields = tuple(f.name for f in dataclasses.fields(DataConfig))
+    add_config_args(b, BuildConfig, skip=data_fields, defaults=defaults.get("build"))
+    _data_args(b, defaults.get("build"))
     b.set_defaults(func=cmd_build)
 
     a = sub.add_parser("add", help="add images or feature vectors to an index")
-    a.add_argument("--index", required=True)
+    a.add_argument("--index", required=True, help="index directory to change (rewritten atomically)")
     a.add_argument("--images", nargs="+", help="image files to add")
     a.add_argument("--features", help="feature vectors .npy to add")
     a.add_argument("--labels", help="labels .npy for --features")
-    a.add_argument("--label", type=int, default=-1, help="label for all added items (default -1: unknown)")
+    a.add_argument("--label", type=int, default=-1, help="label for all added items (default: %(default)s: unknown)")
     a.add_argument("--checkpoint", help="model to embed images (default: the index's own)")
     a.set_defaults(func=cmd_add)
 
     r = sub.add_parser("remove", help="remove items by id")
-    r.add_argument("--index", required=True)
+    r.add_argument("--index", required=True, help="index directory to change (rewritten atomically)")
     r.add_argument("--ids", required=True, type=lambda s: [int(v) for v in s.split(",") if v.strip()],
                    help="comma-separated ids")
     r.set_defaults(func=cmd_remove)
 
     s = sub.add_parser("search", help="search by image file(s) or feature vectors under a refined metric")
-    s.add_argument("--index", required=True)
+    s.add_argument("--index", required=True, help="index directory to search")
     s.add_argument("--image", nargs="+", help="query image file(s)")
     s.add_argument("--features", help="query trunk features .npy (n × d or d)")
     s.add_argument("--checkpoint", help="model to embed query images (default: the index's own)")
-    s.add_argument("--k", type=int, default=10)
-    s.add_argument("--json", help="write results here (else print)")
-    s.add_argument("--threads", type=int, default=0, help="FAISS threads (single queries: 1 is often fastest)")
+    s.add_argument("--k", type=int, default=10, help="results per query (default: %(default)s)")
+    s.add_argument("--json", help="write results here (default: print them)")
+    s.add_argument("--threads", type=int, default=0,
+                   help="FAISS threads; 0 = FAISS's own setting; for single queries 1 is often fastest "
+                        "(default: %(default)s)")
     s.add_argument("--no-verify", action="store_true", help="skip the checksum verification at load")
     _strategy_args(s)
     s.set_defaults(func=cmd_search)
 
     i = sub.add_parser("info", help="show an index's manifest and a strategy's matrix properties")
-    i.add_argument("--index", required=True)
+    i.add_argument("--index", required=True, help="index directory")
     _strategy_args(i)
     i.set_defaults(func=cmd_info)
+
+    ls = sub.add_parser("list", help="list the refinement strategies with their parameters and defaults")
+    ls.set_defaults(func=cmd_list)
 
     for name, func, hlp in (("evaluate", cmd_evaluate, "evaluate all strategies on a split (JSON, plots, table)"),
                             ("select", cmd_select, "pick strategy and parameter by MAP@R on validation classes")):
         e = sub.add_parser(name, help=hlp)
-        e.add_argument("--checkpoint", required=True)
+        e.add_argument("--checkpoint", required=True, help="trained checkpoint whose features are evaluated")
         if name == "evaluate":
             e.add_argument("--out", required=True, help="folder for strategies.json, table.md and plots")
-            e.add_argument("--split", default="test")
+            e.add_argument("--split", default="test", help="data-set split to evaluate on (default: %(default)s)")
             e.add_argument("--no-val", action="store_true", help="skip the validation-selected row")
         else:
             e.add_argument("--json", help="write the selection (and all validation rows) here")
-        e.add_argument("--seeds", type=int, default=3, help="seeds per random restraint setting")
-        e.add_argument("--no-normalize", action="store_true")
-        e.add_argument("--no-progress", action="store_true")
-        add_config_args(e, DataConfig)
-        e.add_argument("--cache-dir", default="cache/features")
+        e.add_argument("--seeds", type=int, default=3, help="seeds per random strategy setting (default: %(default)s)")
+        e.add_argument("--no-normalize", action="store_true", help="do not L2-normalise φ(x)")
+        e.add_argument("--no-progress", action="store_true", help="no progress bars")
+        _data_args(e)
+        e.add_argument("--cache-dir", default="cache/features",
+                       help="trunk-feature cache ('' = off) (default: %(default)s)")
         e.set_defaults(func=func)
     return p
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_with_config_file(build_parser, argv, {"build": BuildConfig})
     setup_logging(args.verbose)
     return args.func(args)

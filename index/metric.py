@@ -51,15 +51,6 @@ def matrix_report(M: np.ndarray) -> dict:
     }
 
 
-def is_psd(M: np.ndarray) -> bool:
-    return matrix_report(M)["psd"]
-
-
-def bilinear_scores(Q: np.ndarray, X: np.ndarray, M: np.ndarray) -> np.ndarray:
-    """Reference computation (tests, re-ranking): Q M Xᵀ."""
-    return (Q.astype(np.float64) @ M) @ X.astype(np.float64).T
-
-
 def m_norms(X: np.ndarray, M: np.ndarray) -> np.ndarray:
     """‖x‖_M = sqrt(xᵀ M x) per row (PSD M), in chunks to bound memory."""
     out = np.empty(len(X), dtype=np.float64)

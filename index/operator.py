@@ -2,11 +2,12 @@
 
 The query transform q ↦ M′q is the only per-query cost that exact search
 under M′ adds to a plain inner-product search.  Many refinements have
-structure that makes it much cheaper than a dense d × d product:
-  identity          q
-  trained           Wᵀ(Wq)                   (rank k ≪ d)
-  diagonal          Wᵀ(Wq) − D q             (D = the zeroed diagonal entries)
-  anything else     dense M′q
+structure that makes it much cheaper than a dense d × d product; a strategy
+declares its kind in its registry entry (`operator=`):
+  identity          q                        (M′ = I)
+  lowrank           Wᵀ(Wq)                   (M′ = M*, rank k ≪ d)
+  lowrank-diag      Wᵀ(Wq) − D q             (D = the zeroed diagonal entries of M*)
+  dense             M′q                      (anything else)
 The structured forms are exact (float32 round-off aside).
 """
 from __future__ import annotations
@@ -24,15 +25,17 @@ class MetricOperator:
         self.diag_removed = None if diag_removed is None else diag_removed.astype(np.float32)
 
     @classmethod
-    def build(cls, name: str, M: np.ndarray, W: np.ndarray, M_star: np.ndarray) -> "MetricOperator":
+    def build(cls, kind: str, M: np.ndarray, W: np.ndarray, M_star: np.ndarray) -> "MetricOperator":
+        """The cheapest exact operator for M′ of the strategy's declared `kind` (its registry
+        entry's `operator`); the low-rank forms only where they are cheaper than dense."""
         d = M.shape[0]
-        if name == "identity":
+        if kind == "identity":
             return cls(M, kind="identity")
         k = W.shape[0]
         lowrank_cheaper = 2 * k < d
-        if name == "trained" and lowrank_cheaper:
+        if kind == "lowrank" and lowrank_cheaper:
             return cls(M, W=W, kind="lowrank")
-        if name == "diagonal" and lowrank_cheaper:
+        if kind == "lowrank-diag" and lowrank_cheaper:
             off_equal = np.array_equal(M - np.diag(np.diag(M)), M_star - np.diag(np.diag(M_star)))
             if off_equal:
                 return cls(M, W=W, diag_removed=np.diag(M_star) - np.diag(M), kind="lowrank-diag")

@@ -21,10 +21,8 @@ from core.errors import UserError
 
 from .metric import matrix_report, m_norms
 from .operator import MetricOperator
-from .refinements import refine, strategy_key, strategy_params
+from .refinements import MODES, operator_kind, refine, strategy_key, strategy_label, strategy_params
 from .store import IndexData
-
-MODES = ("bilinear", "cosine")
 
 
 @dataclass(eq=False)  # identity semantics: fields hold numpy arrays
@@ -80,7 +78,7 @@ class Searcher:
                 self._raw[raw_key] = self._cache[key]
                 return self._cache[key]
         M = refine(strategy, self._M_star, p)
-        rm = RefinedMetric(strategy, p, M, MetricOperator.build(strategy, M, self.data.W, self._M_star))
+        rm = RefinedMetric(strategy, p, M, MetricOperator.build(operator_kind(strategy), M, self.data.W, self._M_star))
         with self._lock:
             self._cache[key] = rm
             while len(self._cache) > self._cache_size:
@@ -92,8 +90,8 @@ class Searcher:
 
     def _cosine_parts(self, rm: RefinedMetric):
         if not rm.report["psd"]:
-            raise UserError(f"cosine mode needs a positive semi-definite M′; strategy {rm.name} "
-                            f"{_fmt(rm.params)} gives an indefinite matrix (min eigenvalue "
+            raise UserError(f"cosine mode needs a positive semi-definite M′; strategy "
+                            f"{strategy_label(rm.name, rm.params)} gives an indefinite matrix (min eigenvalue "
                             f"{rm.report['min_eigenvalue']:.3g}). Use --mode bilinear.")
         with rm.lock:
             if rm.norms is None:
@@ -181,9 +179,3 @@ class Searcher:
                         for r, s in zip(rows, scores) if r >= 0])
         return out
 
-
-def _fmt(p) -> str:
-    import dataclasses
-
-    d = dataclasses.asdict(p) if dataclasses.is_dataclass(p) else {}
-    return "(" + ", ".join(f"{k}={v}" for k, v in d.items()) + ")" if d else ""

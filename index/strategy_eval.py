@@ -9,7 +9,7 @@ validation classes, then reports that choice on test: the honest number.
 """
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import json
 import logging
 from collections import defaultdict
@@ -21,26 +21,30 @@ from tqdm import tqdm
 from core.atomic import write_json, write_text, write_with
 from evaluation.evaluator import DEFAULT_KS, evaluate_ranking
 
+from .refinements import REFINEMENTS, grid, ranks_like_trained, seeded, strategy_label, sweep, sweepable
 from .search import Searcher
 from .store import in_memory_index
 
 log = logging.getLogger("index")
-R_GRID = [round(0.1 * i, 1) for i in range(11)]
-ALPHA_GRID = [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0]
-P_GRID = [0.0, 0.25, 0.5, 0.75, 1.0, 1.5]
 METRICS = ("map@r", "precision@1", "r_precision", "recall@1", "recall@2", "recall@4", "recall@8")
+# The reference matrices the summary table reports first (strategy, mode, row title); they
+# also lead the sweep, so that among equal scores the reference wins the table's choices.
+REFERENCE_ROWS = (("trained", "cosine", "trained M* (cosine of embeddings: the usual evaluation)"),
+                  ("trained", "bilinear", "trained M* (bilinear, the paper's)"),
+                  ("identity", "bilinear", "identity (bilinear)"),
+                  ("identity", "cosine", "identity (cosine of trunk features)"))
+MARKERS = ("o", "s", "^", "v", "*", "P", "D", "X", "<", ">")
+
+
+def swept_strategies() -> list[str]:
+    """Every strategy that can be swept: the references first, then the others by name."""
+    refs = list(dict.fromkeys(name for name, _, _ in REFERENCE_ROWS))
+    return [n for n in refs + [n for n in REFINEMENTS.names() if n not in refs] if sweepable(n)]
 
 
 def sweep_configs(seeds: int = 3) -> list[tuple[str, dict, str]]:
-    cfgs = [("trained", {}, "bilinear"), ("trained", {}, "cosine"),
-            ("identity", {}, "bilinear"), ("identity", {}, "cosine")]
-    for name in ("diagonal", "random"):
-        for r in R_GRID:
-            for seed in range(seeds):
-                cfgs.append((name, {"r": r, "seed": seed}, "bilinear"))
-    cfgs += [("shrink", {"alpha": a}, mode) for a in ALPHA_GRID for mode in ("bilinear", "cosine")]
-    cfgs += [("spectral", {"p": p}, mode) for p in P_GRID for mode in ("bilinear", "cosine")]
-    return cfgs
+    """(strategy, params, mode) of every setting evaluated: each strategy's registered grid."""
+    return [(name, params, mode) for name in swept_strategies() for params, mode in sweep(name, seeds)]
 
 
 def evaluate_configs(features, labels, W, configs, normalize=True, progress=True, desc="strategies") -> list[dict]:
@@ -84,8 +88,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
 
 
 def label(row) -> str:
-    p = ", ".join(f"{k}={v}" for k, v in row["params"].items())
-    return f"{row['strategy']}{'(' + p + ')' if p else ''} [{row['mode']}]"
+    return f"{strategy_label(row['strategy'], row['params'])} [{row['mode']}]"
 
 
 def find(rows, strategy, mode, **params):
@@ -97,19 +100,12 @@ def find(rows, strategy, mode, **params):
 
 def is_trained_equivalent(row) -> bool:
     """Rows whose M′ ranks exactly like M* (a positive multiple of it): not a refinement."""
-    p = row["params"]
-    return (row["strategy"] == "trained"
-            or (row["strategy"] in ("diagonal", "random") and p.get("r") == 0.0)
-            or (row["strategy"] == "shrink" and p.get("alpha") == 0.0)
-            or (row["strategy"] == "spectral" and p.get("p") == 1.0))
+    return ranks_like_trained(row["strategy"], row["params"])
 
 
 def summary_table(test: list[dict], val: list[dict] | None) -> list[dict]:
     table = []
-    for name, mode, title in [("trained", "cosine", "trained M* (cosine of embeddings: the usual evaluation)"),
-                              ("trained", "bilinear", "trained M* (bilinear, the paper's)"),
-                              ("identity", "bilinear", "identity (bilinear)"),
-                              ("identity", "cosine", "identity (cosine of trunk features)")]:
+    for name, mode, title in REFERENCE_ROWS:
         r = find(test, name, mode)
         if r:
             table.append({"row": title, "choice": label(r), **{m: r[m] for m in METRICS}})
@@ -142,15 +138,18 @@ def plot_sweeps(agg: list[dict], out: Path) -> None:
     trained = find(agg, "trained", "bilinear")
     trained_cos = find(agg, "trained", "cosine")
     ident = find(agg, "identity", "bilinear")
-    fig, axes = plt.subplots(2, 3, figsize=(12, 6.5), sharex=True)
-    for row_i, name in enumerate(("diagonal", "random")):
-        rs = sorted([r for r in agg if r["strategy"] == name], key=lambda r: r["params"]["r"])
-        x = [r["params"]["r"] for r in rs]
+    # one row per random strategy swept along one parameter (the restraints: accuracy vs r)
+    curves = [(n, next(iter(grid(n)))) for n in swept_strategies() if seeded(n) and len(grid(n)) == 1]
+    fig, axes = plt.subplots(len(curves), 3, figsize=(12, 3.25 * len(curves)), sharex=True, squeeze=False)
+    for row_i, (name, param) in enumerate(curves):
+        rs = sorted([r for r in agg if r["strategy"] == name], key=lambda r: r["params"][param])
+        x = [r["params"][param] for r in rs]
+        seeds = max(r["seeds"] for r in rs)
         for col, (m, title) in enumerate([("map@r", "MAP@R"), ("precision@1", "P@1"), ("r_precision", "RP")]):
             ax = axes[row_i, col]
             mean = np.array([r[m] for r in rs]) * 100
             std = np.array([r[m + "_std"] for r in rs]) * 100
-            ax.plot(x, mean, "o-", label=f"{name} restraint (3 seeds)")
+            ax.plot(x, mean, "o-", label=f"{name} restraint ({seeds} seeds)")
             ax.fill_between(x, mean - std, mean + std, alpha=0.25)
             if trained:
                 ax.axhline(trained[m] * 100, color="k", ls="--", lw=1, label="trained M* (bilinear)")
@@ -158,9 +157,9 @@ def plot_sweeps(agg: list[dict], out: Path) -> None:
                 ax.axhline(trained_cos[m] * 100, color="tab:red", ls="-.", lw=1, label="trained M* (cosine)")
             if ident:
                 ax.axhline(ident[m] * 100, color="tab:green", ls=":", lw=1, label="identity")
-            ax.set_title(f"{title} vs r ({name})")
-            if row_i == 1:
-                ax.set_xlabel("restraint degree r")
+            ax.set_title(f"{title} vs {param} ({name})")
+            if row_i == len(curves) - 1:
+                ax.set_xlabel(f"{REFINEMENTS.get(name).param_help()[param]} {param}")
             if col == 0:
                 ax.legend(fontsize=7)
     fig.tight_layout()
@@ -168,8 +167,9 @@ def plot_sweeps(agg: list[dict], out: Path) -> None:
     plt.close(fig)
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for name, marker in (("diagonal", "o"), ("random", "s"), ("shrink", "^"), ("spectral", "v"),
-                         ("trained", "*"), ("identity", "P")):
+    # swept strategies first; the fixed matrices last, drawn on top
+    names = sorted(swept_strategies(), key=lambda n: not grid(n))
+    for name, marker in zip(names, itertools.cycle(MARKERS)):
         rs = [r for r in agg if r["strategy"] == name and r["mode"] == "bilinear"]
         if not rs:
             continue

@@ -1,6 +1,9 @@
-"""Posterior refinement of the metric matrix.  Adding one: a module with @register, one import line."""
-from .registry import STRATEGIES, refine, register, strategy_key, strategy_params
+"""Posterior refinement of the metric matrix.  Adding one: a module with `@REFINEMENTS.register`,
+one import line below."""
+from .registry import (MODES, REFINEMENTS, SharedParam, file_params, grid, operator_kind, ranks_like_trained, refine,
+                       seeded, shared_params, strategy_key, strategy_label, strategy_params, sweep, sweepable)
 
 from . import beyond, paper  # noqa: E402,F401  (registration)
 
-__all__ = ["STRATEGIES", "refine", "register", "strategy_key", "strategy_params"]
+__all__ = ["MODES", "REFINEMENTS", "SharedParam", "file_params", "grid", "operator_kind", "ranks_like_trained", "refine",
+           "seeded", "shared_params", "strategy_key", "strategy_label", "strategy_params", "sweep", "sweepable"]

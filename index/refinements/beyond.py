@@ -1,25 +1,27 @@
 """Refinements beyond the paper: shrinkage towards the identity, and spectral powers."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from core.errors import UserError
 
-from .registry import register
+from .registry import REFINEMENTS
 
 
 @dataclass
 class ShrinkParams:
-    alpha: float = 0.5
+    alpha: float = field(default=0.5, metadata={"help": "shrink weight α towards the identity",
+                                                "range": (0.0, 1.0), "step": 0.05})
 
     def validate(self):
         if not 0.0 <= self.alpha <= 1.0:
             raise UserError(f"shrink alpha must be in [0, 1], got {self.alpha}")
 
 
-@register("shrink", ShrinkParams)
+@REFINEMENTS.register("shrink", ShrinkParams, grid={"alpha": (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)},
+                      trained_at={"alpha": 0.0})
 def shrink(M: np.ndarray, p: ShrinkParams) -> np.ndarray:
     """Shrinkage: M′ = (1 − α)·M*/tr(M*) + α·I/d (both terms have unit trace)."""
     d = M.shape[0]
@@ -31,14 +33,15 @@ def shrink(M: np.ndarray, p: ShrinkParams) -> np.ndarray:
 
 @dataclass
 class SpectralParams:
-    p: float = 0.5
+    p: float = field(default=0.5, metadata={"help": "spectral power p", "range": (0.0, 2.0), "step": 0.05})
 
     def validate(self):
         if not 0.0 <= self.p <= 4.0:
             raise UserError(f"spectral power p must be in [0, 4], got {self.p}")
 
 
-@register("spectral", SpectralParams)
+@REFINEMENTS.register("spectral", SpectralParams, grid={"p": (0.0, 0.25, 0.5, 0.75, 1.0, 1.5)},
+                      trained_at={"p": 1.0})
 def spectral(M: np.ndarray, p: SpectralParams) -> np.ndarray:
     """Spectral power: M* = UΛUᵀ → UΛᵖUᵀ; p = 1 is M*, p = 0 the projector onto its range."""
     lam, U = np.linalg.eigh(M)

@@ -10,29 +10,28 @@ the rule: O(d²) instead of a loop of d² draws.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from core.arrays import load_npy
 from core.errors import UserError
+from core.registry import NoParams
 
 from ..metric import check_symmetric
-from .registry import register
+from .registry import REFINEMENTS
+
+R_GRID = tuple(round(0.1 * i, 1) for i in range(11))
 
 
-@dataclass
-class NoParams:
-    pass
-
-
-@register("trained", NoParams)
+@REFINEMENTS.register("trained", operator="lowrank", trained_at={})
 def trained(M: np.ndarray, p: NoParams) -> np.ndarray:
     """The trained metric M* = WᵀW."""
     return M.copy()
 
 
-@register("identity", NoParams)
+@REFINEMENTS.register("identity", operator="identity")
 def identity(M: np.ndarray, p: NoParams) -> np.ndarray:
     """The identity on the trunk features, regardless of M*."""
     return np.eye(M.shape[0])
@@ -40,8 +39,8 @@ def identity(M: np.ndarray, p: NoParams) -> np.ndarray:
 
 @dataclass
 class RestraintParams:
-    r: float = 0.5
-    seed: int = 0
+    r: float = field(default=0.5, metadata={"help": "restraint degree", "range": (0.0, 1.0), "step": 0.05})
+    seed: int = field(default=0, metadata={"help": "seed of the random draws"})
 
     def validate(self):
         if not 0.0 <= self.r <= 1.0:
@@ -58,7 +57,8 @@ def _cut(amounts: np.ndarray, total: float, target: float) -> int:
     return int(hit[0]) + 1 if hit.size else len(amounts)
 
 
-@register("diagonal", RestraintParams)
+@REFINEMENTS.register("diagonal", RestraintParams, operator="lowrank-diag", grid={"r": R_GRID},
+                      modes=("bilinear",), trained_at={"r": 0.0})
 def diagonal(M: np.ndarray, p: RestraintParams) -> np.ndarray:
     """Diagonal restraint: zero random diagonal entries until tr(M′) ≤ (1 − r)·tr(M*)."""
     out = M.copy()
@@ -74,7 +74,7 @@ def diagonal(M: np.ndarray, p: RestraintParams) -> np.ndarray:
     return out
 
 
-@register("random", RestraintParams)
+@REFINEMENTS.register("random", RestraintParams, grid={"r": R_GRID}, modes=("bilinear",), trained_at={"r": 0.0})
 def random_restraint(M: np.ndarray, p: RestraintParams) -> np.ndarray:
     """Random restraint: zero random symmetric off-diagonal pairs until ‖M′_off‖_F ≤ (1 − r)·‖M*_off‖_F."""
     out = M.copy()
@@ -96,14 +96,15 @@ def random_restraint(M: np.ndarray, p: RestraintParams) -> np.ndarray:
 
 @dataclass
 class CustomParams:
-    path: str = ""
+    path: str = field(default="", metadata={"help": "a symmetric d × d .npy matrix file", "flag": "metric-matrix",
+                                            "file": (".npy",), "label": lambda v: f"file={Path(v).name}"})
 
     def validate(self):
         if not self.path:
             raise UserError("strategy custom needs a matrix file (--metric-matrix M.npy)")
 
 
-@register("custom", CustomParams)
+@REFINEMENTS.register("custom", CustomParams)
 def custom(M: np.ndarray, p: CustomParams) -> np.ndarray:
     """A user-supplied symmetric d × d matrix (.npy, never unpickled)."""
     return check_symmetric(load_npy(p.path, "metric matrix"), d=M.shape[0], what=f"custom matrix {p.path}")

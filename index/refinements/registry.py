@@ -1,63 +1,48 @@
-"""Refinement registry: a strategy maps the trained M* (d × d) to M′.
+"""Refinement strategies on the one Registry: a strategy maps the trained M* (d × d) to M′.
 
-A new strategy is one module with @register plus one import line.  Each has a
-parameter dataclass; random strategies take a seed and are reproducible.
+A new strategy is one module with `@REFINEMENTS.register(...)` plus one import line in
+`index/refinements/__init__.py`.  Its entry is the only place the strategy is written
+down; the CLI flags, the app's controls, the search operator, the evaluation sweep and
+every label come from it:
+
+- params: a dataclass.  Field metadata: `help` (always); `flag` (the CLI flag, when it is
+  not the field name); `range` and `step` (the app's slider); `file` (the suffixes of a
+  file the user supplies, e.g. (".npy",): an upload in the app); `label` (value ↦ text in labels).
+  A `seed` field makes the strategy random: it is reproducible and swept over seeds.
+- meta `operator`: how M′q is applied cheaply (index/operator.py): "identity" (M′ = I),
+  "lowrank" (M′ = M* = WᵀW), "lowrank-diag" (M* with diagonal entries zeroed), "dense".
+- meta `grid`: {param: values} that `python -m index evaluate` sweeps (every combination);
+  without it the strategy is swept once at its defaults.  meta `modes`: the modes swept.
+- meta `trained_at`: {param: value} at which M′ ranks exactly like M* (a positive multiple
+  of it; `{}`: always).  Such rows are not refinements.
+A strategy with a file parameter is never swept: there is no file to sweep it with.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import typing
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
-from core.errors import UserError
+from core.registry import Registry
 
-
-@dataclass
-class Strategy:
-    name: str
-    params: type
-    fn: Callable[..., np.ndarray]
-    doc: str
-
-
-STRATEGIES: dict[str, Strategy] = {}
-
-
-def register(name: str, params: type):
-    def deco(fn):
-        STRATEGIES[name] = Strategy(name, params, fn, (fn.__doc__ or "").strip().splitlines()[0])
-        return fn
-    return deco
+REFINEMENTS = Registry("refinement strategy", "refinement strategies")
+MODES = ("bilinear", "cosine")
 
 
 def strategy_params(name: str, given: dict | None = None):
-    """The strategy's parameter object from a dict, ignoring keys it does not take."""
-    if name not in STRATEGIES:
-        raise UserError(f"unknown strategy {name!r}; choose from {sorted(STRATEGIES)}")
-    cls = STRATEGIES[name].params
-    hints = typing.get_type_hints(cls)
-    kw = {}
-    for f in dataclasses.fields(cls):
-        if given and given.get(f.name) is not None:
-            try:
-                kw[f.name] = hints[f.name](given[f.name])
-            except (TypeError, ValueError):
-                raise UserError(f"strategy {name}: {f.name}={given[f.name]!r} is not a "
-                                f"{hints[f.name].__name__}") from None
-    p = cls(**kw)
-    if hasattr(p, "validate"):
-        p.validate()
-    return p
+    """The strategy's typed parameter object from a dict, ignoring keys it does not take
+    (callers pass every strategy's values at once: the CLI flags, the app's controls)."""
+    return REFINEMENTS.params(name, given or {}, ignore_unknown=True)
 
 
 def refine(name: str, M_star: np.ndarray, params=None) -> np.ndarray:
     """M′ = strategy(M*); `params` is a dict or the strategy's parameter object."""
     if params is None or isinstance(params, dict):
         params = strategy_params(name, params)
-    M = STRATEGIES[name].fn(np.asarray(M_star, dtype=np.float64), params)
+    M = REFINEMENTS.get(name).builder(np.asarray(M_star, dtype=np.float64), params)
     return (M + M.T) / 2  # exactly symmetric
 
 
@@ -66,3 +51,101 @@ def strategy_key(name: str, params) -> tuple:
     if isinstance(params, dict):
         params = strategy_params(name, params)
     return (name, tuple(sorted(dataclasses.asdict(params).items())))
+
+
+def strategy_label(name: str, params=None) -> str:
+    """The one label of (strategy, parameters): `name` or `name(k=v, …)` over the parameters
+    the strategy takes, in field order.  A dict may give some of them (None and '' are left out)."""
+    given = dataclasses.asdict(params) if dataclasses.is_dataclass(params) else dict(params or {})
+    parts = []
+    for f in dataclasses.fields(REFINEMENTS.get(name).params):
+        v = given.get(f.name)
+        if v is None or (isinstance(v, str) and not v):
+            continue
+        parts.append(f.metadata["label"](v) if "label" in f.metadata else f"{f.name}={v}")
+    return f"{name}({', '.join(parts)})" if parts else name
+
+
+def operator_kind(name: str) -> str:
+    return REFINEMENTS.get(name).meta.get("operator", "dense")
+
+
+def file_params(name: str) -> list[str]:
+    """The strategy's parameters that name a file the user supplies."""
+    return [f.name for f in dataclasses.fields(REFINEMENTS.get(name).params) if f.metadata.get("file")]
+
+
+def sweepable(name: str) -> bool:
+    return not file_params(name)
+
+
+def grid(name: str) -> dict:
+    """{param: values} the evaluation sweeps ({}: the defaults once)."""
+    return dict(REFINEMENTS.get(name).meta.get("grid", {}))
+
+
+def seeded(name: str) -> bool:
+    """Random strategies take a seed; the evaluation averages them over seeds."""
+    return "seed" in {f.name for f in dataclasses.fields(REFINEMENTS.get(name).params)}
+
+
+def sweep(name: str, seeds: int) -> list[tuple[dict, str]]:
+    """(params, mode) of every setting the evaluation sweeps for the strategy: each grid
+    combination, then each seed (random strategies), then each mode."""
+    g = grid(name)
+    modes = REFINEMENTS.get(name).meta.get("modes", MODES)
+    out = []
+    for values in itertools.product(*g.values()):
+        for seed in (range(seeds) if seeded(name) else [None]):
+            p = dict(zip(g, values)) | ({} if seed is None else {"seed": seed})
+            out += [(p, mode) for mode in modes]
+    return out
+
+
+def ranks_like_trained(name: str, params: dict) -> bool:
+    """Whether M′ at these parameters ranks exactly like M* (then it is not a refinement)."""
+    at = REFINEMENTS.get(name).meta.get("trained_at")
+    return at is not None and all(params.get(k) == v for k, v in at.items())
+
+
+@dataclass(frozen=True)
+class SharedParam:
+    """One parameter name across the strategies that take it (`r`: diagonal and random)."""
+    name: str
+    type: type
+    metadata: typing.Mapping
+    defaults: dict  # strategy name → its default
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.metadata.get("flag", self.name.replace("_", "-"))
+
+    @property
+    def default(self):
+        """The default of the first strategy that takes it (the app's control starts there)."""
+        return next(iter(self.defaults.values()))
+
+    def describe(self) -> str:
+        """'help (diagonal, random; default: 0.5)' for --help and the app's labels."""
+        vals = set(map(repr, self.defaults.values()))
+        if len(vals) == 1:
+            d = _shown(self.default)
+        else:
+            d = ", ".join(f"{s} {_shown(v)}" for s, v in self.defaults.items())
+        return f"{self.metadata.get('help', '')} ({', '.join(self.defaults)}; default: {d})"
+
+
+def _shown(v) -> str:
+    return "none" if v in ("", None) else str(v)
+
+
+def shared_params() -> list[SharedParam]:
+    """The union of every strategy's parameters, by name, in registry order."""
+    out: dict[str, SharedParam] = {}
+    for e in REFINEMENTS.entries():
+        hints = typing.get_type_hints(e.params)
+        for f in dataclasses.fields(e.params):
+            if f.name not in out:
+                out[f.name] = SharedParam(f.name, hints[f.name], f.metadata, {})
+            out[f.name].defaults[e.name] = e.param_defaults()[f.name]
+    return list(out.values())

@@ -50,9 +50,8 @@ def test_disagreements_are_the_largest_ap_changes(svc):
     b = svc.per_query_ap(spec)
     d = np.abs(np.nan_to_num(b - a))
     assert len(rows) == min(5, int((d > 0).sum()))
-    assert [abs(r["delta"]) for r in rows] == sorted([abs(r["delta"]) for r in rows], reverse=True)
-    if rows:
-        assert abs(rows[0]["delta"]) == pytest.approx(d.max())
+    assert rows and [abs(r["delta"]) for r in rows] == sorted([abs(r["delta"]) for r in rows], reverse=True)
+    assert abs(rows[0]["delta"]) == pytest.approx(d.max())
 
 
 def test_upload_query_any_mode(svc, tmp_path):
@@ -100,16 +99,34 @@ def test_ui_handler_turns_errors_into_a_visible_message(svc, tmp_path):
     from app.ui import Handlers
 
     h = Handlers(svc)
+    controls = {"r": 0.5, "seed": 0, "alpha": 0.5, "p": 0.5, "path": None}  # every parameter control
     bad = tmp_path / "bad.jpg"
     bad.write_bytes(b"garbage")
-    out = h.on_search({"kind": "upload"}, str(bad), "identity", 0.5, 0, 0.5, 0.5, None, "cosine", 5)
+    out = h.on_search({"kind": "upload"}, str(bad), "identity", "cosine", 5, **controls)
     assert out[1] == [] and out[3] == [] and out[4].startswith("⚠️") and "not a usable image" in out[4]
-    out = h.on_search({"kind": "item", "id": int(svc.data.items.ids[1])}, None, "custom", 0.5, 0, 0.5,
-                      0.5, None, "bilinear", 5)
-    assert "upload a symmetric" in out[4]
-    ok = h.on_search({"kind": "item", "id": int(svc.data.items.ids[1])}, None, "random", 0.3, 1, 0.5,
-                     0.5, None, "bilinear", 5)
-    assert len(ok[1]) == 5 and len(ok[3]) == 5 and "random(r=0.3, seed=1)" in ok[2]
+    item = {"kind": "item", "id": int(svc.data.items.ids[1])}
+    out = h.on_search(item, None, "custom", "bilinear", 5, **controls)
+    assert "strategy custom: upload a symmetric d × d .npy matrix file first" in out[4]
+    ok = h.on_search(item, None, "random", "bilinear", 5, **controls | {"r": 0.3, "seed": 1})
+    assert len(ok[1]) == 5 and len(ok[3]) == 5 and "random(r=0.3, seed=1) · bilinear" in ok[2]
+
+
+def test_custom_matrix_from_the_ui_is_labelled_by_its_file(svc, tmp_path):
+    from app.ui import Handlers
+
+    M = tmp_path / "mine.npy"
+    np.save(M, np.eye(svc.data.dim))
+    item = {"kind": "item", "id": int(svc.data.items.ids[1])}
+    ok = Handlers(svc).on_search(item, None, "custom", "bilinear", 4, r=0.5, seed=0, alpha=0.5, p=0.5, path=str(M))
+    assert "Right: custom(file=mine.npy) · bilinear" in ok[2] and len(ok[3]) == 4
+
+
+def test_strategy_choices_come_from_the_registry(svc):
+    from index.refinements import REFINEMENTS
+
+    assert svc.strategy_choices() == REFINEMENTS.names()
+    assert "custom" not in svc.strategy_choices(with_files=False)  # needs a file: not in the API
+    assert set(svc.strategy_choices(with_files=False)) == set(REFINEMENTS.names()) - {"custom"}
 
 
 def test_pictures_render(svc):

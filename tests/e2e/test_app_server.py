@@ -53,11 +53,15 @@ def test_binds_loopback_only(server):
 
 def test_api_search_matches_cli(server, tmp_path):
     from gradio_client import Client, handle_file
+    from gradio_client.exceptions import AppError
 
     url, svc, _ = server
     img = svc.root / svc.data.items.paths[7]
     client = Client(url, verbose=False)
-    assert "/search" in client.view_api(print_info=False, return_format="dict")["named_endpoints"]
+    api = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/search"]
+    # the positional parameters README documents: the file-free strategy parameters between strategy and mode
+    assert [p["parameter_name"] for p in api["parameters"]] == ["image", "strategy", "r", "seed", "alpha", "p",
+                                                                  "mode", "k"]
     res = client.predict(handle_file(str(img)), "random", 0.4, 2, 0.5, 0.5, "bilinear", 6, api_name="/search")
     out = tmp_path / "cli.json"
     r = run_module("index", "search", "--index", str(svc.index_dir), "--image",
@@ -70,7 +74,7 @@ def test_api_search_matches_cli(server, tmp_path):
     # a bad upload is an error for that call; the app keeps serving
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n truncated")
-    with pytest.raises(Exception, match="not a usable image"):
+    with pytest.raises(AppError, match="not a usable image"):
         client.predict(handle_file(str(bad)), "identity", 0.5, 0, 0.5, 0.5, "bilinear", 3, api_name="/search")
     again = client.predict(handle_file(str(img)), "identity", 0.5, 0, 0.5, 0.5, "cosine", 3, api_name="/search")
     assert len(again["results"]) == 3

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 
 from core.errors import UserError
-from index.metric import bilinear_scores, is_psd, m_norms
-from index.refinements import STRATEGIES, refine
+from index.metric import matrix_report, m_norms
+from index.refinements import REFINEMENTS, refine
 from index.search import Searcher
 from index.store import Items, read_index, write_index
 
@@ -20,6 +20,11 @@ def make_index(tmp_path, factory=None, normalize=True, seed=0, n=N):
     write_index(tmp_path / "idx", feats, items, W, factory=factory, normalize=normalize,
                 info={"backbone": "synthetic", "checkpoint_sha256": None})
     return read_index(tmp_path / "idx"), feats, W
+
+
+def bilinear_scores(Q, X, M):
+    """The reference similarity Q M′ Xᵀ, in float64."""
+    return (Q.astype(np.float64) @ M) @ X.astype(np.float64).T
 
 
 def brute_force(feats, q, M, mode, normalize):
@@ -84,7 +89,7 @@ def test_trained_cosine_is_cosine_of_embeddings(tmp_path):
 def test_cosine_refuses_indefinite(tmp_path):
     data, _, W = make_index(tmp_path)
     M = refine("diagonal", W.T.astype(np.float64) @ W, {"r": 1.0})
-    assert not is_psd(M)
+    assert not matrix_report(M)["psd"]
     with pytest.raises(UserError, match="positive semi-definite"):
         Searcher(data).search(np.ones((1, D)), "diagonal", {"r": 1.0}, mode="cosine")
 
@@ -111,14 +116,14 @@ def test_bad_queries_and_k(tmp_path):
         s.search(np.ones((1, 5)))
     with pytest.raises(UserError, match="k must be"):
         s.search(np.ones((1, D)), k=0)
-    with pytest.raises(UserError, match="unknown strategy"):
+    with pytest.raises(UserError, match="unknown refinement strategy 'magic'"):
         s.search(np.ones((1, D)), "magic")
     res = s.search(np.ones((1, D)), k=N + 5)  # more than the index holds: padded, not an error
     assert (res.rows[0, :N] >= 0).all() and (res.rows[0, N:] == -1).all()
 
 
 def test_strategy_registry_is_complete():
-    assert {"trained", "identity", "diagonal", "random", "custom", "shrink", "spectral"} <= set(STRATEGIES)
+    assert {"trained", "identity", "diagonal", "random", "custom", "shrink", "spectral"} <= set(REFINEMENTS.names())
 
 
 def test_metric_cache_churn_and_concurrency(tmp_path):
