@@ -23,7 +23,9 @@ VERSION = 1
 
 def save_checkpoint(path, model: EmbeddingModel, *, config: dict | None = None,
                     split: dict | None = None, metrics: dict | None = None,
-                    extra: dict | None = None) -> None:
+                    extra: dict | None = None, data: dict | None = None) -> None:
+    """`data` is {"config": the resolved DataConfig fields, "transform": TransformSpec.describe()}:
+    what downstream commands read instead of asking the user again."""
     payload = {
         "format": FORMAT,
         "version": VERSION,
@@ -34,6 +36,7 @@ def save_checkpoint(path, model: EmbeddingModel, *, config: dict | None = None,
         "heads": model.heads_spec(),
         "config": config or {},
         "split": split or {},
+        "data": data or {},
         "metrics": metrics or {},
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "extra": extra or {},
@@ -54,6 +57,14 @@ def read_checkpoint(path) -> dict:
     if ck.get("version") != VERSION:
         raise UserError(f"{path} has checkpoint version {ck.get('version')}, expected {VERSION}")
     return ck
+
+
+def recorded_data(ck: dict):
+    """The data configuration a checkpoint was trained on (its resolved image size and resize
+    mode); checkpoints written before `data` was recorded fall back to their run config."""
+    from data import DataConfig
+
+    return DataConfig.from_dict((ck.get("data") or {}).get("config") or ck.get("config") or {})
 
 
 def check_compatible(ck: dict, *, backbone: str | None = None, embed_dim: int | None = None,

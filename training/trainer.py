@@ -28,6 +28,7 @@ from model.checkpoint import read_checkpoint, save_checkpoint
 from model.network import EmbeddingModel
 
 from data import load_data
+from data.config import resolve
 from model.features import cached_features, embed_subset
 from model.preprocess import transform_for
 
@@ -64,8 +65,9 @@ class Run:
     def setup(self):
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        self.dcfg = cfg.data_config()
-        self.splits = load_data(self.dcfg, progress=cfg.progress)
+        self.splits = load_data(cfg.data_config(), progress=cfg.progress)
+        # concrete size and resize mode, recorded in every checkpoint for downstream commands
+        self.dcfg = resolve(cfg.data_config(), self.splits)
         self.backbone = build_backbone(cfg.backbone, weights=cfg.weights)
         self.model = EmbeddingModel(self.backbone, cfg.embed_dim)
         self.spec = transform_for(self.backbone, self.dcfg)
@@ -254,12 +256,15 @@ class Run:
                                   for r in self.regs}
         return extra
 
+    def _data_record(self) -> dict:
+        return {"config": self.dcfg.data_fields(), "transform": self.spec.describe()}
+
     def _split_record(self) -> dict:
         return {k: s.classes for k, s in self.splits.subsets().items()}
 
     def _save(self, name: str, epoch, best, best_epoch, history, metrics=None, with_opt=False):
         save_checkpoint(self.out / name, self.model, config=dataclasses.asdict(self.cfg),
-                        split=self._split_record(), metrics=metrics or {},
+                        split=self._split_record(), metrics=metrics or {}, data=self._data_record(),
                         extra=self._extra(epoch, best, best_epoch, history, with_opt))
 
     def _restore(self, ck: dict) -> tuple[int, float, int, list]:
@@ -322,7 +327,7 @@ class Run:
                    "train_seconds": round(train_seconds, 2), "epochs": self.cfg.epochs,
                    "n_skipped_images": int(getattr(self, "skipped", 0))}
         save_checkpoint(self.out / "best.pt", self.model, config=ck["config"], split=ck["split"],
-                        metrics=metrics, extra=ck["extra"])
+                        metrics=metrics, extra=ck["extra"], data=ck["data"])
         write_json(self.out / "metrics.json", metrics)
         plot_curves(history, self.out / "curve.png", best_epoch)
         return metrics
