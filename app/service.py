@@ -109,14 +109,12 @@ class RetrievalService:
         k = int(k)
         if not 1 <= k <= 200:
             raise UserError("k must be between 1 and 200")
-        note = ""
-        mode = spec.mode
-        if mode == "cosine" and not self.searcher.metric(spec.strategy, spec.params).report["psd"]:
-            mode, note = "bilinear", "cosine is undefined for this indefinite M′: showing bilinear"
+        mode, note = self.searcher.resolve_mode(spec.strategy, spec.params, spec.mode)
         extra = 1 if q.self_id is not None else 0
         res = self.searcher.search(q.feats, spec.strategy, spec.params, mode, k + extra)
         results = [r for r in self.searcher.describe(res)[0] if r["id"] != q.self_id][:k]
-        for r in results:
+        for i, r in enumerate(results):
+            r["rank"] = i + 1  # after the query's own item is left out
             r["correct"] = None if q.label is None else bool(r["label"] == q.label)
         p_at_k = ap = None
         if q.label is not None and results:
@@ -158,9 +156,7 @@ class RetrievalService:
     def disagreements(self, right: Spec, left_mode: str = "cosine", top: int = 12) -> list[dict]:
         if not self.data.manifest.get("count"):
             return []
-        mode = right.mode
-        if mode == "cosine" and not self.searcher.metric(right.strategy, right.params).report["psd"]:
-            mode = "bilinear"
+        mode, _ = self.searcher.resolve_mode(right.strategy, right.params, right.mode)
         a = self.per_query_ap(Spec("trained", {}, left_mode))
         b = self.per_query_ap(Spec(right.strategy, right.params, mode))
         diff = np.nan_to_num(b - a, nan=0.0)

@@ -11,7 +11,8 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import gradio as gr  # noqa: E402
 
 from core.errors import UserError  # noqa: E402
-from index.refinements import REFINEMENTS, SharedParam, file_params, shared_params, strategy_params  # noqa: E402
+from index.refinements import MODES, REFINEMENTS, SharedParam, file_params, shared_params, strategy_params  # noqa: E402
+from index.search import RESULT_FIELDS  # noqa: E402
 
 from .service import Panel, RetrievalService, Spec  # noqa: E402
 
@@ -126,7 +127,7 @@ def report_md(spec: Spec, rep: dict) -> str:
 
 def api_search(svc: RetrievalService):
     # the API's parameters: image, strategy, then each file-free strategy parameter, mode, k
-    def search(image, strategy="identity", *, mode="bilinear", k=10, **params) -> dict:
+    def search(image, strategy="trained", *, mode="cosine", k=10, **params) -> dict:
         """Search the gallery with an image under a metric; returns the ranked results."""
         try:
             q = svc.query_from_upload(image)
@@ -135,8 +136,7 @@ def api_search(svc: RetrievalService):
             raise gr.Error(str(e)) from None
         # "relative_path", not "path": gradio_client would take a "path" key for a file to download
         return {"metric": panel.title, "note": panel.note,
-                "results": [{"rank": i + 1, "id": x["id"], "label": x["label"], "class_name": x["class_name"],
-                             "score": x["score"], "relative_path": x["path"]} for i, x in enumerate(panel.results)]}
+                "results": [{f: x[f] for f in RESULT_FIELDS} for x in panel.results]}
     return search
 
 
@@ -256,9 +256,9 @@ def build_ui(svc: RetrievalService) -> gr.Blocks:
         # file-uploading parameters; the UI never shows them.  Strategies needing a file are left out.
         with gr.Row(visible=False):
             a_img = UploadImage(type="filepath", label="image")
-            a_strategy = gr.Dropdown(svc.strategy_choices(with_files=False), value="identity", label="strategy")
+            a_strategy = gr.Dropdown(svc.strategy_choices(with_files=False), value="trained", label="strategy")
             a_params = {sp.name: param_control(sp, api=True) for sp in shared_params() if not sp.metadata.get("file")}
-            a_mode = gr.Dropdown(["bilinear", "cosine"], value="bilinear", label="mode")
+            a_mode = gr.Dropdown(list(MODES), value="cosine", label="mode")  # the CLI's defaults
             a_k = gr.Number(10, precision=0, label="k")
             a_out = gr.JSON(label="results")
             a_btn = gr.Button()

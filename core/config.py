@@ -40,9 +40,12 @@ def field_default(f: dataclasses.Field):
 
 
 def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (),
-                    defaults: dict | None = None, registries: dict | None = None) -> None:
+                    defaults: dict | None = None, registries: dict | None = None,
+                    inherit: str | None = None) -> None:
     """One option per dataclass field.  `defaults` (from a config file) replace the field defaults;
-    `registries` maps a field name to the Registry whose names it takes (choices + docs in --help)."""
+    `registries` maps a field name to the Registry whose names it takes (choices + docs in --help).
+    `inherit` (e.g. "the checkpoint's"): the values come from a recorded artifact unless given, so
+    an unset option is None and --help says where its default comes from."""
     hints = typing.get_type_hints(cls)
     registries = registries or {}
     for f in dataclasses.fields(cls):
@@ -50,13 +53,15 @@ def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] 
             continue
         t = _unwrap_optional(hints[f.name])
         flag = "--" + f.name.replace("_", "-")
-        default = (defaults or {}).get(f.name, field_default(f))
+        default = (defaults or {}).get(f.name, None if inherit else field_default(f))
         hlp = f.metadata.get("help", "")
         origin, args = typing.get_origin(t), typing.get_args(t)
+        default_help = inherit.replace("%", "%%") if inherit else "%(default)s"
         if f.name in registries:
-            registries[f.name].add_argument(parser, flag, default=default, help=hlp, many=origin is tuple)
+            registries[f.name].add_argument(parser, flag, default=default, help=hlp, many=origin is tuple,
+                                            default_help=default_help)
             continue
-        help_ = hlp.replace("%", "%%") + " (default: %(default)s)"
+        help_ = hlp.replace("%", "%%") + f" (default: {default_help})"
         if t is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
         elif origin is tuple:

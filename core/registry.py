@@ -201,11 +201,12 @@ class Registry:
                 lines.append(f"      {k} = {v!r}{h}")
         return "\n".join(lines)
 
-    def add_argument(self, parser, flag: str, *, many: bool = False, **kw):
+    def add_argument(self, parser, flag: str, *, many: bool = False, default_help: str = "%(default)s", **kw):
         """An argparse option whose choices are this registry's names and whose help lists each
-        name with its doc.  `many`: a comma-separated list of names."""
+        name with its doc.  `many`: a comma-separated list of names.  `default_help`: how the
+        default reads in --help (e.g. "the checkpoint's" where it is inherited)."""
         hlp = kw.pop("help", f"{self.kind} name")
-        text = f"{hlp} (default: %(default)s). Choices: {self.help_text()}".replace("%", "%%")
+        text = f"{hlp} (default: {default_help}). Choices: {self.help_text()}".replace("%", "%%")
         text = text.replace("%%(default)s", "%(default)s")
         if many:
             def check(value: str) -> tuple[str, ...]:

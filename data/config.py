@@ -6,7 +6,9 @@ the data a model was trained on.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 DEFAULT_IMAGE_SIZE = 224        # photos, unless the data set's registry entry says otherwise
@@ -108,9 +110,41 @@ def resolve(cfg: DataConfig, splits) -> DataConfig:
             side = largest_image_side(splits, size)
             if side:
                 size, how = side, f"every image is at most {side} px (default {DEFAULT_IMAGE_SIZE})"
-    out = dataclasses.replace(cfg, image_size=size, resize_mode=cfg.resolved_resize_mode())
+    # an absolute root, so that commands run from another folder find the data the model saw
+    root = str(Path(cfg.data_root).resolve()) if cfg.data_root else None
+    out = dataclasses.replace(cfg, image_size=size, resize_mode=cfg.resolved_resize_mode(), data_root=root)
     logging.getLogger("data").info("image size %d px (%s), resize mode %s", size, how, out.resize_mode)
     return out
+
+
+# settings that change which images a model sees, or how: a command-line value that differs from
+# the recorded one changes the result, and is said so; the others (workers, batch size) do not
+RESULT_FIELDS = ("dataset", "image_size", "resize_mode", "num_classes", "data_seed", "val_fraction",
+                 "kanji_fonts")
+UNSET = {"image_size": 0, "resize_mode": "auto"}   # values that mean "the default", i.e. not given
+
+
+def with_overrides(recorded: DataConfig, given: dict | DataConfig | None, source: str) -> DataConfig:
+    """The recorded data configuration (a checkpoint's, an index's) with the settings the user gave
+    (None = not given) laid over it.  A given value that changes the result prints one warning line;
+    a recorded data root that is no longer there is refused with the flag that overrides it."""
+    if isinstance(given, DataConfig):
+        given = given.data_fields()
+    given = {k: v for k, v in (given or {}).items()
+             if v is not None and UNSET.get(k, object()) != v and hasattr(recorded, k)}
+    for k in RESULT_FIELDS:
+        if k in given and given[k] != getattr(recorded, k) and (k != "kanji_fonts" or given[k]):
+            flag = "--" + k.replace("_", "-")
+            print(f"warning: {flag} {given[k]} differs from {source}'s {getattr(recorded, k)}: "
+                  "the model sees other images than it was trained on; results will differ", file=sys.stderr)
+    cfg = dataclasses.replace(recorded, **given)
+    if ("data_root" not in given and cfg.data_root and not Path(cfg.data_root).exists()
+            and not cfg._meta().get("renders")):
+        from core.errors import UserError
+
+        raise UserError(f"{source} records the data root {cfg.data_root}, which is not there: "
+                        "pass --data-root with where the data set is now")
+    return cfg
 
 
 def load_data(cfg: DataConfig, progress: bool = True):

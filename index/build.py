@@ -11,8 +11,9 @@ from core.arrays import l2_normalize, load_npy
 from core.errors import UserError
 from core.hashing import sha256_file
 from data import DataConfig
-from model.checkpoint import load_model
+from model.checkpoint import data_config_for, load_model
 from model.features import embed_split, embed_subset
+from model.device import resolve_device
 from model.preprocess import transform_for
 
 from .store import Items, read_index, write_index
@@ -25,34 +26,40 @@ def _model_info(checkpoint, ck, spec) -> dict:
             "backbone": ck["backbone"], "transform": spec.describe()}
 
 
-def build_from_dataset(checkpoint, dcfg: DataConfig, out, split: str = "test", normalize: bool = True,
-                       factory: str | None = None, cache_dir: str | None = None, progress: bool = True) -> Path:
-    """Index a data-set split (In-Shop 'test' = its gallery) with a checkpoint's backbone."""
-    e = embed_split(checkpoint, dcfg, split, cache_dir, progress)
+def build_from_dataset(checkpoint, data: dict | DataConfig | None, out, split: str = "test",
+                       normalize: bool = True, factory: str | None = None, cache_dir: str | None = None,
+                       progress: bool = True, device: str = "cpu") -> Path:
+    """Index a data-set split (In-Shop 'test' = its gallery) with a checkpoint's backbone.
+    The data settings are the checkpoint's; `data` overrides some (see model.features.embed_split)."""
+    e = embed_split(checkpoint, data, split, cache_dir, progress, device=device)
     sub = e.subset
     items = Items(np.arange(len(e.kept), dtype=np.int64), e.labels.astype(np.int64),
                   [sub.paths[i] for i in e.kept], [sub.name] * len(e.kept))
-    info = _model_info(checkpoint, e.ck, e.spec) | {"dataset": dcfg.dataset, "split": sub.name}
+    info = _model_info(checkpoint, e.ck, e.spec) | {"dataset": e.data.dataset, "split": sub.name,
+                                                    "data": e.data.data_fields()}
     return write_index(out, e.feats, items, e.model.W.numpy(), normalize=normalize, info=info, factory=factory,
                        class_names=e.splits.class_names, root=str(Path(sub.root).resolve()))
 
 
 def build_from_image_folder(checkpoint, folder, out, normalize: bool = True, factory: str | None = None,
-                            batch_size: int = 64, workers: int = 1, image_size: int | None = None,
-                            progress: bool = True) -> Path:
-    """Index every image under `folder`; sub-folder names become class labels."""
+                            batch_size: int = 64, workers: int = 1, data: dict | None = None,
+                            progress: bool = True, device: str = "cpu") -> Path:
+    """Index every image under `folder`; sub-folder names become class labels.  The images are
+    preprocessed as the checkpoint's (its image size and resize mode), unless `data` overrides them."""
     from data.imagefolder import scan_image_folder
     from data.splits import Subset
 
     model, ck = load_model(checkpoint)
     bb = model.backbone.eval()
     root, paths, labels, names = scan_image_folder(folder)
-    dcfg = DataConfig.from_dict(ck["config"])
-    dcfg = dataclasses.replace(dcfg, image_size=image_size or dcfg.image_size, eval_batch_size=batch_size,
-                               workers=workers)
+    given = {k: v for k, v in (data or {}).items() if k in ("image_size", "resize_mode")} | {"data_root": str(folder)}
+    dcfg = dataclasses.replace(data_config_for(ck, given, f"checkpoint {checkpoint}"),
+                               eval_batch_size=batch_size, workers=workers)
     spec = transform_for(bb, dcfg)
-    feats, ys, kept, skipped = embed_subset(bb, Subset("gallery", root, paths, labels), spec, dcfg,
-                                            "index images", progress)
+    dev = resolve_device(device)
+    feats, ys, kept, skipped = embed_subset(bb.to(dev), Subset("gallery", root, paths, labels), spec, dcfg,
+                                            "index images", progress, device=dev)
+    bb.to("cpu")
     if skipped:
         log.warning("%d unreadable images left out of the index", len(skipped))
     feats = model.trunk_of_backbone(feats)
@@ -84,8 +91,8 @@ def build_from_features(features, labels, out, neck=None, normalize: bool = True
 
 def _rewrite(data, feats, items, out=None) -> Path:
     man = data.manifest
-    info = {k: man[k] for k in ("checkpoint", "checkpoint_sha256", "backbone", "transform", "dataset", "split")
-            if k in man}
+    info = {k: man[k] for k in ("checkpoint", "checkpoint_sha256", "backbone", "transform", "dataset", "split",
+                                "data") if k in man}
     factory = man["factory"]
     # features are already normalised if the index normalises: write_index's normalisation is a no-op
     return write_index(out or data.path, feats, items, data.W, normalize=man["normalize"], info=info,
@@ -131,8 +138,9 @@ def remove_ids(index_dir, ids) -> int:
     return int((~keep).sum())
 
 
-def split_features(checkpoint, dcfg: DataConfig, split: str, cache_dir: str | None = "cache/features",
-                   progress: bool = True):
-    """(trunk features, labels, W) of a data-set split under a checkpoint (query = gallery)."""
-    e = embed_split(checkpoint, dcfg, split, cache_dir, progress, use_gallery=False)
+def split_features(checkpoint, data: dict | DataConfig | None, split: str,
+                   cache_dir: str | None = "cache/features", progress: bool = True, device: str = "cpu"):
+    """(trunk features, labels, W) of a data-set split under a checkpoint (query = gallery);
+    data settings as in build_from_dataset."""
+    e = embed_split(checkpoint, data, split, cache_dir, progress, use_gallery=False, device=device)
     return e.feats, e.labels, e.model.W.numpy()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from core.flags import DEFAULTS, HELP
 from data import DataConfig
 
 
@@ -12,7 +13,8 @@ class BuildConfig(DataConfig):
     `--config build.toml` reads them from a file; flags override it."""
     out: str | None = field(default=None, metadata={"help": "index directory to write (atomically); required"})
     checkpoint: str | None = field(default=None, metadata={
-        "help": "trained checkpoint whose backbone embeds the images"})
+        "help": "trained checkpoint whose backbone embeds the images; its data set, split and "
+                "preprocessing are used unless the data flags say otherwise"})
     split: str = field(default="test", metadata={"help": "data-set split to index"})
     image_folder: str | None = field(default=None, metadata={
         "help": "index every image in this folder (sub-folders = classes) instead of a data set"})
@@ -22,5 +24,8 @@ class BuildConfig(DataConfig):
     normalize: bool = field(default=True, metadata={"help": "L2-normalise φ(x)"})
     factory: str | None = field(default=None, metadata={
         "help": "FAISS factory string (none: Flat up to 1e5 items, else HNSW32)"})
-    cache_dir: str = field(default="cache/features", metadata={"help": "trunk-feature cache ('' = off)"})
-    progress: bool = field(default=True, metadata={"help": "show progress bars"})
+    # the shared flags: the same help and default as on every other command (core/flags.py)
+    cache_dir: str = field(default=DEFAULTS["cache_dir"], metadata={"help": HELP["cache_dir"]})
+    progress: bool = field(default=DEFAULTS["progress"], metadata={"help": HELP["progress"]})
+    threads: int = field(default=DEFAULTS["threads"], metadata={"help": HELP["threads"]})
+    device: str = field(default=DEFAULTS["device"], metadata={"help": HELP["device"]})

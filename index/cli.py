@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,12 +13,13 @@ import numpy as np
 from core.atomic import write_json
 from core.config import add_config_args, config_from_args, parse_with_config_file
 from core.errors import UserError
+from core.flags import add_shared_args, apply_threads
 from core.logs import setup_logging
 from core.registry import convert
 from data import DATASETS, DataConfig
 
 from .build_config import BuildConfig
-from .refinements import MODES, REFINEMENTS, shared_params
+from .refinements import GRIDS, MODES, REFINEMENTS, file_params, shared_params
 
 log = logging.getLogger("index")
 
@@ -29,9 +31,10 @@ def _strategy_args(p):
     for sp in shared_params():
         g.add_argument(sp.flag, dest=sp.name, type=_param_type(sp), default=None,
                        help=sp.describe().replace("%", "%%"))
-    g.add_argument("--mode", choices=MODES, default="bilinear",
-                   help="bilinear φ(q)ᵀM′φ(x) (any symmetric M′) or cosine under M′ (PSD only) "
-                        "(default: %(default)s)")
+    g.add_argument("--mode", choices=MODES, default="cosine",
+                   help="cosine under M′, as the trained metric is evaluated everywhere (an indefinite M′ "
+                        "falls back to bilinear, with a note), or bilinear φ(q)ᵀM′φ(x), the paper's "
+                        "protocol (default: %(default)s)")
 
 
 def _param_type(sp):
@@ -49,11 +52,17 @@ def strategy_params_from(args) -> dict:
 
 
 # ---------------------------------------------------------------- commands
+def given_data(args) -> dict:
+    """The data settings given on the command line (or in --config); None = the checkpoint's."""
+    return {f.name: getattr(args, f.name, None) for f in dataclasses.fields(DataConfig)}
+
+
 def cmd_build(args) -> int:
     from .build import build_from_dataset, build_from_features, build_from_image_folder
 
     if not args.out:
         raise UserError("give --out (the index directory to write), on the command line or in --config")
+    apply_threads(args.threads)
     normalize, progress = args.normalize, args.progress
     if args.features:
         if not args.labels:
@@ -63,16 +72,20 @@ def cmd_build(args) -> int:
         if not args.checkpoint:
             raise UserError("--image-folder needs --checkpoint")
         path = build_from_image_folder(args.checkpoint, args.image_folder, args.out, normalize, args.factory,
-                                       args.eval_batch_size, args.workers, progress=progress)
+                                       args.eval_batch_size or 64, args.workers or 1, given_data(args),
+                                       progress=progress, device=args.device)
     elif args.checkpoint:
-        dcfg = config_from_args(DataConfig, args)
-        path = build_from_dataset(args.checkpoint, dcfg, args.out, args.split, normalize, args.factory,
-                                  cache_dir=args.cache_dir or None, progress=progress)
+        path = build_from_dataset(args.checkpoint, given_data(args), args.out, args.split, normalize,
+                                  args.factory, cache_dir=args.cache_dir or None, progress=progress,
+                                  device=args.device)
     else:
-        raise UserError("give --checkpoint (with --dataset or --image-folder) or --features")
+        raise UserError("give --checkpoint (its data set by default, or --image-folder) or --features")
     man = json.loads((Path(path) / "manifest.json").read_text())
+    data = man.get("data") or {}
     print(json.dumps({k: man[k] for k in ("count", "classes", "trunk_dim", "embed_dim", "factory",
-                                           "index_type", "normalize")} | {"index": str(path)}, indent=2))
+                                           "index_type", "normalize")}
+                     | {k: data[k] for k in ("dataset", "image_size", "resize_mode") if k in data}
+                     | {"split": man.get("split"), "index": str(path)}, indent=2))
     return 0
 
 
@@ -109,7 +122,7 @@ def cmd_search(args) -> int:
     from .threads import serving_threads
 
     data = read_index(args.index, verify=not args.no_verify)
-    serving_threads(args.threads or None)
+    serving_threads(args.threads or None)  # BLAS on 1 thread for single queries; FAISS as asked
     s = Searcher(data)
     if args.features:
         from core.arrays import load_npy
@@ -117,16 +130,20 @@ def cmd_search(args) -> int:
         feats = np.atleast_2d(load_npy(args.features, "query features"))
         names = [f"{args.features}[{i}]" for i in range(len(feats))]
     elif args.image:
-        emb = ImageEmbedder(args.checkpoint or data.manifest.get("checkpoint") or "", data.manifest)
+        emb = ImageEmbedder(args.checkpoint or data.manifest.get("checkpoint") or "", data.manifest,
+                            device=args.device)
         feats = emb.features(args.image)
         names = list(args.image)
     else:
         raise UserError("give --image PATH... or --features F.npy")
-    res = s.search(feats, args.strategy, strategy_params_from(args), args.mode, args.k)
+    params = strategy_params_from(args)
+    mode, note = s.resolve_mode(args.strategy, params, args.mode)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    res = s.search(feats, args.strategy, params, mode, args.k)
     out = [{"query": n, "results": r} for n, r in zip(names, s.describe(res))]
-    payload = {"strategy": args.strategy, "params": {k: v for k, v in strategy_params_from(args).items()
-                                                      if v is not None},
-               "mode": args.mode, "k": args.k, "queries": out}
+    payload = {"strategy": args.strategy, "params": {k: v for k, v in params.items() if v is not None},
+               "mode": mode, "k": args.k, "note": note, "queries": out}
     if args.json:
         write_json(args.json, payload)
     else:
@@ -144,35 +161,45 @@ def cmd_info(args) -> int:
     return 0
 
 
+def _narrowing(args) -> dict:
+    return {"strategies": args.strategies, "grid_name": args.grid}
+
+
 def cmd_evaluate(args) -> int:
     from .build import split_features
-    from .strategy_eval import run_evaluation, table_markdown
+    from .strategy_eval import counts_line, run_evaluation, table_markdown
 
-    dcfg = config_from_args(DataConfig, args)
+    apply_threads(args.threads)
+    splits = args.splits
+    split = next((s for s in splits if s != "val"), "val")
     cache = args.cache_dir or None
-    f, y, W = split_features(args.checkpoint, dcfg, args.split, cache, not args.no_progress)
+    f, y, W = split_features(args.checkpoint, given_data(args), split, cache, args.progress, args.device)
     val = None
-    if not args.no_val:
-        vf, vy, _ = split_features(args.checkpoint, dcfg, "val", cache, not args.no_progress)
+    if "val" in splits and split != "val":
+        vf, vy, _ = split_features(args.checkpoint, given_data(args), "val", cache, args.progress, args.device)
         val = (vf, vy)
-    res = run_evaluation(f, y, W, args.out, val=val, normalize=not args.no_normalize, seeds=args.seeds,
-                         progress=not args.no_progress)
+    res = run_evaluation(f, y, W, args.out, val=val, normalize=args.normalize, seeds=args.seeds,
+                         progress=args.progress, split=split, **_narrowing(args))
+    print(counts_line(res["counts"]))
     print(table_markdown(res["table"]))
     print(f"written: {args.out}/strategies.json, table.md, restraint_sweep.png, principles.png")
+    if args.json:
+        write_json(args.json, {k: res[k] for k in ("table", "counts", "split", "grid", "strategies")})
     return 0
 
 
 def cmd_select(args) -> int:
     from .build import split_features
-    from .strategy_eval import select_strategy
+    from .strategy_eval import counts_line, select_strategy
 
-    dcfg = config_from_args(DataConfig, args)
-    vf, vy, W = split_features(args.checkpoint, dcfg, "val", args.cache_dir or None, not args.no_progress)
-    res = select_strategy(vf, vy, W, normalize=not args.no_normalize, seeds=args.seeds,
-                          progress=not args.no_progress)
+    apply_threads(args.threads)
+    vf, vy, W = split_features(args.checkpoint, given_data(args), "val", args.cache_dir or None, args.progress,
+                               args.device)
+    res = select_strategy(vf, vy, W, normalize=args.normalize, seeds=args.seeds, progress=args.progress,
+                          **_narrowing(args))
     sel = res["selected"]
     out = {"selected": res["label"], "strategy": sel["strategy"], "params": sel["params"], "mode": sel["mode"],
-           "val_map@r": sel["map@r"],
+           "val_map@r": sel["map@r"], "val": counts_line(res["counts"]),
            "principles": {"trace_over_frobenius": sel["M_trace_over_frobenius"],
                           "frobenius_over_trace": sel["M_frobenius_over_trace"]}}
     if args.json:
@@ -186,8 +213,32 @@ def cmd_list(args) -> int:
     return 0
 
 
+INHERITED = "the checkpoint's"
+
+
 def _data_args(p, defaults: dict | None = None) -> None:
-    add_config_args(p, DataConfig, defaults=defaults, registries={"dataset": DATASETS})
+    """The data settings; each defaults to the checkpoint's (what the model was trained on)."""
+    g = p.add_argument_group("data (each defaults to the checkpoint's own; a value that changes what the "
+                             "model sees prints a warning)")
+    add_config_args(g, DataConfig, defaults=defaults, registries={"dataset": DATASETS}, inherit=INHERITED)
+
+
+def _strategy_list(s: str) -> tuple[str, ...]:
+    names = tuple(v.strip() for v in s.split(",") if v.strip())
+    try:
+        for n in names:
+            REFINEMENTS.get(n)
+    except UserError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return names
+
+
+def _splits(s: str) -> tuple[str, ...]:
+    names = tuple(v.strip() for v in s.split(",") if v.strip())
+    if not names or len([n for n in names if n != "val"]) > 1:
+        raise argparse.ArgumentTypeError(f"--splits wants one evaluated split and optionally val "
+                                         f"(e.g. test,val), got {s!r}")
+    return names
 
 
 def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
@@ -226,10 +277,7 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     s.add_argument("--features", help="query trunk features .npy (n × d or d)")
     s.add_argument("--checkpoint", help="model to embed query images (default: the index's own)")
     s.add_argument("--k", type=int, default=10, help="results per query (default: %(default)s)")
-    s.add_argument("--json", help="write results here (default: print them)")
-    s.add_argument("--threads", type=int, default=0,
-                   help="FAISS threads; 0 = FAISS's own setting; for single queries 1 is often fastest "
-                        "(default: %(default)s)")
+    add_shared_args(s, "json", "threads", "device")
     s.add_argument("--no-verify", action="store_true", help="skip the checksum verification at load")
     _strategy_args(s)
     s.set_defaults(func=cmd_search)
@@ -245,19 +293,25 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     for name, func, hlp in (("evaluate", cmd_evaluate, "evaluate all strategies on a split (JSON, plots, table)"),
                             ("select", cmd_select, "pick strategy and parameter by MAP@R on validation classes")):
         e = sub.add_parser(name, help=hlp)
-        e.add_argument("--checkpoint", required=True, help="trained checkpoint whose features are evaluated")
+        e.add_argument("--checkpoint", required=True,
+                       help="trained checkpoint whose features are evaluated (its data set, split and "
+                            "preprocessing are used unless the data flags below say otherwise)")
         if name == "evaluate":
             e.add_argument("--out", required=True, help="folder for strategies.json, table.md and plots")
-            e.add_argument("--split", default="test", help="data-set split to evaluate on (default: %(default)s)")
-            e.add_argument("--no-val", action="store_true", help="skip the validation-selected row")
-        else:
-            e.add_argument("--json", help="write the selection (and all validation rows) here")
+            e.add_argument("--splits", type=_splits, default=("test", "val"), metavar="SPLIT[,val]",
+                           help="the split to evaluate on, and val to add the validation-selected row "
+                                "(default: test,val)")
+        e.add_argument("--strategies", type=_strategy_list, default=None, metavar="NAME,...",
+                       help="only these strategies (default: every one that needs no file: "
+                            f"{', '.join(n for n in REFINEMENTS.names() if not file_params(n))})")
+        e.add_argument("--grid", choices=GRIDS, default="full",
+                       help="each strategy's parameter grid (`index list`), or every other value of it "
+                            "(default: %(default)s)")
         e.add_argument("--seeds", type=int, default=3, help="seeds per random strategy setting (default: %(default)s)")
-        e.add_argument("--no-normalize", action="store_true", help="do not L2-normalise φ(x)")
-        e.add_argument("--no-progress", action="store_true", help="no progress bars")
+        e.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True,
+                       help="L2-normalise φ(x), as indexes do by default (default: %(default)s)")
+        add_shared_args(e, "json", "threads", "progress", "cache_dir", "device")
         _data_args(e)
-        e.add_argument("--cache-dir", default="cache/features",
-                       help="trunk-feature cache ('' = off) (default: %(default)s)")
         e.set_defaults(func=func)
     return p
 

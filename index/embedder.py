@@ -15,13 +15,13 @@ import torch
 from core.errors import UserError
 from core.images import load_rgb
 from core.hashing import sha256_file
-from data import DataConfig
-from model.checkpoint import load_model
+from model.checkpoint import load_model, recorded_data
+from model.device import resolve_device
 from model.preprocess import TransformSpec, transform_for
 
 
 class ImageEmbedder:
-    def __init__(self, checkpoint, manifest: dict | None = None):
+    def __init__(self, checkpoint, manifest: dict | None = None, device: str = "cpu"):
         if manifest is not None and not manifest.get("checkpoint_sha256"):
             raise UserError("this index was built from precomputed features: it has no model to "
                             "embed images with; search it by feature vectors (--features)")
@@ -41,10 +41,12 @@ class ImageEmbedder:
         self.backbone = self.model.backbone.eval()
         t = (manifest or {}).get("transform")
         if t is None:  # no manifest: the checkpoint's own data settings decide the preprocessing
-            self.spec = transform_for(self.backbone, DataConfig.from_dict(self.ck["config"]))
+            self.spec = transform_for(self.backbone, recorded_data(self.ck))
         else:
             self.spec = TransformSpec.from_dict(t)
         self.transform = self.spec.build()
+        self.device = resolve_device(device)
+        self.model.to(self.device)
         self.sha256 = sha256_file(checkpoint)
         self.path = checkpoint
 
@@ -59,4 +61,5 @@ class ImageEmbedder:
             tensors.append(self.transform(im))
         if not tensors:
             return np.zeros((0, self.model.trunk_dim), np.float32)
-        return self.model.eval().trunk_features(torch.stack(tensors)).float().numpy()
+        # FAISS is on the CPU: features come back as contiguous float32 there
+        return self.model.eval().trunk_features(torch.stack(tensors).to(self.device)).float().cpu().numpy()

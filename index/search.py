@@ -43,6 +43,10 @@ class RefinedMetric:
         return self._report
 
 
+# one search result, the same in `index search --json` and the app's API
+RESULT_FIELDS = ("rank", "id", "label", "class_name", "score", "relative_path")
+
+
 @dataclass
 class SearchResult:
     rows: np.ndarray      # n × k positions into the index (−1 = no result)
@@ -169,13 +173,22 @@ class Searcher:
         return D, I
 
     # ------------------------------------------------------------ results
+    def resolve_mode(self, strategy: str, params: dict, mode: str) -> tuple[str, str]:
+        """(mode actually used, note): cosine is undefined for an indefinite M′, which is then
+        ranked bilinearly, and said so (the CLI, the API and the app do the same)."""
+        if mode == "cosine" and not self.metric(strategy, params).report["psd"]:
+            return "bilinear", "cosine is undefined for this indefinite M′: showing bilinear"
+        return mode, ""
+
     def describe(self, res: SearchResult) -> list[list[dict]]:
+        """Each query's results as RESULT_FIELDS dicts (the CLI's and the API's JSON)."""
         items, names = self.data.items, self.data.class_names
         out = []
         for rows, scores in zip(res.rows, res.scores):
-            out.append([{"id": int(items.ids[r]), "label": int(items.labels[r]),
+            kept = [(r, s) for r, s in zip(rows, scores) if r >= 0]
+            out.append([{"rank": i + 1, "id": int(items.ids[r]), "label": int(items.labels[r]),
                          "class_name": names.get(int(items.labels[r]), str(int(items.labels[r]))),
-                         "path": items.paths[r], "split": items.splits[r], "score": float(s)}
-                        for r, s in zip(rows, scores) if r >= 0])
+                         "score": float(s), "relative_path": items.paths[r]}
+                        for i, (r, s) in enumerate(kept)])
         return out
 

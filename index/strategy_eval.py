@@ -21,9 +21,10 @@ from tqdm import tqdm
 from core.atomic import write_json, write_text, write_with
 from evaluation.evaluator import DEFAULT_KS, evaluate_ranking
 
-from .refinements import REFINEMENTS, grid, ranks_like_trained, seeded, strategy_label, sweep, sweepable
+from .refinements import REFINEMENTS, coarse, grid, ranks_like_trained, seeded, strategy_label, sweep, sweepable
 from .search import Searcher
 from .store import in_memory_index
+from .sweep import MAX_N, GramSweep
 
 log = logging.getLogger("index")
 METRICS = ("map@r", "precision@1", "r_precision", "recall@1", "recall@2", "recall@4", "recall@8")
@@ -36,29 +37,50 @@ REFERENCE_ROWS = (("trained", "cosine", "trained M* (cosine of embeddings: the u
 MARKERS = ("o", "s", "^", "v", "*", "P", "D", "X", "<", ">")
 
 
-def swept_strategies() -> list[str]:
-    """Every strategy that can be swept: the references first, then the others by name."""
+def swept_strategies(only: tuple[str, ...] | None = None) -> list[str]:
+    """Every strategy that can be swept (or those of `only`): the references first, then the
+    others by name."""
     refs = list(dict.fromkeys(name for name, _, _ in REFERENCE_ROWS))
-    return [n for n in refs + [n for n in REFINEMENTS.names() if n not in refs] if sweepable(n)]
+    names = [n for n in refs + [n for n in REFINEMENTS.names() if n not in refs] if sweepable(n)]
+    return [n for n in names if only is None or n in only]
 
 
-def sweep_configs(seeds: int = 3) -> list[tuple[str, dict, str]]:
-    """(strategy, params, mode) of every setting evaluated: each strategy's registered grid."""
-    return [(name, params, mode) for name in swept_strategies() for params, mode in sweep(name, seeds)]
+def sweep_configs(seeds: int = 3, strategies: tuple[str, ...] | None = None,
+                  grid_name: str = "full") -> list[tuple[str, dict, str]]:
+    """(strategy, params, mode) of every setting evaluated: each strategy's registered grid
+    (`coarse`: every other value of each parameter)."""
+    out = []
+    for name in swept_strategies(strategies):
+        settings = sweep(name, seeds)
+        if grid_name == "coarse":
+            keep = {p: coarse(v) for p, v in grid(name).items()}
+            settings = [(p, m) for p, m in settings if all(p[k] in vs for k, vs in keep.items())]
+        out += [(name, params, mode) for params, mode in settings]
+    return out
 
 
 def evaluate_configs(features, labels, W, configs, normalize=True, progress=True, desc="strategies") -> list[dict]:
+    """Each setting's metrics, query = gallery.  Up to sweep.MAX_N items all settings share one
+    batched score computation (index/sweep.py, equal to the search path); above, each setting
+    is searched through the search path."""
     s = Searcher(in_memory_index(features, labels, W, normalize), cache_size=4)
     q = np.asarray(s.data.features)
     y = s.data.items.labels
-    rows = []
+    batched = GramSweep(q, y, s.data.W) if len(y) <= MAX_N else None
+    rows, last = [], (None, None)
     for name, params, mode in tqdm(configs, desc=desc, disable=not progress):
         rm = s.metric(name, params)
         rep = rm.report
         if mode == "cosine" and not rep["psd"]:
             continue
-        transform, index, _ = s.query_view(name, params, mode)
-        res = evaluate_ranking(index, transform(q), y, y, same_set=True, ks=DEFAULT_KS)
+        if batched is not None:
+            key = (name, json.dumps(params, sort_keys=True))
+            if last[0] != key:  # the modes of one setting share its score matrix
+                last = (key, batched.scores(rm.M, rm.op.kind, rm.op.diag_removed))
+            res = batched.evaluate(last[1].clone(), mode)
+        else:
+            transform, index, _ = s.query_view(name, params, mode)
+            res = evaluate_ranking(index, transform(q), y, y, same_set=True, ks=DEFAULT_KS)
         rows.append({"strategy": name, "params": dict(params), "mode": mode,
                      **{m: res[m] for m in METRICS}, "n_queries": res["n_queries"],
                      **{f"M_{k}": v for k, v in rep.items()}})
@@ -109,10 +131,12 @@ def summary_table(test: list[dict], val: list[dict] | None) -> list[dict]:
         r = find(test, name, mode)
         if r:
             table.append({"row": title, "choice": label(r), **{m: r[m] for m in METRICS}})
-    refined = [r for r in test if not is_trained_equivalent(r)]
-    best = max(refined, key=lambda r: r["map@r"])
-    table.append({"row": "best refined on test (oracle, the paper's †)", "choice": label(best),
-                  **{m: best[m] for m in METRICS}})
+    refined = [r for r in test if not is_trained_equivalent(r) and (r["strategy"], r["mode"]) not in
+               {(n, m) for n, m, _ in REFERENCE_ROWS}]
+    if refined:
+        best = max(refined, key=lambda r: r["map@r"])
+        table.append({"row": "best refined on test (oracle, the paper's †)", "choice": label(best),
+                      **{m: best[m] for m in METRICS}})
     if val:
         sel = max(val, key=lambda r: r["map@r"])
         t = next(r for r in test if _group_key(r) == _group_key(sel))
@@ -139,32 +163,35 @@ def plot_sweeps(agg: list[dict], out: Path) -> None:
     trained_cos = find(agg, "trained", "cosine")
     ident = find(agg, "identity", "bilinear")
     # one row per random strategy swept along one parameter (the restraints: accuracy vs r)
-    curves = [(n, next(iter(grid(n)))) for n in swept_strategies() if seeded(n) and len(grid(n)) == 1]
-    fig, axes = plt.subplots(len(curves), 3, figsize=(12, 3.25 * len(curves)), sharex=True, squeeze=False)
-    for row_i, (name, param) in enumerate(curves):
-        rs = sorted([r for r in agg if r["strategy"] == name], key=lambda r: r["params"][param])
-        x = [r["params"][param] for r in rs]
-        seeds = max(r["seeds"] for r in rs)
-        for col, (m, title) in enumerate([("map@r", "MAP@R"), ("precision@1", "P@1"), ("r_precision", "RP")]):
-            ax = axes[row_i, col]
-            mean = np.array([r[m] for r in rs]) * 100
-            std = np.array([r[m + "_std"] for r in rs]) * 100
-            ax.plot(x, mean, "o-", label=f"{name} restraint ({seeds} seeds)")
-            ax.fill_between(x, mean - std, mean + std, alpha=0.25)
-            if trained:
-                ax.axhline(trained[m] * 100, color="k", ls="--", lw=1, label="trained M* (bilinear)")
-            if trained_cos:
-                ax.axhline(trained_cos[m] * 100, color="tab:red", ls="-.", lw=1, label="trained M* (cosine)")
-            if ident:
-                ax.axhline(ident[m] * 100, color="tab:green", ls=":", lw=1, label="identity")
-            ax.set_title(f"{title} vs {param} ({name})")
-            if row_i == len(curves) - 1:
-                ax.set_xlabel(f"{REFINEMENTS.get(name).param_help()[param]} {param}")
-            if col == 0:
-                ax.legend(fontsize=7)
-    fig.tight_layout()
-    write_with(out / "restraint_sweep.png", lambda t: fig.savefig(t, format="png", dpi=90))
-    plt.close(fig)
+    swept = {r["strategy"] for r in agg}
+    curves = [(n, next(iter(grid(n)))) for n in swept_strategies() if seeded(n) and len(grid(n)) == 1
+              and n in swept]
+    if curves:  # none when the evaluation was narrowed to no restraint
+        fig, axes = plt.subplots(len(curves), 3, figsize=(12, 3.25 * len(curves)), sharex=True, squeeze=False)
+        for row_i, (name, param) in enumerate(curves):
+            rs = sorted([r for r in agg if r["strategy"] == name], key=lambda r: r["params"][param])
+            x = [r["params"][param] for r in rs]
+            seeds = max(r["seeds"] for r in rs)
+            for col, (m, title) in enumerate([("map@r", "MAP@R"), ("precision@1", "P@1"), ("r_precision", "RP")]):
+                ax = axes[row_i, col]
+                mean = np.array([r[m] for r in rs]) * 100
+                std = np.array([r[m + "_std"] for r in rs]) * 100
+                ax.plot(x, mean, "o-", label=f"{name} restraint ({seeds} seeds)")
+                ax.fill_between(x, mean - std, mean + std, alpha=0.25)
+                if trained:
+                    ax.axhline(trained[m] * 100, color="k", ls="--", lw=1, label="trained M* (bilinear)")
+                if trained_cos:
+                    ax.axhline(trained_cos[m] * 100, color="tab:red", ls="-.", lw=1, label="trained M* (cosine)")
+                if ident:
+                    ax.axhline(ident[m] * 100, color="tab:green", ls=":", lw=1, label="identity")
+                ax.set_title(f"{title} vs {param} ({name})")
+                if row_i == len(curves) - 1:
+                    ax.set_xlabel(f"{REFINEMENTS.get(name).param_help()[param]} {param}")
+                if col == 0:
+                    ax.legend(fontsize=7)
+        fig.tight_layout()
+        write_with(out / "restraint_sweep.png", lambda t: fig.savefig(t, format="png", dpi=90))
+        plt.close(fig)
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     # swept strategies first; the fixed matrices last, drawn on top
@@ -187,25 +214,42 @@ def plot_sweeps(agg: list[dict], out: Path) -> None:
     plt.close(fig)
 
 
-def run_evaluation(test_feats, test_labels, W, out, val=None, normalize=True, seeds=3, progress=True) -> dict:
+def split_counts(labels) -> dict:
+    """What a split's numbers are over: its classes and its queries (query = gallery)."""
+    _, counts = np.unique(np.asarray(labels), return_counts=True)
+    return {"classes": int(len(counts)), "images": int(counts.sum()), "queries": int(counts[counts > 1].sum())}
+
+
+def run_evaluation(test_feats, test_labels, W, out, val=None, normalize=True, seeds=3, progress=True,
+                   strategies: tuple[str, ...] | None = None, grid_name: str = "full", split: str = "test") -> dict:
     out = Path(out)
-    configs = sweep_configs(seeds)
-    test_rows = evaluate_configs(test_feats, test_labels, W, configs, normalize, progress, "test strategies")
+    configs = sweep_configs(seeds, strategies, grid_name)
+    test_rows = evaluate_configs(test_feats, test_labels, W, configs, normalize, progress, f"{split} strategies")
     test_agg = aggregate(test_rows)
     val_agg = None
+    counts = {split: split_counts(test_labels)}
     if val is not None:
         val_rows = evaluate_configs(val[0], val[1], W, configs, normalize, progress, "val strategies")
         val_agg = aggregate(val_rows)
+        counts["val"] = split_counts(val[1])
     table = summary_table(test_agg, val_agg)
-    result = {"test": test_agg, "val": val_agg, "table": table, "test_runs": test_rows}
+    result = {"test": test_agg, "val": val_agg, "table": table, "test_runs": test_rows, "split": split,
+              "counts": counts, "grid": grid_name, "strategies": swept_strategies(strategies)}
     write_json(out / "strategies.json", result)
-    write_text(out / "table.md", table_markdown(table))
+    write_text(out / "table.md", counts_line(counts) + "\n\n" + table_markdown(table))
     plot_sweeps(test_agg, out)
     return result
 
 
-def select_strategy(val_feats, val_labels, W, normalize=True, seeds=3, progress=True) -> dict:
-    rows = aggregate(evaluate_configs(val_feats, val_labels, W, sweep_configs(seeds), normalize, progress,
-                                      "val strategies"))
+def counts_line(counts: dict) -> str:
+    """'test: 250 classes, 5,750 queries · val: …' — validation and test numbers are over
+    different classes (and counts), so they say which."""
+    return " · ".join(f"{name}: {c['classes']:,} classes, {c['queries']:,} queries" for name, c in counts.items())
+
+
+def select_strategy(val_feats, val_labels, W, normalize=True, seeds=3, progress=True,
+                    strategies: tuple[str, ...] | None = None, grid_name: str = "full") -> dict:
+    rows = aggregate(evaluate_configs(val_feats, val_labels, W, sweep_configs(seeds, strategies, grid_name),
+                                      normalize, progress, "val strategies"))
     best = max(rows, key=lambda r: r["map@r"])
-    return {"selected": best, "label": label(best), "all": rows}
+    return {"selected": best, "label": label(best), "all": rows, "counts": {"val": split_counts(val_labels)}}

@@ -67,6 +67,14 @@ def recorded_data(ck: dict):
     return DataConfig.from_dict((ck.get("data") or {}).get("config") or ck.get("config") or {})
 
 
+def data_config_for(ck: dict, given=None, source: str = "the checkpoint"):
+    """The checkpoint's data configuration with the settings the user gave laid over it
+    (data.config.with_overrides: a change that alters the result prints a warning)."""
+    from data.config import with_overrides
+
+    return with_overrides(recorded_data(ck), given, source)
+
+
 def check_compatible(ck: dict, *, backbone: str | None = None, embed_dim: int | None = None,
                      trunk_dim: int | None = None, source: str = "checkpoint") -> None:
     if backbone is not None and ck["backbone"] != backbone:

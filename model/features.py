@@ -26,7 +26,7 @@ from core.errors import UserError
 from data import DataConfig, load_data
 from data.loader import make_loader
 
-from .device import autocast
+from .device import autocast, resolve_device
 from .preprocess import TransformSpec, transform_for
 
 log = logging.getLogger(__name__)
@@ -182,12 +182,14 @@ def cached_prefix(backbone, n_stages: int, splits, subset, spec: TransformSpec, 
 
 
 def backbone_features(backbone, splits, subset, spec: TransformSpec, dcfg: DataConfig,
-                      cache_dir: str | None, progress: bool = True):
-    """Frozen backbone features of a subset: through the cache when `cache_dir`, else computed."""
-    backbone.eval()
+                      cache_dir: str | None, progress: bool = True, device: torch.device | None = None):
+    """Frozen backbone features of a subset: through the cache when `cache_dir`, else computed
+    (on `device`; features come back on the CPU, float32, whatever the device)."""
+    device = device or torch.device("cpu")
+    backbone.eval().to(device)
 
     def embed(sub, sp):
-        return embed_subset(backbone, sub, sp, dcfg, f"features {sub.name}", progress)
+        return embed_subset(backbone, sub, sp, dcfg, f"features {sub.name}", progress, device=device)
 
     if cache_dir:
         return cached_features(backbone, splits, subset, spec, embed, cache_dir, progress)
@@ -201,6 +203,7 @@ def backbone_features(backbone, splits, subset, spec: TransformSpec, dcfg: DataC
 class SplitFeatures:
     model: object
     ck: dict
+    data: DataConfig        # the data configuration used: the checkpoint's, with any overrides
     splits: object
     subset: object
     spec: TransformSpec
@@ -209,21 +212,27 @@ class SplitFeatures:
     kept: np.ndarray        # indices into subset of the images that could be read
 
 
-def embed_split(checkpoint, dcfg: DataConfig, split: str, cache_dir: str | None, progress: bool = True,
-                use_gallery: bool = True) -> SplitFeatures:
+def embed_split(checkpoint, data: dict | DataConfig | None, split: str, cache_dir: str | None,
+                progress: bool = True, use_gallery: bool = True, device: str = "cpu") -> SplitFeatures:
     """Embed a data-set split's images with a checkpoint's trunk (through the feature cache).
+
+    The data configuration is the checkpoint's own; `data` holds the settings given to override
+    it (None values and a 0 image size mean "not given").
 
     For a query/gallery split (In-Shop 'test'), `use_gallery` picks the gallery; otherwise the
     query = gallery protocol is required.
     """
-    from .checkpoint import load_model
+    from .checkpoint import data_config_for, load_model
 
     model, ck = load_model(checkpoint)
+    dcfg = data_config_for(ck, data, f"checkpoint {checkpoint}")
     splits = load_data(dcfg, progress=progress)
     spec = transform_for(model.backbone, dcfg)
     query, gallery = splits.eval_pair(split)
     if gallery is not None and not use_gallery:
         raise UserError("strategy evaluation uses the query = gallery protocol; this split is query/gallery")
     sub = gallery if gallery is not None else query
-    feats, labels, kept = backbone_features(model.backbone, splits, sub, spec, dcfg, cache_dir, progress)
-    return SplitFeatures(model, ck, splits, sub, spec, model.trunk_of_backbone(feats), labels, kept)
+    dev = resolve_device(device)
+    feats, labels, kept = backbone_features(model.backbone, splits, sub, spec, dcfg, cache_dir, progress, dev)
+    model.backbone.to("cpu")  # the neck and flows run on the CPU features
+    return SplitFeatures(model, ck, dcfg, splits, sub, spec, model.trunk_of_backbone(feats), labels, kept)

@@ -52,7 +52,7 @@ def test_new_strategy_reaches_the_index_cli(lift_registered, tiny_index, tmp_pat
     np.save(q, np.asarray(data.features[:2]))
     out = tmp_path / "res.json"
     cli(capsys, "search", "--index", str(tiny_index), "--features", str(q), "--strategy", "lift",
-        "--gamma", "1.5", "--k", "4", "--json", str(out))
+        "--gamma", "1.5", "--k", "4", "--mode", "bilinear", "--json", str(out))
     res = json.loads(out.read_text())
     want = Searcher(data).search(np.asarray(data.features[:2]), "lift", {"gamma": 1.5}, "bilinear", 4)
     assert res["params"] == {"gamma": 1.5}

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, run_module
+from index.search import RESULT_FIELDS
 
 
 def free_port() -> int:
@@ -51,6 +52,14 @@ def test_binds_loopback_only(server):
     assert addrs == {"0100007F"}, addrs  # 127.0.0.1 only, not 0.0.0.0 or ::
 
 
+def assert_same_results(api: list[dict], cli: list[dict]) -> None:
+    """Identical fields and values (scores to float tolerance: they crossed JSON differently)."""
+    assert [list(x) for x in api] == [list(x) for x in cli] == [list(RESULT_FIELDS)] * len(cli)
+    strip = [[{k: v for k, v in x.items() if k != "score"} for x in rs] for rs in (api, cli)]
+    assert strip[0] == strip[1] and len(cli) > 0
+    assert [x["score"] for x in api] == pytest.approx([x["score"] for x in cli], rel=1e-5)
+
+
 def test_api_search_matches_cli(server, tmp_path):
     from gradio_client import Client, handle_file
     from gradio_client.exceptions import AppError
@@ -65,12 +74,19 @@ def test_api_search_matches_cli(server, tmp_path):
     res = client.predict(handle_file(str(img)), "random", 0.4, 2, 0.5, 0.5, "bilinear", 6, api_name="/search")
     out = tmp_path / "cli.json"
     r = run_module("index", "search", "--index", str(svc.index_dir), "--image",
-                   str(img), "--strategy", "random", "--r", "0.4", "--seed", "2", "--k", "6",
+                   str(img), "--strategy", "random", "--r", "0.4", "--seed", "2", "--k", "6", "--mode", "bilinear",
                    "--json", str(out), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     cli = json.loads(out.read_text())["queries"][0]["results"]
-    assert [x["id"] for x in res["results"]] == [x["id"] for x in cli]
-    assert [x["score"] for x in res["results"]] == pytest.approx([x["score"] for x in cli], rel=1e-5)
+    assert_same_results(res["results"], cli)
+    # the defaults agree too: the trained metric, as evaluated everywhere (cosine)
+    res = client.predict(handle_file(str(img)), api_name="/search")
+    r = run_module("index", "search", "--index", str(svc.index_dir), "--image", str(img), "--json", str(out),
+                   cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    cli = json.loads(out.read_text())
+    assert cli["strategy"] == "trained" and cli["mode"] == "cosine" and res["metric"].endswith("cosine")
+    assert_same_results(res["results"], cli["queries"][0]["results"])
     # a bad upload is an error for that call; the app keeps serving
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n truncated")
