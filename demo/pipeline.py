@@ -66,7 +66,9 @@ def run_demo(args) -> int:
     results["ProxyAnchor on frozen efficientnet_lite0 (trained neck)"] = metrics["test"]
     write_json(out / "eval.json", results)
     index_dir, strategies = build_demo_index(tcfg, out)
-    print("\nkanji test classes (query = gallery, leave-one-out)")
+    test = splits.test
+    print(f"\nkanji test classes ({len(test.classes):,} classes, {len(test):,} queries; "
+          "query = gallery, leave-one-out)")
     print("| model | MAP@R | R@1 | RP | NMI |\n|---|---|---|---|---|")
     for name, res in results.items():
         print(_row(name, res))
