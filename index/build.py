@@ -28,15 +28,19 @@ def _model_info(checkpoint, ck, spec) -> dict:
 
 def build_from_dataset(checkpoint, data: dict | DataConfig | None, out, split: str = "test",
                        normalize: bool = True, factory: str | None = None, cache_dir: str | None = None,
-                       progress: bool = True, device: str = "cpu") -> Path:
+                       progress: bool = True, device: str = "cpu", shard: tuple[int, int] | None = None) -> Path:
     """Index a data-set split (In-Shop 'test' = its gallery) with a checkpoint's backbone.
-    The data settings are the checkpoint's; `data` overrides some (see model.features.embed_split)."""
-    e = embed_split(checkpoint, data, split, cache_dir, progress, device=device)
+    The data settings are the checkpoint's; `data` overrides some (see model.features.embed_split).
+    `shard` (i, n): only the i-th of n blocks of the split, ids global (`index merge` joins them)."""
+    e = embed_split(checkpoint, data, split, cache_dir, progress, device=device, shard=shard)
     sub = e.subset
-    items = Items(np.arange(len(e.kept), dtype=np.int64), e.labels.astype(np.int64),
+    # ids are positions in the split: the same whether it is indexed whole or in shards
+    items = Items(e.kept.astype(np.int64), e.labels.astype(np.int64),
                   [sub.paths[i] for i in e.kept], [sub.name] * len(e.kept))
     info = _model_info(checkpoint, e.ck, e.spec) | {"dataset": e.data.dataset, "split": sub.name,
                                                     "data": e.data.data_fields()}
+    if shard is not None:
+        info["shard"] = {"index": shard[0], "count": shard[1], "split_images": len(sub)}
     return write_index(out, e.feats, items, e.model.W.numpy(), normalize=normalize, info=info, factory=factory,
                        class_names=e.splits.class_names, root=str(Path(sub.root).resolve()))
 

@@ -16,6 +16,9 @@ class BuildConfig(DataConfig):
         "help": "trained checkpoint whose backbone embeds the images; its data set, split and "
                 "preprocessing are used unless the data flags say otherwise"})
     split: str = field(default="test", metadata={"help": "data-set split to index"})
+    shard: str | None = field(default=None, metadata={
+        "help": "i/N: embed only the i-th of N blocks of the split (ids stay global; join the shards with "
+                "`index merge`); under torchrun every rank takes its own shard and rank 0 merges"})
     image_folder: str | None = field(default=None, metadata={
         "help": "index every image in this folder (sub-folders = classes) instead of a data set"})
     features: str | None = field(default=None, metadata={"help": "precomputed trunk features .npy (n × d)"})

@@ -58,7 +58,7 @@ def given_data(args) -> dict:
 
 
 def cmd_build(args) -> int:
-    from .build import build_from_dataset, build_from_features, build_from_image_folder
+    from .build import build_from_features, build_from_image_folder
 
     if not args.out:
         raise UserError("give --out (the index directory to write), on the command line or in --config")
@@ -75,9 +75,9 @@ def cmd_build(args) -> int:
                                        args.eval_batch_size or 64, args.workers or 1, given_data(args),
                                        progress=progress, device=args.device)
     elif args.checkpoint:
-        path = build_from_dataset(args.checkpoint, given_data(args), args.out, args.split, normalize,
-                                  args.factory, cache_dir=args.cache_dir or None, progress=progress,
-                                  device=args.device)
+        path = _build_dataset(args)
+        if path is None:  # a torchrun rank other than 0: rank 0 merged and reports
+            return 0
     else:
         raise UserError("give --checkpoint (its data set by default, or --image-folder) or --features")
     man = json.loads((Path(path) / "manifest.json").read_text())
@@ -86,6 +86,37 @@ def cmd_build(args) -> int:
                                            "index_type", "normalize")}
                      | {k: data[k] for k in ("dataset", "image_size", "resize_mode") if k in data}
                      | {"split": man.get("split"), "index": str(path)}, indent=2))
+    return 0
+
+
+def _build_dataset(args):
+    from .build import build_from_dataset
+    from .shard import distributed_build, distributed_rank, parse_shard
+
+    def build(shard, out):
+        return build_from_dataset(args.checkpoint, given_data(args), out, args.split, args.normalize,
+                                  args.factory, cache_dir=args.cache_dir or None, progress=args.progress,
+                                  device=args.device, shard=shard)
+
+    if args.shard:
+        return build(parse_shard(args.shard), args.out)
+    if distributed_rank()[1] > 1:
+        def prepare():  # render or scan the data set once, before the other ranks read it
+            from data import load_data
+            from model.checkpoint import data_config_for, read_checkpoint
+
+            load_data(data_config_for(read_checkpoint(args.checkpoint), given_data(args)), args.progress)
+        return distributed_build(build, prepare, args.out, args.factory)
+    return build(None, args.out)
+
+
+def cmd_merge(args) -> int:
+    from .shard import merge_shards
+
+    path = merge_shards(args.shards, args.out, args.factory)
+    man = json.loads((Path(path) / "manifest.json").read_text())
+    print(json.dumps({"count": man["count"], "classes": man["classes"], "shards": len(args.shards),
+                      "index": str(path)}, indent=2))
     return 0
 
 
@@ -255,6 +286,12 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     add_config_args(b, BuildConfig, skip=data_fields, defaults=defaults.get("build"))
     _data_args(b, defaults.get("build"))
     b.set_defaults(func=cmd_build)
+
+    mg = sub.add_parser("merge", help="join shard indexes (`build --shard i/N`) into one index")
+    mg.add_argument("shards", nargs="+", help="the shard index directories, in any order")
+    mg.add_argument("--out", required=True, help="index directory to write (atomically)")
+    mg.add_argument("--factory", help="FAISS factory string (default: Flat up to 1e5 items, else HNSW32)")
+    mg.set_defaults(func=cmd_merge)
 
     a = sub.add_parser("add", help="add images or feature vectors to an index")
     a.add_argument("--index", required=True, help="index directory to change (rewritten atomically)")

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -213,14 +214,16 @@ class SplitFeatures:
 
 
 def embed_split(checkpoint, data: dict | DataConfig | None, split: str, cache_dir: str | None,
-                progress: bool = True, use_gallery: bool = True, device: str = "cpu") -> SplitFeatures:
+                progress: bool = True, use_gallery: bool = True, device: str = "cpu",
+                shard: tuple[int, int] | None = None) -> SplitFeatures:
     """Embed a data-set split's images with a checkpoint's trunk (through the feature cache).
 
     The data configuration is the checkpoint's own; `data` holds the settings given to override
     it (None values and a 0 image size mean "not given").
 
     For a query/gallery split (In-Shop 'test'), `use_gallery` picks the gallery; otherwise the
-    query = gallery protocol is required.
+    query = gallery protocol is required.  `shard` (i, n) embeds only the i-th of n contiguous
+    blocks of the split's images; `kept` are then positions in the whole split (global ids).
     """
     from .checkpoint import data_config_for, load_model
 
@@ -232,7 +235,12 @@ def embed_split(checkpoint, data: dict | DataConfig | None, split: str, cache_di
     if gallery is not None and not use_gallery:
         raise UserError("strategy evaluation uses the query = gallery protocol; this split is query/gallery")
     sub = gallery if gallery is not None else query
+    part, rows = sub, np.arange(len(sub))
+    if shard is not None:
+        rows = np.array_split(rows, shard[1])[shard[0]]
+        part = dataclasses.replace(sub, paths=[sub.paths[r] for r in rows], labels=[sub.labels[r] for r in rows])
     dev = resolve_device(device)
-    feats, labels, kept = backbone_features(model.backbone, splits, sub, spec, dcfg, cache_dir, progress, dev)
+    feats, labels, kept = backbone_features(model.backbone, splits, part, spec, dcfg, cache_dir, progress, dev)
+    kept = rows[kept]
     model.backbone.to("cpu")  # the neck and flows run on the CPU features
     return SplitFeatures(model, ck, dcfg, splits, sub, spec, model.trunk_of_backbone(feats), labels, kept)
