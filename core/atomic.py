@@ -133,12 +133,18 @@ def _tmp_prefix(path: Path) -> str:
     return f".{path.name}.{os.getpid()}."
 
 
+def check_file_target(path: str | os.PathLike) -> None:
+    """Refuse a file output (e.g. --json FILE) that names an existing directory; CLIs call it
+    before any work so that nothing is computed for an output that cannot be written."""
+    if Path(path).is_dir():
+        raise UserError(f"{path} is a directory; give a file name to write")
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path next to `path`; on success rename it to `path`."""
     path = Path(path)
-    if path.is_dir():
-        raise UserError(f"{path} is a directory; give a file name to write")
+    check_file_target(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     cleanup_stale(path)
     fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=".tmp", dir=path.parent)

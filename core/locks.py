@@ -31,23 +31,33 @@ def lock_path(path: str | os.PathLike) -> Path:
 def exclusive_lock(path: str | os.PathLike, what: str = "index") -> Iterator[None]:
     """Hold an exclusive `flock` on `path`'s lock file, or raise UserError naming the holder's PID.
 
-    The kernel drops the lock when the holder exits, however it exits: no stale locks.
+    The kernel drops the lock when the holder exits, however it exits: no stale locks.  The
+    holder removes the lock file when it is done, so nothing is left beside the output; a
+    writer that locked a file just removed that way sees that it is no longer at the path
+    (another inode, or none) and starts over on the new one.
     """
     path = Path(path)
     lp = lock_path(path)
     lp.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lp, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    while True:
+        fd = os.open(lp, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
                 raise
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
             raise UserError(f"{what} {path} is being modified by PID {holder}; try again when it finishes") from None
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(lp).st_ino == os.fstat(fd).st_ino:
+                break
+        os.close(fd)
+    try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         fault_point("pause-in-lock")
         yield
     finally:
-        os.close(fd)  # releases the lock
+        os.unlink(lp)  # while still locked: no one else can hold this inode now
+        os.close(fd)

@@ -7,9 +7,7 @@ import json
 import logging
 from pathlib import Path
 
-import numpy as np
-
-from core.atomic import write_json
+from core.atomic import check_file_target, write_json
 from core.config import add_config_args, config_from_args, parse_with_config_file
 from core.errors import UserError
 from core.logs import setup_logging
@@ -50,10 +48,21 @@ def strategy_params_from(args) -> dict:
 
 # ---------------------------------------------------------------- commands
 def cmd_build(args) -> int:
-    from .build import build_from_dataset, build_from_features, build_from_image_folder
+    from .build import writing_index
 
     if not args.out:
         raise UserError("give --out (the index directory to write), on the command line or in --config")
+    with writing_index(args.out, args.overwrite):
+        path = _build(args)
+    man = json.loads((Path(path) / "manifest.json").read_text())
+    print(json.dumps({k: man[k] for k in ("count", "classes", "trunk_dim", "embed_dim", "factory",
+                                           "index_type", "normalize")} | {"index": str(path)}, indent=2))
+    return 0
+
+
+def _build(args) -> Path:
+    from .build import build_from_dataset, build_from_features, build_from_image_folder
+
     normalize, progress = args.normalize, args.progress
     if args.features:
         if not args.labels:
@@ -70,10 +79,7 @@ def cmd_build(args) -> int:
                                   cache_dir=args.cache_dir or None, progress=progress)
     else:
         raise UserError("give --checkpoint (with --dataset or --image-folder) or --features")
-    man = json.loads((Path(path) / "manifest.json").read_text())
-    print(json.dumps({k: man[k] for k in ("count", "classes", "trunk_dim", "embed_dim", "factory",
-                                           "index_type", "normalize")} | {"index": str(path)}, indent=2))
-    return 0
+    return path
 
 
 def cmd_add(args) -> int:
@@ -84,7 +90,7 @@ def cmd_add(args) -> int:
 
         F = load_npy(args.features, "features")
         labels = load_npy(args.labels, "labels") if args.labels else args.label
-        ids = add_features(args.index, F, labels)
+        ids = add_features(args.index, F, labels, what=f"features file {args.features}")
     elif args.images:
         ids = add_images(args.index, args.images, args.label, args.checkpoint)
     else:
@@ -108,13 +114,17 @@ def cmd_search(args) -> int:
 
     from .threads import serving_threads
 
+    if args.json:
+        check_file_target(args.json)
     data = read_index(args.index, verify=not args.no_verify)
     serving_threads(args.threads or None)
     s = Searcher(data)
+    what = "query features"
     if args.features:
-        from core.arrays import load_npy
+        from core.arrays import check_matrix, load_npy
 
-        feats = np.atleast_2d(load_npy(args.features, "query features"))
+        what = f"query features file {args.features}"
+        feats = check_matrix(load_npy(args.features, "query features"), what, allow_1d=True)
         names = [f"{args.features}[{i}]" for i in range(len(feats))]
     elif args.image:
         emb = ImageEmbedder(args.checkpoint or data.manifest.get("checkpoint") or "", data.manifest)
@@ -122,11 +132,11 @@ def cmd_search(args) -> int:
         names = list(args.image)
     else:
         raise UserError("give --image PATH... or --features F.npy")
-    res = s.search(feats, args.strategy, strategy_params_from(args), args.mode, args.k)
+    res = s.search(feats, args.strategy, strategy_params_from(args), args.mode, args.k, what)
     out = [{"query": n, "results": r} for n, r in zip(names, s.describe(res))]
     payload = {"strategy": args.strategy, "params": {k: v for k, v in strategy_params_from(args).items()
                                                       if v is not None},
-               "mode": args.mode, "k": args.k, "queries": out}
+               "mode": args.mode, "k": int(res.rows.shape[1]), "queries": out}
     if args.json:
         write_json(args.json, payload)
     else:
@@ -166,6 +176,8 @@ def cmd_select(args) -> int:
     from .build import split_features
     from .strategy_eval import select_strategy
 
+    if args.json:
+        check_file_target(args.json)
     dcfg = config_from_args(DataConfig, args)
     vf, vy, W = split_features(args.checkpoint, dcfg, "val", args.cache_dir or None, not args.no_progress)
     res = select_strategy(vf, vy, W, normalize=not args.no_normalize, seeds=args.seeds,
@@ -202,6 +214,9 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
                                     "the data-set fields may sit in a [data] table")
     data_fields = tuple(f.name for f in dataclasses.fields(DataConfig))
     add_config_args(b, BuildConfig, skip=data_fields, defaults=defaults.get("build"))
+    b.add_argument("--overwrite", action="store_true",
+                   help="replace an existing index at --out; anything else there is never replaced "
+                        "(default: refuse an existing --out)")
     _data_args(b, defaults.get("build"))
     b.set_defaults(func=cmd_build)
 
@@ -225,7 +240,8 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     s.add_argument("--image", nargs="+", help="query image file(s)")
     s.add_argument("--features", help="query trunk features .npy (n × d or d)")
     s.add_argument("--checkpoint", help="model to embed query images (default: the index's own)")
-    s.add_argument("--k", type=int, default=10, help="results per query (default: %(default)s)")
+    s.add_argument("--k", type=int, default=10,
+                   help="results per query, at most the index size (default: %(default)s)")
     s.add_argument("--json", help="write results here (default: print them)")
     s.add_argument("--threads", type=int, default=0,
                    help="FAISS threads; 0 = FAISS's own setting; for single queries 1 is often fastest "
