@@ -121,7 +121,8 @@ def cleanup_stale(path: str | os.PathLike, max_age_s: float = STALE_AFTER_S) -> 
         if not ((pid is not None and not _pid_alive(int(pid))) or age > max_age_s):
             continue
         if m.group(2) and not os.path.lexists(path):
-            os.replace(p, path)
+            with contextlib.suppress(FileNotFoundError):  # another writer got there first
+                os.replace(p, path)
             continue
         _remove(p)
         removed.append(p)
