@@ -1,9 +1,26 @@
-"""Shared CLI plumbing: user errors print one clear line and exit 2, no traceback."""
+"""Shared CLI plumbing: user errors print one clear line and exit 2, no traceback.
+
+Failures of the machine rather than the input (a full disk, a permission, memory) get one
+line too.  A full disk inside an atomic write already says that nothing was changed
+(core.atomic.DiskFullError); one met elsewhere cannot promise that, so it does not.
+"""
 from __future__ import annotations
 
+import errno
 import sys
 
 from .errors import UserError
+
+
+def os_error_message(e: OSError) -> str:
+    """One line for an OSError: what failed, and on which path."""
+    where = " ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    where = f": {where}" if where else ""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"no space left on device{where}"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return f"permission denied{where}"
+    return f"{e.strerror or e}{where}"
 
 
 def run_cli(main, argv=None) -> int:
@@ -11,6 +28,12 @@ def run_cli(main, argv=None) -> int:
         rc = main(argv)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {os_error_message(e)}", file=sys.stderr)
+        return 2
+    except MemoryError as e:
+        print(f"error: out of memory{': ' + str(e) if str(e) else ''}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -1,24 +1,41 @@
 """Building and changing index directories (the Python API the CLI and the app use)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from pathlib import Path
 
 import numpy as np
 
-from core.arrays import l2_normalize, load_npy
+from core.arrays import check_labels, check_matrix, l2_normalize, load_npy
+from core.atomic import guard_output
 from core.errors import UserError
 from core.hashing import sha256_file
+from core.locks import exclusive_lock
 from data import DataConfig
 from model.checkpoint import data_config_for, load_model
 from model.features import embed_split, embed_subset
 from model.device import resolve_device
 from model.preprocess import transform_for
 
-from .store import Items, read_index, write_index
+from .store import Items, is_index, read_index, write_index
 
 log = logging.getLogger("index")
+
+
+@contextlib.contextmanager
+def writing_index(out, overwrite: bool = False, lock: bool = True):
+    """Hold the index path's lock while an index is built at `out`, and refuse an `out` that
+    holds anything but an index, or an index unless `overwrite`.  `lock=False`: the guard only
+    (torchrun ranks that never write `out` themselves)."""
+    if not lock:
+        guard_output(out, is_index, overwrite, "index")
+        yield
+        return
+    with exclusive_lock(out):
+        guard_output(out, is_index, overwrite, "index")
+        yield
 
 
 def _model_info(checkpoint, ck, spec) -> dict:
@@ -76,18 +93,12 @@ def build_from_image_folder(checkpoint, folder, out, normalize: bool = True, fac
 def build_from_features(features, labels, out, neck=None, normalize: bool = True,
                         factory: str | None = None) -> Path:
     """Index precomputed trunk features; without a neck W, M* is the identity."""
-    F = load_npy(features, "features")
-    L = load_npy(labels, "labels")
-    if F.ndim != 2:
-        raise UserError(f"features must be 2-D (n × d), got shape {F.shape}")
-    if L.ndim != 1 or len(L) != len(F):
-        raise UserError(f"labels must be 1-D with {len(F)} entries, got shape {L.shape}")
-    if not np.isfinite(F).all():
-        raise UserError("features contain NaN or inf")
-    W = load_npy(neck, "neck W") if neck else np.eye(F.shape[1], dtype=np.float32)
-    if W.ndim != 2 or W.shape[1] != F.shape[1]:
+    F = check_matrix(load_npy(features, "features"), f"features file {features}")
+    L = check_labels(load_npy(labels, "labels"), f"labels file {labels}", len(F))
+    W = check_matrix(load_npy(neck, "neck W"), f"neck W file {neck}") if neck else np.eye(F.shape[1], dtype=np.float32)
+    if W.shape[1] != F.shape[1]:
         raise UserError(f"neck W must be k × {F.shape[1]}, got shape {W.shape}")
-    items = Items(np.arange(len(F), dtype=np.int64), L.astype(np.int64), [""] * len(F), ["features"] * len(F))
+    items = Items(np.arange(len(F), dtype=np.int64), L, [""] * len(F), ["features"] * len(F))
     return write_index(out, F, items, W, normalize=normalize, factory=factory,
                        info={"checkpoint": None, "checkpoint_sha256": None, "backbone": None,
                              "dataset": "features"})
@@ -103,16 +114,24 @@ def _rewrite(data, feats, items, out=None) -> Path:
                        factory=factory, class_names=data.class_names, root=data.root)
 
 
-def add_features(index_dir, feats: np.ndarray, labels, paths=None, split: str = "added") -> list[int]:
-    """Append items; returns their new ids.  The directory is rewritten atomically."""
-    data = read_index(index_dir)
-    feats = np.atleast_2d(np.asarray(feats, dtype=np.float32))
+def add_features(index_dir, feats: np.ndarray, labels, paths=None, split: str = "added",
+                 what: str = "new features") -> list[int]:
+    """Append items; returns their new ids.  The directory is rewritten atomically, under the
+    index's lock (a concurrent change is refused, not lost).  `labels`: one per row, or one for all."""
+    feats = check_matrix(feats, what, allow_1d=True)
+    labels = np.asarray(labels)
+    labels = check_labels(labels if labels.ndim else np.full(len(feats), labels), f"labels of the {what}",
+                          len(feats))
+    with exclusive_lock(index_dir):
+        return _append(read_index(index_dir), feats, labels, paths, split)
+
+
+def _append(data, feats, labels, paths, split) -> list[int]:
     if feats.shape[1] != data.dim:
         raise UserError(f"new features are {feats.shape[1]}-d; this index holds {data.dim}-d features")
-    labels = np.broadcast_to(np.asarray(labels, dtype=np.int64), (len(feats),))
     start = int(data.items.ids.max()) + 1 if len(data.items) else 0
     ids = np.arange(start, start + len(feats), dtype=np.int64)
-    new = Items(ids, labels.copy(), list(paths) if paths is not None else [""] * len(feats), [split] * len(feats))
+    new = Items(ids, labels, list(paths) if paths is not None else [""] * len(feats), [split] * len(feats))
     if data.manifest["normalize"]:
         feats = l2_normalize(feats)
     all_feats = np.concatenate([np.asarray(data.features), feats])
@@ -130,7 +149,12 @@ def add_images(index_dir, images, labels, checkpoint=None) -> list[int]:
 
 
 def remove_ids(index_dir, ids) -> int:
-    data = read_index(index_dir)
+    """Remove items by id, under the index's lock; returns how many."""
+    with exclusive_lock(index_dir):
+        return _remove(read_index(index_dir), ids)
+
+
+def _remove(data, ids) -> int:
     ids = np.asarray(list(ids), dtype=np.int64)
     unknown = sorted(set(ids.tolist()) - set(data.items.ids.tolist()))
     if unknown:

@@ -8,10 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
-import numpy as np
-
-from core.atomic import write_json
-from core.config import add_config_args, config_from_args, parse_with_config_file
+from core.atomic import check_file_target, write_json
+from core.config import add_config_args, parse_with_config_file
 from core.errors import UserError
 from core.flags import add_shared_args, apply_threads
 from core.logs import setup_logging
@@ -58,11 +56,29 @@ def given_data(args) -> dict:
 
 
 def cmd_build(args) -> int:
-    from .build import build_from_features, build_from_image_folder
+    from .build import writing_index
+    from .shard import distributed_rank
 
     if not args.out:
         raise UserError("give --out (the index directory to write), on the command line or in --config")
     apply_threads(args.threads)
+    # under torchrun only rank 0 writes --out, so only it takes the lock; every rank checks the guard
+    with writing_index(args.out, args.overwrite, lock=distributed_rank()[0] == 0):
+        path = _build(args)
+    if path is None:  # a torchrun rank other than 0: rank 0 merged and reports
+        return 0
+    man = json.loads((Path(path) / "manifest.json").read_text())
+    data = man.get("data") or {}
+    print(json.dumps({k: man[k] for k in ("count", "classes", "trunk_dim", "embed_dim", "factory",
+                                           "index_type", "normalize")}
+                     | {k: data[k] for k in ("dataset", "image_size", "resize_mode") if k in data}
+                     | {"split": man.get("split"), "index": str(path)}, indent=2))
+    return 0
+
+
+def _build(args) -> Path | None:
+    from .build import build_from_features, build_from_image_folder
+
     normalize, progress = args.normalize, args.progress
     if args.features:
         if not args.labels:
@@ -75,18 +91,10 @@ def cmd_build(args) -> int:
                                        args.eval_batch_size or 64, args.workers or 1, given_data(args),
                                        progress=progress, device=args.device)
     elif args.checkpoint:
-        path = _build_dataset(args)
-        if path is None:  # a torchrun rank other than 0: rank 0 merged and reports
-            return 0
+        path = _build_dataset(args)  # None on a torchrun rank other than 0
     else:
         raise UserError("give --checkpoint (its data set by default, or --image-folder) or --features")
-    man = json.loads((Path(path) / "manifest.json").read_text())
-    data = man.get("data") or {}
-    print(json.dumps({k: man[k] for k in ("count", "classes", "trunk_dim", "embed_dim", "factory",
-                                           "index_type", "normalize")}
-                     | {k: data[k] for k in ("dataset", "image_size", "resize_mode") if k in data}
-                     | {"split": man.get("split"), "index": str(path)}, indent=2))
-    return 0
+    return path
 
 
 def _build_dataset(args):
@@ -111,9 +119,11 @@ def _build_dataset(args):
 
 
 def cmd_merge(args) -> int:
+    from .build import writing_index
     from .shard import merge_shards
 
-    path = merge_shards(args.shards, args.out, args.factory)
+    with writing_index(args.out, args.overwrite):
+        path = merge_shards(args.shards, args.out, args.factory)
     man = json.loads((Path(path) / "manifest.json").read_text())
     print(json.dumps({"count": man["count"], "classes": man["classes"], "shards": len(args.shards),
                       "index": str(path)}, indent=2))
@@ -128,7 +138,7 @@ def cmd_add(args) -> int:
 
         F = load_npy(args.features, "features")
         labels = load_npy(args.labels, "labels") if args.labels else args.label
-        ids = add_features(args.index, F, labels)
+        ids = add_features(args.index, F, labels, what=f"features file {args.features}")
     elif args.images:
         ids = add_images(args.index, args.images, args.label, args.checkpoint)
     else:
@@ -152,13 +162,17 @@ def cmd_search(args) -> int:
 
     from .threads import serving_threads
 
+    if args.json:
+        check_file_target(args.json)
     data = read_index(args.index, verify=not args.no_verify)
     serving_threads(args.threads or None)  # BLAS on 1 thread for single queries; FAISS as asked
     s = Searcher(data)
+    what = "query features"
     if args.features:
-        from core.arrays import load_npy
+        from core.arrays import check_matrix, load_npy
 
-        feats = np.atleast_2d(load_npy(args.features, "query features"))
+        what = f"query features file {args.features}"
+        feats = check_matrix(load_npy(args.features, "query features"), what, allow_1d=True)
         names = [f"{args.features}[{i}]" for i in range(len(feats))]
     elif args.image:
         emb = ImageEmbedder(args.checkpoint or data.manifest.get("checkpoint") or "", data.manifest,
@@ -171,10 +185,10 @@ def cmd_search(args) -> int:
     mode, note = s.resolve_mode(args.strategy, params, args.mode)
     if note:
         print(f"note: {note}", file=sys.stderr)
-    res = s.search(feats, args.strategy, params, mode, args.k)
+    res = s.search(feats, args.strategy, params, mode, args.k, what)
     out = [{"query": n, "results": r} for n, r in zip(names, s.describe(res))]
     payload = {"strategy": args.strategy, "params": {k: v for k, v in params.items() if v is not None},
-               "mode": mode, "k": args.k, "note": note, "queries": out}
+               "mode": mode, "k": int(res.rows.shape[1]), "note": note, "queries": out}
     if args.json:
         write_json(args.json, payload)
     else:
@@ -200,6 +214,8 @@ def cmd_evaluate(args) -> int:
     from .build import split_features
     from .strategy_eval import counts_line, run_evaluation, table_markdown
 
+    if args.json:
+        check_file_target(args.json)
     apply_threads(args.threads)
     splits = args.splits
     split = next((s for s in splits if s != "val"), "val")
@@ -223,6 +239,8 @@ def cmd_select(args) -> int:
     from .build import split_features
     from .strategy_eval import counts_line, select_strategy
 
+    if args.json:
+        check_file_target(args.json)
     apply_threads(args.threads)
     vf, vy, W = split_features(args.checkpoint, given_data(args), "val", args.cache_dir or None, args.progress,
                                args.device)
@@ -284,6 +302,9 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
                                     "the data-set fields may sit in a [data] table")
     data_fields = tuple(f.name for f in dataclasses.fields(DataConfig))
     add_config_args(b, BuildConfig, skip=data_fields, defaults=defaults.get("build"))
+    b.add_argument("--overwrite", action="store_true",
+                   help="replace an existing index at --out; anything else there is never replaced "
+                        "(default: refuse an existing --out)")
     _data_args(b, defaults.get("build"))
     b.set_defaults(func=cmd_build)
 
@@ -291,6 +312,8 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     mg.add_argument("shards", nargs="+", help="the shard index directories, in any order")
     mg.add_argument("--out", required=True, help="index directory to write (atomically)")
     mg.add_argument("--factory", help="FAISS factory string (default: Flat up to 1e5 items, else HNSW32)")
+    mg.add_argument("--overwrite", action="store_true",
+                    help="replace an existing index at --out (never anything else) (default: off)")
     mg.set_defaults(func=cmd_merge)
 
     a = sub.add_parser("add", help="add images or feature vectors to an index")
@@ -313,7 +336,8 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     s.add_argument("--image", nargs="+", help="query image file(s)")
     s.add_argument("--features", help="query trunk features .npy (n × d or d)")
     s.add_argument("--checkpoint", help="model to embed query images (default: the index's own)")
-    s.add_argument("--k", type=int, default=10, help="results per query (default: %(default)s)")
+    s.add_argument("--k", type=int, default=10,
+                   help="results per query, at most the index size (default: %(default)s)")
     add_shared_args(s, "json", "threads", "device")
     s.add_argument("--no-verify", action="store_true", help="skip the checksum verification at load")
     _strategy_args(s)

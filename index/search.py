@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import faiss
 import numpy as np
 
-from core.arrays import l2_normalize
+from core.arrays import check_matrix, check_rankable, l2_normalize
 from core.errors import UserError
 
 from .metric import matrix_report, m_norms
@@ -109,13 +109,14 @@ class Searcher:
         return rm.norms, rm.cosine_index
 
     # ------------------------------------------------------------ search
-    def prepare_queries(self, feats: np.ndarray) -> np.ndarray:
-        feats = np.atleast_2d(np.asarray(feats, dtype=np.float32))
+    def prepare_queries(self, feats: np.ndarray, what: str = "query features") -> np.ndarray:
+        """Queries as float32 rows; refused when not numeric, not 1-D or 2-D, empty, of another
+        dimension, not finite, all zeros or too large to rank by."""
+        feats = check_matrix(feats, what, allow_1d=True)
         if feats.shape[1] != self.data.dim:
-            raise UserError(f"query features have dimension {feats.shape[1]}; this index holds "
+            raise UserError(f"{what} have dimension {feats.shape[1]}; this index holds "
                             f"{self.data.dim}-d features")
-        if not np.isfinite(feats).all():
-            raise UserError("query features contain NaN or inf")
+        check_rankable(feats, what)
         return l2_normalize(feats) if self.normalize else feats
 
     def query_view(self, strategy: str = "trained", params: dict | None = None, mode: str = "bilinear"):
@@ -136,22 +137,18 @@ class Searcher:
         return transform, cos_index, norms
 
     def search(self, feats: np.ndarray, strategy: str = "trained", params: dict | None = None,
-               mode: str = "bilinear", k: int = 10) -> SearchResult:
+               mode: str = "bilinear", k: int = 10, what: str = "query features") -> SearchResult:
+        """The top min(k, index size) items per query (k is capped before anything is allocated)."""
         if k < 1:
             raise UserError(f"k must be ≥ 1, got {k}")
-        q = self.prepare_queries(feats)
+        q = self.prepare_queries(feats, what)
         transform, index, norms = self.query_view(strategy, params, mode)
         qt = transform(q)
-        n_items = self.data.faiss_index.ntotal
-        k_eff = min(k, n_items)
+        k = min(k, self.data.faiss_index.ntotal)
         if self.exact:
-            D, I = index.search(qt, k_eff)
+            D, I = index.search(qt, k)
         else:
-            D, I = self._rerank(qt, k_eff, norms)
-        if k_eff < k:  # fewer items than asked for
-            pad = k - k_eff
-            D = np.pad(D, ((0, 0), (0, pad)), constant_values=-np.inf)
-            I = np.pad(I, ((0, 0), (0, pad)), constant_values=-1)
+            D, I = self._rerank(qt, k, norms)
         return SearchResult(I.astype(np.int64), D.astype(np.float32))
 
     def _rerank(self, qt: np.ndarray, k: int, norms: np.ndarray | None):

@@ -21,7 +21,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from core.arrays import l2_normalize
+from core.arrays import check_finite, check_labels, check_matrix, l2_normalize
 from core.atomic import atomic_dir
 from core.hashing import sha256_file
 from core.errors import UserError
@@ -30,6 +30,11 @@ FORMAT = "dml-retrieval-index"
 VERSION = 1
 FILES = ("index.faiss", "features.npy", "metadata.json", "W.npy")
 FLAT_MAX = 100_000  # exact Flat up to here; HNSW above unless a factory string is given
+# The manifest schema of format VERSION, checked on every read: field → type
+MANIFEST_FIELDS = {"format": str, "version": int, "count": int, "trunk_dim": int, "embed_dim": int,
+                   "normalize": bool, "factory": str, "files": dict}
+FILE_FIELDS = {"bytes": int, "sha256": str}
+METADATA_COLUMNS = {"ids": int, "labels": int, "paths": str, "splits": str}
 
 
 @dataclass
@@ -47,12 +52,24 @@ class Items:
                 "splits": self.splits}
 
     @classmethod
-    def from_json(cls, d: dict) -> "Items":
+    def from_json(cls, d, where: str = "index metadata") -> "Items":
+        """Items from metadata.json's columns, each checked: ids unique integers, labels integers."""
+        if not isinstance(d, dict):
+            raise UserError(f"{where} must be a JSON object, got {type(d).__name__}")
+        for col, t in METADATA_COLUMNS.items():
+            v = d.get(col)
+            if not isinstance(v, list):
+                raise UserError(f"{where}: {col!r} must be a list, got {type(v).__name__}")
+            bad = next((x for x in v if not isinstance(x, t) or isinstance(x, bool)), None)
+            if bad is not None:
+                raise UserError(f"{where}: {col!r} must hold {t.__name__}s, found {bad!r}")
         n = len(d["ids"])
         if not (len(d["labels"]) == len(d["paths"]) == len(d["splits"]) == n):
-            raise UserError("index metadata columns differ in length")
-        return cls(np.asarray(d["ids"], dtype=np.int64), np.asarray(d["labels"], dtype=np.int64),
-                   list(d["paths"]), list(d["splits"]))
+            raise UserError(f"{where}: columns differ in length")
+        ids = check_labels(np.asarray(d["ids"]), f"{where} ids")
+        if len(np.unique(ids)) != n:
+            raise UserError(f"{where}: ids are not unique (e.g. {int(_first_duplicate(ids))})")
+        return cls(ids, check_labels(np.asarray(d["labels"]), f"{where} labels"), d["paths"], d["splits"])
 
     def subset(self, keep: np.ndarray) -> "Items":
         return Items(self.ids[keep], self.labels[keep], [self.paths[i] for i in np.nonzero(keep)[0]],
@@ -61,6 +78,11 @@ class Items:
     def concat(self, other: "Items") -> "Items":
         return Items(np.concatenate([self.ids, other.ids]), np.concatenate([self.labels, other.labels]),
                      self.paths + other.paths, self.splits + other.splits)
+
+
+def _first_duplicate(a: np.ndarray):
+    vals, counts = np.unique(a, return_counts=True)
+    return vals[counts > 1][0]
 
 
 @dataclass
@@ -157,8 +179,31 @@ def write_index(path, features: np.ndarray, items: Items, W: np.ndarray, *, norm
     return path
 
 
+def _check_fields(d, fields: dict, what: str) -> None:
+    """`d` is a dict holding every field of `fields` with its type (an int is not a bool)."""
+    if not isinstance(d, dict):
+        raise UserError(f"{what} must be a JSON object, got {type(d).__name__}")
+    for key, t in fields.items():
+        if key not in d:
+            raise UserError(f"{what} has no field {key!r}")
+        v = d[key]
+        if not isinstance(v, t) or (t is int and isinstance(v, bool)):
+            raise UserError(f"{what} field {key!r} must be {t.__name__}, got {type(v).__name__}")
+
+
+def is_index(path) -> bool:
+    """Whether `path` is an index directory of this project (its manifest names our format)."""
+    try:
+        man = json.loads((Path(path) / "manifest.json").read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(man, dict) and man.get("format") == FORMAT
+
+
 def read_index(path, verify: bool = True) -> IndexData:
-    """Load and validate an index directory; any inconsistency is refused with its reason."""
+    """Load and validate an index directory against the manifest schema of format VERSION;
+    any inconsistency is refused with its reason.  With `verify`, every file's checksum is
+    checked and every feature row is read once for NaN/inf."""
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"index directory not found: {path}")
@@ -173,14 +218,13 @@ def read_index(path, verify: bool = True) -> IndexData:
         raise UserError(f"{mpath} is not a manifest of this project's index format")
     if man.get("version") != VERSION:
         raise UserError(f"index format version {man.get('version')} is not supported (expected {VERSION})")
-    for key in ("count", "trunk_dim", "embed_dim", "files", "normalize"):
-        if key not in man:
-            raise UserError(f"corrupt manifest {mpath}: no {key!r}")
+    _check_fields(man, MANIFEST_FIELDS, f"index {path}: manifest")
     for f in FILES:
         p = path / f
         want = man["files"].get(f)
         if not p.is_file() or want is None:
             raise UserError(f"index {path} lacks {f}")
+        _check_fields(want, FILE_FIELDS, f"index {path}: manifest entry files[{f!r}]")
         size = p.stat().st_size
         if size != want["bytes"]:
             raise UserError(f"index file {p} is {size} bytes, the manifest says {want['bytes']} "
@@ -194,7 +238,7 @@ def read_index(path, verify: bool = True) -> IndexData:
         index = faiss.read_index(str(path / "index.faiss"))
     except Exception as e:  # noqa: BLE001 - any parse failure is a corrupt index
         raise UserError(f"cannot read index {path}: {e}") from None
-    items = Items.from_json(meta)
+    items = Items.from_json(meta, f"index {path}: metadata.json")
     n, d = man["count"], man["trunk_dim"]
     if features.shape != (n, d):
         raise UserError(f"features.npy is {features.shape}, the manifest says ({n}, {d})")
@@ -204,5 +248,13 @@ def read_index(path, verify: bool = True) -> IndexData:
         raise UserError(f"index.faiss holds {index.ntotal} × {index.d}, the manifest says {n} × {d}")
     if len(items) != n:
         raise UserError(f"metadata has {len(items)} items, the manifest says {n}")
-    names = {int(k): v for k, v in meta.get("class_names", {}).items()}
+    check_matrix(W, f"index {path}: W.npy")
+    if features.dtype != np.float32:
+        raise UserError(f"index {path}: features.npy is {features.dtype}, float32 expected")
+    if verify:  # the full read of the features goes with the checksum pass (--no-verify skips both)
+        check_finite(features, f"index {path}: features.npy")
+    try:
+        names = {int(k): v for k, v in meta.get("class_names", {}).items()}
+    except (AttributeError, TypeError, ValueError):
+        raise UserError(f"index {path}: metadata.json 'class_names' must map integer labels to names") from None
     return IndexData(path, man, features, items, W, index, names, meta.get("root", ""))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from core.arrays import load_npy
+from core.arrays import check_matrix, load_npy
 from core.errors import UserError
 from core.registry import NoParams
 
@@ -45,6 +45,8 @@ class RestraintParams:
     def validate(self):
         if not 0.0 <= self.r <= 1.0:
             raise UserError(f"restraint degree r must be in [0, 1], got {self.r}")
+        if self.seed < 0:  # numpy's generators take only non-negative seeds
+            raise UserError(f"seed must be ≥ 0, got {self.seed}")
 
 
 def _cut(amounts: np.ndarray, total: float, target: float) -> int:
@@ -107,4 +109,7 @@ class CustomParams:
 @REFINEMENTS.register("custom", CustomParams)
 def custom(M: np.ndarray, p: CustomParams) -> np.ndarray:
     """A user-supplied symmetric d × d matrix (.npy, never unpickled)."""
-    return check_symmetric(load_npy(p.path, "metric matrix"), d=M.shape[0], what=f"custom matrix {p.path}")
+    what = f"custom matrix {p.path}"
+    user = load_npy(p.path, "metric matrix")
+    check_matrix(user, what)  # numeric, finite, and within float32, the precision searches run in
+    return check_symmetric(user, d=M.shape[0], what=what)

@@ -1,0 +1,28 @@
+"""core/cli.run_cli: machine failures (full disk, permissions, memory) are one `error:` line
+and exit 2, never a traceback."""
+import errno
+
+import pytest
+
+from core.atomic import DiskFullError
+from core.cli import run_cli
+
+
+def failing(exc):
+    def main(argv):
+        raise exc
+    return main
+
+
+@pytest.mark.parametrize("exc, line", [
+    (DiskFullError("/data/idx"), "error: no space left on device: nothing was changed (/data/idx is as it was)"),
+    (OSError(errno.ENOSPC, "No space left on device", "/data/x.npy"), "error: no space left on device: /data/x.npy"),
+    (PermissionError(errno.EACCES, "Permission denied", "/root/idx"), "error: permission denied: /root/idx"),
+    (OSError(errno.EROFS, "Read-only file system", "/mnt/ro"), "error: Read-only file system: /mnt/ro"),
+    (IsADirectoryError(errno.EISDIR, "Is a directory", "out"), "error: Is a directory: out"),
+    (MemoryError("Unable to allocate 3.73 GiB"), "error: out of memory: Unable to allocate 3.73 GiB"),
+])
+def test_machine_failures_are_one_line_and_exit_2(capsys, exc, line):
+    assert run_cli(failing(exc), []) == 2
+    err = capsys.readouterr().err
+    assert err == line + "\n"
