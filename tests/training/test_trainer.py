@@ -31,7 +31,7 @@ def test_frozen_training_outputs_and_selection(tmp_path, kanji_root):
     cfg = tiny(tmp_path, kanji_root, epochs=4)
     m = train(cfg)
     out = tmp_path / "run"
-    for f in ("best.pt", "latest.pt", "config.json", "log.jsonl", "metrics.json", "curve.png"):
+    for f in ("best.pt", "latest.pt", "config.toml", "log.jsonl", "metrics.json", "curve.png"):
         assert (out / f).is_file(), f
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in log] == [1, 2, 3, 4]
@@ -67,7 +67,7 @@ def test_same_seed_same_metrics_and_resume_equals_uninterrupted(tmp_path, kanji_
     log = (tmp_path / "c" / "run" / "log.jsonl").read_text().splitlines()
     assert len(log) == 4
     # a different config may not resume this run
-    with pytest.raises(UserError, match="config.json differs"):
+    with pytest.raises(UserError, match="config.toml differs"):
         train(dataclasses.replace(cfg, resume=True, lr=5e-3))
 
 
