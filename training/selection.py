@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from evaluation import evaluate
@@ -14,7 +15,7 @@ from evaluation.diagnostics import embedding_diagnostics
 def val_metrics(model, source) -> dict:
     model.eval()
     e, y = source.embed(model, source.splits.val)
-    return evaluate(e, y, clustering=False)
+    return evaluate(e, y, clustering=False) | {"n_classes": len(np.unique(y))}
 
 
 @torch.inference_mode()
@@ -22,10 +23,11 @@ def test_metrics(model, source) -> dict:
     model.eval()
     query, gallery = source.splits.eval_pair("test")
     q, ql = source.embed(model, query)
+    counts = {"n_classes": len(np.unique(ql))}
     if gallery is None:
-        return evaluate(q, ql) | embedding_diagnostics(q, ql)
+        return evaluate(q, ql) | embedding_diagnostics(q, ql) | counts
     g, gl = source.embed(model, gallery)
-    return evaluate(q, ql, g, gl) | embedding_diagnostics(g, gl)
+    return evaluate(q, ql, g, gl) | embedding_diagnostics(g, gl) | counts
 
 
 @dataclass
