@@ -100,34 +100,19 @@ def tiny_train(tmp_path, *args, check=True):
 
 
 def test_refused_configurations_write_nothing(tmp_path):
+    """The issue's reproductions, as a user runs them (more refusals: tests/training/test_train_cli.py)."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     for name in ("best.pt", "latest.pt"):
         (run_dir / name).write_bytes(b"the user's run")
-    for bad, msg in [(("--batch-size", "0"), "--batch-size must be ≥ 1"), (("--epochs", "-1"), "--epochs must be ≥ 1"),
-                     (("--embed-dim", "0"), "--embed-dim must be ≥ 1"), (("--lr", "-1"), "--lr must be > 0"),
-                     (("--batch-size", "10"), "multiple of m_per_class"),
-                     (("--reg-weight", "0.1"), "1 values for 0 regularizer"),
-                     (("--loss", "triplet", "--regularizer", "nir"), "acts on class proxies"),
-                     ((), "already holds a training run; pass --resume"),
-                     (("--no-overwrite",), "already holds a training run")]:
-        r = tiny_train(tmp_path, "--out", str(run_dir), *bad, check=False)
-        assert (r.returncode, r.stderr.strip()) == (2, r.stderr.strip().splitlines()[-1]), (bad, r.stderr)
-        assert r.stderr.startswith("error: ") and msg in r.stderr, (bad, r.stderr)
+    for bad, msg in [(("--embed-dim", "0"), "--embed-dim must be ≥ 1"), (("--lr", "-1"), "--lr must be > 0")]:
+        r = tiny_train(tmp_path, "--out", str(run_dir), "--overwrite", *bad, check=False)
+        assert (r.returncode, r.stderr) == (2, f"error: {msg}, got {bad[1]}\n"), bad
         assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == {"best.pt": b"the user's run",
                                                                      "latest.pt": b"the user's run"}
     r = tiny_train(tmp_path, "--out", str(tmp_path / "new"), "--loss", "lifted", check=False)
     assert r.returncode == 2 and "argument --loss: unknown loss 'lifted'" in r.stderr
-    r = tiny_train(tmp_path, "--out", str(tmp_path / "new"), "--loss-param", "gamma=1", check=False)
-    assert r.returncode == 2 and "no parameter 'gamma'; valid: ['alpha', 'margin']" in r.stderr
     assert not (tmp_path / "new").exists() and not (tmp_path / "cache").exists()
-    # a folder of the user's own files is never written into, --overwrite or not
-    mine = tmp_path / "mine"
-    mine.mkdir()
-    (mine / "notes.txt").write_text("keep me")
-    r = tiny_train(tmp_path, "--out", str(mine), "--overwrite", check=False)
-    assert r.returncode == 2 and "not a training run" in r.stderr
-    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep me"
 
 
 def test_config_toml_reproduces_the_run_and_flags_override_it(tmp_path):
