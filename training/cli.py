@@ -20,6 +20,7 @@ from data import DataConfig, load_data
 from data.registry import DATASETS
 from evaluation.evaluator import DEFAULT_KS
 from model.backbones import BACKBONES
+from model.device import DEVICE_HELP, resolve_device
 
 from .config import TrainConfig
 from .losses import LOSSES
@@ -42,10 +43,11 @@ def _as_in_train(name: str):
 
 @dataclass
 class CommandOptions:
-    """Settings `evaluate` shares with `train`, with the same meaning and help."""
+    """Settings of `evaluate` with the same meaning and help as on `train` (and the device to embed on)."""
     cache_dir: str = _as_in_train("cache_dir")
     threads: int = _as_in_train("threads")
     progress: bool = _as_in_train("progress")
+    device: str = field(default="auto", metadata={"help": DEVICE_HELP})
 
 
 def _ks(s: str) -> tuple[int, ...]:
@@ -155,6 +157,7 @@ def evaluate_model(args, argv) -> dict:
 
     if args.checkpoint and args.backbone:
         raise UserError("give either --checkpoint or --backbone, not both")
+    device = resolve_device(args.device)
     if args.checkpoint:
         model, ck = load_model(args.checkpoint)
         cfg = checkpoint_data(args, argv, ck)
@@ -166,9 +169,9 @@ def evaluate_model(args, argv) -> dict:
         backbone = fn = build_backbone(args.backbone, weights=args.weights)
         trunk = True
     splits = load_data(cfg, progress=args.progress)
-    return evaluate_model_on_split(fn.eval(), backbone, splits, args.split, cfg, ks=args.ks,
+    return evaluate_model_on_split(fn.eval().to(device), backbone, splits, args.split, cfg, ks=args.ks,
                                    normalize=not args.no_normalize, progress=args.progress,
-                                   cache_dir=args.cache_dir if trunk else None)
+                                   cache_dir=args.cache_dir if trunk else None, device=device)
 
 
 def cmd_evaluate(args, argv) -> int:

@@ -2,24 +2,29 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from data import DataConfig
 from evaluation import evaluate
-from model.features import backbone_features, embed_subset
+from model.features import cached_features, embed_subset
 from model.preprocess import transform_for
 
 
 def evaluate_model_on_split(fn, backbone, splits, split: str, cfg: DataConfig, *, ks,
-                            normalize: bool = True, progress: bool = True, cache_dir: str | None = None) -> dict:
-    """Embed `split` with `fn` (a backbone or a model) and evaluate it.  With `cache_dir`, `fn` is
-    the raw backbone and its features come from (and go into) the feature cache."""
+                            normalize: bool = True, progress: bool = True, cache_dir: str | None = None,
+                            device: torch.device | None = None) -> dict:
+    """Embed `split` with `fn` (a backbone or a model, on `device`) and evaluate it.  With
+    `cache_dir`, `fn` is the raw backbone and its features come from (and go into) the feature cache."""
     spec = transform_for(backbone, cfg)
+
+    def run(subset, sp):
+        return embed_subset(fn, subset, sp, cfg, f"embed {subset.name}", progress, device=device)
 
     def embed(subset):
         if cache_dir:
-            f, y, kept = backbone_features(backbone, splits, subset, spec, cfg, cache_dir, progress)
+            f, y, kept = cached_features(backbone, splits, subset, spec, run, cache_dir, progress)
             return f, y, len(subset) - len(kept)
-        e, y, _, skipped = embed_subset(fn, subset, spec, cfg, f"embed {subset.name}", progress)
+        e, y, _, skipped = run(subset, spec)
         return e, y, len(skipped)
 
     query, gallery = splits.eval_pair(split)
