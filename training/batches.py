@@ -43,7 +43,7 @@ class FrozenFeatures:
         model.train()
         self.backbone.eval()  # frozen: its BatchNorm statistics stay as they are
 
-    def batches(self, index_batches, generator: torch.Generator):
+    def batches(self, index_batches):
         feats, labels = self.cache["train"]
         for b in index_batches:
             yield feats[torch.from_numpy(b)], labels[b], []
@@ -70,14 +70,15 @@ class ImageBatches:
         if frozen:
             self.backbone.eval()
 
-    def batches(self, index_batches, generator: torch.Generator):
+    def batches(self, index_batches):
         from torch.utils.data import DataLoader
 
         from data.loader import ImageDataset, collate_skip
 
         spec = dataclasses.replace(self.spec, augment=True)
+        # worker seeds come from torch's own generator, seeded for the epoch by the trainer
         loader = DataLoader(ImageDataset(self.splits.train, spec.build()), batch_sampler=index_batches,
-                            num_workers=self.dcfg.workers, collate_fn=collate_skip, generator=generator)
+                            num_workers=self.dcfg.workers, collate_fn=collate_skip)
         for images, y, _, bad in loader:
             for _, msg in bad:
                 log.warning("skipped: %s", msg)

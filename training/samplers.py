@@ -32,7 +32,7 @@ def paired_class_batches(labels: np.ndarray, n_classes: int, n_per_class: int, s
 
 
 def m_per_class_batches(labels: np.ndarray, m: int, batch_size: int, steps: int,
-                        rng: np.random.Generator) -> list[np.ndarray]:
+                        rng: np.random.RandomState) -> list[np.ndarray]:
     """`steps` batches of m images per class (pytorch-metric-learning's MPerClassSampler), drawn
     from `rng`.  PML draws from its module-level `NUMPY_RANDOM`; it gets `rng` for this call only."""
     from pytorch_metric_learning.samplers import MPerClassSampler
@@ -51,10 +51,11 @@ def m_per_class_batches(labels: np.ndarray, m: int, batch_size: int, steps: int,
 
 
 def epoch_batches(labels: np.ndarray, batch_size: int, m: int, paired: bool,
-                  rng: np.random.Generator) -> list[np.ndarray]:
+                  rng: np.random.RandomState) -> list[np.ndarray]:
     """One epoch's index batches (⌈n / batch_size⌉ steps): m-per-class, or CGML's two
     class-aligned half-size batches per step (X′ then X″) when `paired`."""
     steps = max(1, math.ceil(len(labels) / batch_size))
     if paired:
-        return paired_class_batches(labels, max(2, batch_size // (2 * m)), m, steps, rng)
+        return paired_class_batches(labels, max(2, batch_size // (2 * m)), m, steps,
+                                    np.random.default_rng(rng.randint(2**31)))
     return m_per_class_batches(labels, m, batch_size, steps, rng)

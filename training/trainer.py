@@ -43,11 +43,14 @@ from .step import Step, build_optimizer
 log = logging.getLogger("training")
 
 
-def epoch_generators(seed: int, epoch: int) -> tuple[np.random.Generator, torch.Generator, int]:
-    """An epoch's numpy and torch generators, and a seed for what draws from torch's own
-    generator (augmentation transforms, dropout), all from (seed, epoch)."""
-    a, b, c = np.random.SeedSequence([seed, epoch]).generate_state(3)
-    return np.random.default_rng(a), torch.Generator().manual_seed(int(b)), int(c)
+def epoch_generators(seed: int, epoch: int) -> tuple[np.random.RandomState, torch.Generator, int]:
+    """An epoch's generators, all from (seed, epoch): the sampler's numpy generator, a torch
+    generator for the regularizers, and the seed torch's own generator gets for this epoch
+    (augmentation transforms, dropout).  The sampler's stream is the one the global
+    `np.random.seed(s)` gave before generators were passed down, so runs keep their batches."""
+    s = (seed * 100_003 + epoch) % (2**31)
+    torch_seed = int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
+    return np.random.RandomState(s), torch.Generator().manual_seed(torch_seed), s
 
 
 @contextlib.contextmanager
@@ -112,7 +115,7 @@ class Run:
         sums: dict[str, float] = {}
         n = 0
         with torch_seeded(torch_seed):
-            for x, y, bad in tqdm(self.source.batches(batches, gen), total=len(batches), desc=f"epoch {epoch + 1}",
+            for x, y, bad in tqdm(self.source.batches(batches), total=len(batches), desc=f"epoch {epoch + 1}",
                                   leave=False, disable=not self.cfg.progress):
                 self.skipped += len(bad)
                 if x is None or len(y) < 2 or (self.step.paired and bad):
