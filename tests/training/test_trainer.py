@@ -71,19 +71,23 @@ def test_same_seed_same_metrics_and_resume_equals_uninterrupted(tmp_path, kanji_
         train(dataclasses.replace(cfg, resume=True, lr=5e-3))
 
 
-def test_cache_key_changes_with_transform_and_weights(tmp_path, kanji_root):
+def test_trainer_caches_features_under_a_key_of_transform_and_weights(tmp_path, kanji_root):
     from model.backbones import build_backbone
     from data import load_data
     from model.features import cache_key
     from model.preprocess import transform_for
 
-    cfg = tiny(tmp_path, kanji_root)
+    cfg = tiny(tmp_path, kanji_root, epochs=1)
+    train(cfg)
     splits = load_data(cfg.data_config(), progress=False)
-    torch.manual_seed(0)
+    torch.manual_seed(cfg.seed)  # the trainer builds its backbone first under this seed
     bb = build_backbone("small_cnn", "none")
     spec = transform_for(bb, cfg.data_config())
     assert (spec.image_size, spec.resize) == (32, 32)  # kanji: plain resize
     k = cache_key(bb, splits, splits.train, spec)
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
+        f"small_cnn-{splits.name}-{sub.name}-{cache_key(bb, splits, sub, spec)}"
+        for sub in (splits.train, splits.val, splits.test))  # what the trainer embedded, and nothing else
     assert k == cache_key(bb, splits, splits.train, spec)
     assert k != cache_key(bb, splits, splits.train, dataclasses.replace(spec, image_size=48, resize=48))
     assert k != cache_key(bb, splits, splits.train, dataclasses.replace(spec, mean=(0.4, 0.4, 0.4)))
