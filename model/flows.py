@@ -105,7 +105,3 @@ def flow_forward(flow: Flow, x: torch.Tensor, context: torch.Tensor | None = Non
                 plus = plus + y.shape[-1] * math.log(2.0)  # a permutation: |diag| contributes 0 or 1; use 1
     return y, ladj, plus
 
-
-def flow_inverse(flow: Flow, y: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
-    transform = flow(context).transform if context is not None else flow().transform
-    return transform.inv(y)

@@ -39,26 +39,27 @@ class EmbeddingNeck(nn.Module):
 
 
 class FlowHead(nn.Module):
-    """normalize(g(x)) for a normalizing flow g; keeps its last log|det| (and "+1" term)
-    so a regularizer can read them without running the flow twice."""
+    """normalize(g(x)) for a normalizing flow g.  `with_terms` also returns g's per-sample
+    log|det ∂g/∂x| and, when `plus_one`, paper 000's "+1" term, so a regularizer gets them
+    from the same forward pass."""
 
-    def __init__(self, spec):
+    def __init__(self, spec, plus_one: bool = False):
         super().__init__()
         from .flows import build_flow
 
         self.spec = spec
         self.flow = build_flow(spec)
-        self.plus_one = False
-        self.last_ladj = None
-        self.last_plus = None
+        self.plus_one = plus_one
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def with_terms(self, x: torch.Tensor):
+        """(normalize(g(x)), log|det| per sample, "+1" term per sample or None)."""
         from .flows import flow_forward
 
         y, ladj, plus = flow_forward(self.flow, x, plus_one=self.plus_one and self.training)
-        if self.training:
-            self.last_ladj, self.last_plus = ladj, plus
-        return nn.functional.normalize(y, dim=-1)
+        return nn.functional.normalize(y, dim=-1), ladj, plus
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.with_terms(x)[0]
 
 
 class EmbeddingModel(nn.Module):

@@ -1,23 +1,25 @@
-"""The typed training configuration; the CLI is generated from it."""
+"""The typed training configuration; the CLI is generated from it, and `validate()` checks all
+of it before a run reads or writes anything."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
+from core.errors import UserError
 from data import DataConfig
 
 # fields that do not change what a run computes (so resume/reuse may differ in them)
-RUNTIME_FIELDS = ("resume", "progress", "threads", "workers", "cache_dir", "out", "eval_batch_size")
+RUNTIME_FIELDS = ("resume", "overwrite", "progress", "threads", "workers", "cache_dir", "out", "eval_batch_size")
 
 
 @dataclass
 class TrainConfig(DataConfig):
     out: str = field(default="runs/default", metadata={"help": "run folder (checkpoints, logs, plots)"})
-    backbone: str = field(default="efficientnet_lite0", metadata={"help": "backbone registry name"})
+    backbone: str = field(default="efficientnet_lite0", metadata={"help": "backbone"})
     weights: str | None = field(default=None, metadata={"help": "backbone weights: imagenet | none | PATH"})
     embed_dim: int = field(default=128, metadata={"help": "embedding size (rows of W)"})
-    loss: str = field(default="proxy_anchor", metadata={"help": "loss registry name"})
+    loss: str = field(default="proxy_anchor", metadata={"help": "metric loss"})
     loss_param: tuple[str, ...] = field(default=(), metadata={"help": "loss parameters key=value,..."})
     mode: Literal["frozen", "finetune"] = field(default="frozen", metadata={
         "help": "frozen: train the neck (and losses) on cached trunk features; finetune: whole network"})
@@ -33,11 +35,15 @@ class TrainConfig(DataConfig):
     schedule: Literal["cosine", "none"] = field(default="cosine", metadata={"help": "learning-rate schedule"})
     seed: int = field(default=0, metadata={"help": "training seed: same seed, same metrics"})
     regularizer: tuple[str, ...] = field(default=(), metadata={"help": "regularizers to add (comma-separated)"})
-    reg_weight: tuple[float, ...] = field(default=(), metadata={"help": "their weights, same order"})
+    reg_weight: tuple[float, ...] = field(default=(), metadata={
+        "help": "their weights, same order; empty: each regularizer's own"})
     reg_param: tuple[str, ...] = field(default=(), metadata={"help": "regularizer parameters name.key=value,..."})
     resume: bool = field(default=False, metadata={"help": "continue from the run folder's latest checkpoint"})
+    overwrite: bool = field(default=False, metadata={
+        "help": "replace an existing run in --out (only a run folder of ours; without it such a folder "
+                "is refused unless --resume)"})
     cache_dir: str = field(default="cache/features", metadata={"help": "trunk-feature cache folder"})
-    threads: int = field(default=0, metadata={"help": "torch threads (0 = default)"})
+    threads: int = field(default=0, metadata={"help": "torch threads for this command (0 = torch's default)"})
     progress: bool = field(default=True, metadata={"help": "show progress bars"})
 
     def identity(self) -> dict:
@@ -48,5 +54,45 @@ class TrainConfig(DataConfig):
         return d
 
     def data_config(self) -> DataConfig:
-        names = {f.name for f in dataclasses.fields(DataConfig)}
-        return DataConfig(**{k: v for k, v in dataclasses.asdict(self).items() if k in names})
+        return DataConfig.from_dict(dataclasses.asdict(self))
+
+    def validate(self) -> None:
+        """Refuse an impossible configuration, all of it, before anything is read or written."""
+        from model.backbones import BACKBONES
+
+        from .losses import LOSSES, has_proxies
+        from .regularizers import REGULARIZERS, regularizer_params
+
+        DataConfig.validate(self)
+        BACKBONES.get(self.backbone)
+        LOSSES.params(self.loss, self.loss_param)
+        checks = [
+            (self.embed_dim >= 1, f"--embed-dim must be ≥ 1, got {self.embed_dim}"),
+            (self.epochs >= 1, f"--epochs must be ≥ 1, got {self.epochs}"),
+            (self.m_per_class >= 1, f"--m-per-class must be ≥ 1, got {self.m_per_class}"),
+            (self.batch_size >= 1, f"--batch-size must be ≥ 1, got {self.batch_size}"),
+            (self.batch_size % max(self.m_per_class, 1) == 0,
+             f"batch size {self.batch_size} must be a multiple of m_per_class {self.m_per_class}"),
+            (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
+            (self.neck_lr_mult > 0, f"--neck-lr-mult must be > 0, got {self.neck_lr_mult}"),
+            (self.proxy_lr_mult > 0, f"--proxy-lr-mult must be > 0, got {self.proxy_lr_mult}"),
+            (self.weight_decay >= 0, f"--weight-decay must be ≥ 0, got {self.weight_decay}"),
+            (self.warmup_epochs >= 0, f"--warmup-epochs must be ≥ 0, got {self.warmup_epochs}"),
+            (self.grad_clip >= 0, f"--grad-clip must be ≥ 0 (0 = off), got {self.grad_clip}"),
+            (self.seed >= 0, f"--seed must be ≥ 0, got {self.seed}"),
+            (self.threads >= 0, f"--threads must be ≥ 0 (0 = default), got {self.threads}"),
+            (len(set(self.regularizer)) == len(self.regularizer), f"regularizer listed twice: {list(self.regularizer)}"),
+            (not self.reg_weight or len(self.reg_weight) == len(self.regularizer),
+             f"--reg-weight has {len(self.reg_weight)} values for {len(self.regularizer)} regularizer(s)"),
+            (all(w >= 0 for w in self.reg_weight), f"--reg-weight values must be ≥ 0, got {list(self.reg_weight)}"),
+            (not (self.resume and self.overwrite), "give --resume or --overwrite, not both"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise UserError(msg)
+        for name in self.regularizer:
+            if REGULARIZERS.get(name).builder.needs_proxies and not has_proxies(self.loss):
+                proxy_losses = ", ".join(n for n in LOSSES.names() if has_proxies(n))
+                raise UserError(f"regularizer {name!r} acts on class proxies; loss {self.loss!r} has none "
+                                f"(use a proxy loss: {proxy_losses})")
+        regularizer_params(self.regularizer, self.reg_param)

@@ -30,7 +30,7 @@ def test_embeddings_to_flat_json(tmp_path):
         "--ks", "1,4", "--json", str(out))
     res = json.loads(out.read_text())
     assert set(res) == {"recall@1", "recall@4", "map@r", "r_precision", "precision@1", "nmi", "f1",
-                        "n_queries", "n_skipped_queries"}
+                        "n_classes", "n_queries", "n_skipped_queries"}
     assert all(0 <= v <= 1 for k, v in res.items() if not k.startswith("n_"))
     assert res["n_queries"] == 60 and res["precision@1"] == res["recall@1"]
     from evaluation import evaluate
@@ -77,9 +77,70 @@ def test_backbone_on_image_folder_skips_corrupt_image(tmp_path):
     for d in test_dirs:
         (d / "0.png").write_bytes(b"garbage")
     out = tmp_path / "o.json"
-    r = run("evaluate", "--dataset", "imagefolder", "--data-root", str(tmp_path), "--backbone",
-            "small_cnn", "--weights", "none", "--image-size", "16", "--val-fraction", "0",
-            "--json", str(out))
+    args = ("evaluate", "--dataset", "imagefolder", "--data-root", str(tmp_path), "--backbone", "small_cnn",
+            "--weights", "none", "--image-size", "16", "--val-fraction", "0", "--json", str(out),
+            "--cache-dir", str(tmp_path.parent / f"{tmp_path.name}-cache"))
+    r = run(*args)
     res = json.loads(out.read_text())
-    assert res["n_skipped_images"] == 3 and res["n_queries"] == 9
+    assert res["n_skipped_images"] == 3 and res["n_queries"] == 9 and res["n_classes"] == 3
     assert "skipped" in r.stderr and "0.png" in r.stderr
+    # the raw trunk's features went into the cache (keyed by the random-init weights: no reuse here)
+    assert len(list((tmp_path.parent / f"{tmp_path.name}-cache").iterdir())) == 1
+
+
+# ------------------------------------------------------------------ train: refusals and run folders
+TINY = ("--dataset", "kanji", "--num-classes", "12", "--image-size", "32", "--kanji-fonts", "ipag,ipam,seto,ukai",
+        "--backbone", "small_cnn", "--weights", "none", "--embed-dim", "8", "--batch-size", "8",
+        "--m-per-class", "4", "--no-progress")
+
+
+def tiny_train(tmp_path, *args, check=True):
+    return run("train", *TINY, "--data-root", str(tmp_path / "kanji"), "--cache-dir", str(tmp_path / "cache"),
+               *args, check=check)
+
+
+def test_refused_configurations_write_nothing(tmp_path):
+    """The issue's reproductions, as a user runs them (more refusals: tests/training/test_train_cli.py)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for name in ("best.pt", "latest.pt"):
+        (run_dir / name).write_bytes(b"the user's run")
+    for bad, msg in [(("--embed-dim", "0"), "--embed-dim must be ≥ 1, got 0"),
+                     (("--lr", "-1"), "--lr must be > 0, got -1.0")]:
+        r = tiny_train(tmp_path, "--out", str(run_dir), "--overwrite", *bad, check=False)
+        assert (r.returncode, r.stderr) == (2, f"error: {msg}\n"), bad
+        assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == {"best.pt": b"the user's run",
+                                                                     "latest.pt": b"the user's run"}
+    r = tiny_train(tmp_path, "--out", str(tmp_path / "new"), "--loss", "lifted", check=False)
+    assert r.returncode == 2 and "argument --loss: unknown loss 'lifted'" in r.stderr
+    assert not (tmp_path / "new").exists() and not (tmp_path / "cache").exists()
+
+
+def test_config_toml_reproduces_the_run_and_flags_override_it(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    tiny_train(tmp_path, "--out", str(a), "--epochs", "2", "--json", str(tmp_path / "a.json"))
+    assert not (a / "config.json").exists()
+    r = run("train", "--config", str(a / "config.toml"), "--out", str(b), "--json", str(tmp_path / "b.json"))
+    first, again = json.loads((tmp_path / "a.json").read_text()), json.loads((tmp_path / "b.json").read_text())
+    assert again["test"] == first["test"] and again["selected_epoch"] == first["selected_epoch"]
+    assert "test (6 classes, 24 queries): MAP@R" in r.stderr and "val (" in r.stderr
+    # a flag given with --config wins; --overwrite replaces our own run
+    run("train", "--config", str(a / "config.toml"), "--epochs", "1", "--overwrite")
+    assert "epochs = 1" in (a / "config.toml").read_text()
+    assert len((a / "log.jsonl").read_text().splitlines()) == 1
+
+
+# ------------------------------------------------------------------ evaluate a checkpoint on its own data
+def test_evaluate_checkpoint_takes_its_data_settings(tiny_run, tmp_path):
+    cfg, _ = tiny_run
+    ck = str(Path(cfg.out) / "best.pt")
+    r = run("evaluate", "--checkpoint", ck, "--cache-dir", str(tmp_path / "c"), "--no-progress", "--threads", "1",
+            "--json", str(tmp_path / "m.json"))
+    assert "warning" not in r.stderr
+    assert "test (6 classes, 24 queries): MAP@R" in r.stderr
+    res = json.loads((tmp_path / "m.json").read_text())
+    assert (res["n_classes"], res["n_queries"]) == (6, 24)
+    r = run("evaluate", "--checkpoint", ck, "--image-size", "48", "--no-progress")
+    warnings = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: --image-size 48 differs from the checkpoint's 32; the results measure the model "
+                        "on other data than it was trained and selected on"]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from training.losses import LOSSES, build_loss
+from training.losses import LOSSES, build_loss, has_proxies
 from training.losses.binomial import BinomialDevianceLoss
 
 
@@ -60,13 +60,13 @@ def test_binomial_matches_the_formula_computed_directly():
 def test_proxy_losses_expose_proxies_and_trainer_optimises_them():
     for name in ("proxy_anchor", "proxy_nca", "arcface", "soft_triple"):
         loss, _ = build_loss(name, 6, 16)
-        assert loss.uses_proxies and loss.proxy_parameters()
+        assert has_proxies(name) and loss.proxy_parameters()
         p = loss.class_proxies()
         assert p.shape == (6, 16)
         torch.testing.assert_close(p.norm(dim=1), torch.ones(6))
         assert all(q.requires_grad for q in loss.proxy_parameters())
     for name in ("triplet", "npair", "multi_similarity", "binomial", "contrastive"):
-        assert not build_loss(name, 6, 16)[0].uses_proxies
+        assert not has_proxies(name) and not build_loss(name, 6, 16)[0].proxy_parameters()
 
 
 def test_proxies_actually_move_in_training():

@@ -7,11 +7,18 @@ import pytest
 import torch
 
 from core.errors import UserError
-from model.flows import FlowSpec, build_flow, flow_forward, flow_inverse
+from model.flows import FlowSpec, build_flow, flow_forward
+from training.regularizers import BatchContext
 from training.regularizers.cgml import graph_consistency
 from training.regularizers.determinant import tangent_augment
 from training.regularizers.skewed_mean import SkewedMeanParams, SkewedMeanRegularizer, lse_mean, power_mean
 from training.samplers import paired_class_batches
+
+
+def flow_inverse(flow, y, context=None):
+    """x from y = flow(x): an independent check of the flows' forward pass."""
+    transform = flow(context).transform if context is not None else flow().transform
+    return transform.inv(y)
 
 
 def randomize(flow, std=0.3):
@@ -34,8 +41,7 @@ def test_flow_logdet_equals_autograd_jacobian(kind, d):
         ci = c[i: i + 1] if c is not None else None
         J = torch.autograd.functional.jacobian(lambda v: flow_forward(f, v, ci)[0], x[i: i + 1]).reshape(d, d)
         assert float(ladj[i]) == pytest.approx(float(torch.linalg.slogdet(J)[1]), abs=1e-8)
-    if kind == "nice":
-        assert torch.allclose(ladj, torch.zeros(3, dtype=torch.float64))
+    assert torch.allclose(ladj, torch.zeros(3, dtype=torch.float64)) == (kind == "nice")  # NICE: volume-preserving
 
 
 def test_plus_one_variant_is_exact_for_one_coupling_layer():
@@ -64,10 +70,15 @@ def test_nir_residual_invertible_logdet_and_gradients_reach_proxies():
     assert (back - x).abs().max() < 1e-4
     J = torch.autograd.functional.jacobian(lambda v: reg.residual(v, c[:1])[0], x[:1]).reshape(6, 6)
     assert float(ladj[0]) == pytest.approx(float(torch.linalg.slogdet(J.double())[1]), abs=1e-4)
-    nll = reg.nll(torch.randn(4, 6), torch.tensor([0, 1, 2, 3]), loss)
+    nll = reg.nll(torch.randn(4, 6), torch.tensor([0, 1, 2, 3]), loss.class_proxies())
     assert torch.isfinite(nll).all()
-    ctx = {"emb": torch.randn(4, 6), "y": torch.tensor([0, 1, 1, 3]), "loss": loss, "parts": {}}
-    reg.term(ctx).backward()
+    emb = torch.randn(4, 6)
+    ctx = BatchContext(labels=torch.tensor([0, 1, 1, 3]), embeddings=emb, neck=emb, trunk=emb, backbone=emb,
+                       loss=loss, neck_layer=torch.nn.Identity(), generator=torch.Generator(),
+                       proxies=loss.class_proxies())
+    terms = reg.terms(ctx)
+    assert set(terms) == {"nir", "nir_nll"} and float(terms["nir"]) == pytest.approx(float(terms["nir_nll"]))
+    terms["nir"].backward()
     g = loss.proxy_parameters()[0].grad
     assert g is not None and g[[0, 1, 3]].abs().sum() > 0 and g[[2, 4]].abs().sum() == 0
 
@@ -134,7 +145,7 @@ def test_repulsion_pushes_the_closest_pair_apart(form):
     P = torch.nn.functional.normalize(torch.randn(8, 5), dim=1)
     P[1] = torch.nn.functional.normalize(P[0] + 0.05 * torch.randn(5), dim=0)  # a close pair
     P = P.clone().requires_grad_(True)
-    reg = SkewedMeanRegularizer(1.0, SkewedMeanParams(form=form, target=2.0), type("L", (), {"uses_proxies": True})(), 5, 5)
+    reg = SkewedMeanRegularizer(1.0, SkewedMeanParams(form=form, target=2.0), None, 5, 5)
 
     def dist(Q):
         Qn = torch.nn.functional.normalize(Q, dim=1)
@@ -182,13 +193,15 @@ def test_refusals(tmp_path):
         train(tiny_cfg(tmp_path, regularizer=("nir",), reg_param=("nir.depth=3",)))
 
 
-@pytest.mark.parametrize("loss,regs,params", [
-    ("proxy_anchor", ("determinant", "nir", "skewed_mean"), ("determinant.transforms=2", "determinant.hidden=16")),
+@pytest.mark.parametrize("loss,regs,params,head", [
+    ("proxy_anchor", ("determinant", "nir", "skewed_mean"), ("determinant.transforms=2", "determinant.hidden=16"),
+     "embed_head"),
     ("binomial", ("cgml", "determinant"), ("determinant.transforms=2", "determinant.hidden=16",
-                                            "determinant.position=trunk", "determinant.variant=plus_one")),
-    ("proxy_nca", ("nir",), ("nir.variant=exp", "nir.input=raw")),
+                                            "determinant.position=trunk", "determinant.variant=plus_one"),
+     "trunk_head"),
+    ("proxy_nca", ("nir",), ("nir.variant=exp", "nir.input=raw"), None),
 ])
-def test_several_regularizers_train_and_checkpoint_serves_the_index(tmp_path, loss, regs, params):
+def test_several_regularizers_train_and_checkpoint_serves_the_index(tmp_path, loss, regs, params, head):
     from index.build import build_from_dataset
     from index.search import Searcher
     from index.store import read_index
@@ -206,9 +219,8 @@ def test_several_regularizers_train_and_checkpoint_serves_the_index(tmp_path, lo
     ck = read_checkpoint(tmp_path / "run" / "best.pt")
     assert not any("g_max" in k or "max_loss" in k for k in ck["state_dict"])  # g_max is not kept
     model, _ = load_model(tmp_path / "run" / "best.pt")
-    if "determinant" in regs:
-        pos = "trunk_head" if "determinant.position=trunk" in params else "embed_head"
-        assert getattr(model, pos) is not None
+    # the determinant's g_min is the kept metric layer, where its position says; nothing else adds a head
+    assert [h for h in ("trunk_head", "embed_head") if getattr(model, h) is not None] == ([head] if head else [])
     idx = tmp_path / "idx"
     build_from_dataset(tmp_path / "run" / "best.pt", cfg.data_config(), idx, cache_dir=cfg.cache_dir, progress=False)
     data = read_index(idx)

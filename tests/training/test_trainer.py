@@ -31,7 +31,7 @@ def test_frozen_training_outputs_and_selection(tmp_path, kanji_root):
     cfg = tiny(tmp_path, kanji_root, epochs=4)
     m = train(cfg)
     out = tmp_path / "run"
-    for f in ("best.pt", "latest.pt", "config.json", "log.jsonl", "metrics.json", "curve.png"):
+    for f in ("best.pt", "latest.pt", "config.toml", "log.jsonl", "metrics.json", "curve.png"):
         assert (out / f).is_file(), f
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in log] == [1, 2, 3, 4]
@@ -67,23 +67,27 @@ def test_same_seed_same_metrics_and_resume_equals_uninterrupted(tmp_path, kanji_
     log = (tmp_path / "c" / "run" / "log.jsonl").read_text().splitlines()
     assert len(log) == 4
     # a different config may not resume this run
-    with pytest.raises(UserError, match="config.json differs"):
+    with pytest.raises(UserError, match="config.toml differs"):
         train(dataclasses.replace(cfg, resume=True, lr=5e-3))
 
 
-def test_cache_key_changes_with_transform_and_weights(tmp_path, kanji_root):
+def test_trainer_caches_features_under_a_key_of_transform_and_weights(tmp_path, kanji_root):
     from model.backbones import build_backbone
     from data import load_data
     from model.features import cache_key
     from model.preprocess import transform_for
 
-    cfg = tiny(tmp_path, kanji_root)
+    cfg = tiny(tmp_path, kanji_root, epochs=1)
+    train(cfg)
     splits = load_data(cfg.data_config(), progress=False)
-    torch.manual_seed(0)
+    torch.manual_seed(cfg.seed)  # the trainer builds its backbone first under this seed
     bb = build_backbone("small_cnn", "none")
     spec = transform_for(bb, cfg.data_config())
     assert (spec.image_size, spec.resize) == (32, 32)  # kanji: plain resize
     k = cache_key(bb, splits, splits.train, spec)
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
+        f"small_cnn-{splits.name}-{sub.name}-{cache_key(bb, splits, sub, spec)}"
+        for sub in (splits.train, splits.val, splits.test))  # what the trainer embedded, and nothing else
     assert k == cache_key(bb, splits, splits.train, spec)
     assert k != cache_key(bb, splits, splits.train, dataclasses.replace(spec, image_size=48, resize=48))
     assert k != cache_key(bb, splits, splits.train, dataclasses.replace(spec, mean=(0.4, 0.4, 0.4)))

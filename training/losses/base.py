@@ -1,12 +1,9 @@
 """What every metric loss provides to the trainer and to the regularizers."""
 from __future__ import annotations
 
-import typing
-
 import torch
 from torch import nn
 
-from core.config import parse_typed_items
 from core.errors import UserError
 
 
@@ -15,10 +12,9 @@ class MetricLoss(nn.Module):
 
     Proxy losses expose `proxies` (the parameter the optimizer must see, with its
     own learning rate) and `class_proxies()` (one L2-normalised proxy per class,
-    C × d, for proxy regularizers).  Pair losses have neither.
+    C × d, for proxy regularizers).  Pair losses have neither.  (Which losses have
+    proxies is registered with the loss: `LOSSES` meta `proxies`.)
     """
-
-    uses_proxies: bool = False
 
     def proxy_parameters(self) -> list[nn.Parameter]:
         return []
@@ -43,8 +39,6 @@ class PMLLoss(MetricLoss):
 class PMLProxyLoss(PMLLoss):
     """PML loss whose proxies live in `loss.<attr>`, laid out C × d or d × (C·K)."""
 
-    uses_proxies = True
-
     def __init__(self, loss: nn.Module, attr: str, layout: str, per_class: int = 1):
         super().__init__(loss)
         self.attr, self.layout, self.per_class = attr, layout, per_class
@@ -61,7 +55,3 @@ class PMLProxyLoss(PMLLoss):
             p = p.reshape(-1, self.per_class, p.shape[1])[:, 0]
         return nn.functional.normalize(p, dim=1)
 
-
-def parse_params(cls, items: typing.Iterable[str], loss_name: str):
-    """Build the loss's parameter dataclass from `key=value` strings, typed by its fields."""
-    return parse_typed_items(cls, items, f"loss {loss_name!r}")

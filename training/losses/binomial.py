@@ -16,14 +16,15 @@ import torch
 from torch.nn import functional as F
 
 from .base import MetricLoss
-from .registry import register
+from ..params import param
+from .registry import LOSSES
 
 
 @dataclass
 class BinomialParams:
-    alpha: float = 2.0
-    beta: float = 0.5
-    neg_cost: float = 25.0
+    alpha: float = param(2.0, "scale α")
+    beta: float = param(0.5, "similarity offset β")
+    neg_cost: float = param(25.0, "cost η (C) of a negative pair")
 
 
 class BinomialDevianceLoss(MetricLoss):
@@ -49,6 +50,6 @@ class BinomialDevianceLoss(MetricLoss):
         return loss
 
 
-@register("binomial", BinomialParams)
+@LOSSES.register("binomial", BinomialParams, doc="binomial deviance (Yi et al. 2014), as used by CGML")
 def binomial(C, d, p: BinomialParams):
     return BinomialDevianceLoss(p.alpha, p.beta, p.neg_cost)

@@ -6,50 +6,51 @@ Proxy-Anchor recipe α = 32, δ = 0.1.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from pytorch_metric_learning import distances, losses, miners
 
-from core.errors import UserError
-
+from ..params import param as _p
 from .base import PMLLoss, PMLProxyLoss
-from .registry import register
+from .registry import LOSSES
 
 
 @dataclass
 class ProxyAnchorParams:
-    alpha: float = 32.0
-    margin: float = 0.1
+    alpha: float = _p(32.0, "scale α")
+    margin: float = _p(0.1, "margin δ")
 
 
-@register("proxy_anchor", ProxyAnchorParams, uses_proxies=True)
+@LOSSES.register("proxy_anchor", ProxyAnchorParams, doc="Proxy-Anchor (Kim et al. 2020), one proxy per class",
+                 proxies=True)
 def proxy_anchor(C, d, p: ProxyAnchorParams):
     return PMLProxyLoss(losses.ProxyAnchorLoss(C, d, margin=p.margin, alpha=p.alpha), "proxies", "Cxd")
 
 
 @dataclass
 class ProxyNCAParams:
-    softmax_scale: float = 3.0  # NCA with temperature 1/3 on normalized embeddings trains; 1 barely does
+    # NCA with temperature 1/3 on normalized embeddings trains; 1 barely does
+    softmax_scale: float = _p(3.0, "inverse softmax temperature")
 
 
-@register("proxy_nca", ProxyNCAParams, uses_proxies=True)
+@LOSSES.register("proxy_nca", ProxyNCAParams, doc="ProxyNCA (Movshovitz-Attias et al. 2017), one proxy per class",
+                 proxies=True)
 def proxy_nca(C, d, p: ProxyNCAParams):
     return PMLProxyLoss(losses.ProxyNCALoss(C, d, softmax_scale=p.softmax_scale), "proxies", "Cxd")
 
 
 @dataclass
 class TripletParams:
-    margin: float = 0.1
-    miner: str = "semihard"  # semihard | batchhard
+    margin: float = _p(0.1, "triplet margin")
+    miner: Literal["semihard", "batchhard"] = _p("semihard", "triplet miner: semihard | batchhard")
 
 
-@register("triplet", TripletParams)
+@LOSSES.register("triplet", TripletParams, doc="triplet margin loss with a semi-hard or batch-hard miner")
 def triplet(C, d, p: TripletParams):
     if p.miner == "semihard":
         miner = miners.TripletMarginMiner(margin=p.margin, type_of_triplets="semihard")
-    elif p.miner == "batchhard":
-        miner = miners.BatchHardMiner()
     else:
-        raise UserError(f"triplet miner must be semihard or batchhard, got {p.miner!r}")
+        miner = miners.BatchHardMiner()
     return PMLLoss(losses.TripletMarginLoss(margin=p.margin), miner)
 
 
@@ -58,21 +59,21 @@ class NPairParams:
     pass
 
 
-@register("npair", NPairParams)
+@LOSSES.register("npair", NPairParams, doc="N-pair loss (Sohn 2016) on inner products")
 def npair(C, d, p: NPairParams):
-    # N-pair on inner products (Sohn 2016); PML pairs the first two samples of each class
+    # PML pairs the first two samples of each class
     return PMLLoss(losses.NPairsLoss(distance=distances.DotProductSimilarity()))
 
 
 @dataclass
 class MultiSimilarityParams:
-    alpha: float = 2.0
-    beta: float = 50.0
-    base: float = 0.5
-    epsilon: float = 0.1
+    alpha: float = _p(2.0, "positive scale α")
+    beta: float = _p(50.0, "negative scale β")
+    base: float = _p(0.5, "similarity offset λ")
+    epsilon: float = _p(0.1, "miner margin ε")
 
 
-@register("multi_similarity", MultiSimilarityParams)
+@LOSSES.register("multi_similarity", MultiSimilarityParams, doc="Multi-Similarity loss and miner (Wang et al. 2019)")
 def multi_similarity(C, d, p: MultiSimilarityParams):
     return PMLLoss(losses.MultiSimilarityLoss(alpha=p.alpha, beta=p.beta, base=p.base),
                    miners.MultiSimilarityMiner(epsilon=p.epsilon))
@@ -80,24 +81,26 @@ def multi_similarity(C, d, p: MultiSimilarityParams):
 
 @dataclass
 class ArcFaceParams:
-    margin: float = 28.6  # degrees, PML default
-    scale: float = 64.0
+    margin: float = _p(28.6, "angular margin in degrees (PML default)")
+    scale: float = _p(64.0, "logit scale")
 
 
-@register("arcface", ArcFaceParams, uses_proxies=True)
+@LOSSES.register("arcface", ArcFaceParams, doc="ArcFace (Deng et al. 2019), one class weight (proxy) per class",
+                 proxies=True)
 def arcface(C, d, p: ArcFaceParams):
     return PMLProxyLoss(losses.ArcFaceLoss(C, d, margin=p.margin, scale=p.scale), "W", "dxC")
 
 
 @dataclass
 class SoftTripleParams:
-    centers_per_class: int = 10
-    la: float = 20.0
-    gamma: float = 0.1
-    margin: float = 0.01
+    centers_per_class: int = _p(10, "centres K per class")
+    la: float = _p(20.0, "scale λ")
+    gamma: float = _p(0.1, "softmax temperature γ over a class's centres")
+    margin: float = _p(0.01, "margin δ")
 
 
-@register("soft_triple", SoftTripleParams, uses_proxies=True)
+@LOSSES.register("soft_triple", SoftTripleParams, doc="SoftTriple (Qian et al. 2019), K centres per class",
+                 proxies=True)
 def soft_triple(C, d, p: SoftTripleParams):
     loss = losses.SoftTripleLoss(C, d, centers_per_class=p.centers_per_class, la=p.la,
                                  gamma=p.gamma, margin=p.margin)
@@ -106,10 +109,10 @@ def soft_triple(C, d, p: SoftTripleParams):
 
 @dataclass
 class ContrastiveParams:
-    pos_margin: float = 0.0
-    neg_margin: float = 0.5
+    pos_margin: float = _p(0.0, "distance below which positives cost nothing")
+    neg_margin: float = _p(0.5, "distance above which negatives cost nothing")
 
 
-@register("contrastive", ContrastiveParams)
+@LOSSES.register("contrastive", ContrastiveParams, doc="contrastive loss (Hadsell et al. 2006) on all pairs")
 def contrastive(C, d, p: ContrastiveParams):
     return PMLLoss(losses.ContrastiveLoss(pos_margin=p.pos_margin, neg_margin=p.neg_margin))

@@ -1,35 +1,25 @@
-"""Loss registry: a new loss is one module with @register plus one import line."""
+"""Loss registry: a new loss is one module with `@LOSSES.register(...)` plus one import line.
+
+A builder takes (number of train classes C, embedding size d, its params dataclass) and
+returns a `MetricLoss`.  Meta `proxies=True` marks a loss with learned class proxies (what
+the proxy regularizers act on); it is checked against `--regularizer` before a run starts.
+"""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Callable
+from dataclasses import asdict
 
-from core.errors import UserError
+from core.registry import Registry
 
-from .base import MetricLoss, parse_params
+from .base import MetricLoss
 
-
-@dataclass
-class LossEntry:
-    name: str
-    params: type
-    build: Callable[..., MetricLoss]
-    uses_proxies: bool
+LOSSES = Registry("loss", "losses")
 
 
-LOSSES: dict[str, LossEntry] = {}
+def build_loss(name: str, num_classes: int, embed_dim: int, params=()) -> tuple[MetricLoss, dict]:
+    """The loss module and its resolved parameters; `params`: `key=value` strings or a dict."""
+    p = LOSSES.params(name, params)
+    return LOSSES.build(name, num_classes, embed_dim, p), asdict(p)
 
 
-def register(name: str, params: type, uses_proxies: bool = False):
-    def deco(fn):
-        LOSSES[name] = LossEntry(name, params, fn, uses_proxies)
-        return fn
-    return deco
-
-
-def build_loss(name: str, num_classes: int, embed_dim: int, param_items=()) -> tuple[MetricLoss, dict]:
-    if name not in LOSSES:
-        raise UserError(f"unknown loss {name!r}; choose from {sorted(LOSSES)}")
-    e = LOSSES[name]
-    p = parse_params(e.params, param_items, name)
-    return e.build(num_classes, embed_dim, p), asdict(p)
+def has_proxies(name: str) -> bool:
+    return bool(LOSSES.get(name).meta.get("proxies"))

@@ -1,22 +1,41 @@
 """What a regularizer is to the trainer.
 
-A regularizer owns its parameters (`module`, optimised with lr × `lr_mult`) and
-its weight(s), and returns an already-weighted extra loss from `term(ctx)`.
-`ctx` holds the batch: labels `y`, embeddings `emb` (the model's output),
-the neck output `neck`, the loss module, the model, and for paired samplers
-the two halves.  `paired = True` asks the trainer for two class-aligned
-batches per step (CGML).  `install(model)` may add a head to the model
-(the determinant regularizer's flow metric layer).
+A regularizer is built from its weight, its typed params, the base loss (read,
+e.g. copied for the determinant's g_max) and the feature sizes.  Each step it
+gets a `BatchContext` and returns its named terms: the entry under its own
+name is the weighted term added to the training loss; any other entries are
+unweighted diagnostics, logged only.  It never changes the model or the
+trainer; what it owns, it declares:
+  - `heads()`: flow heads the model is built with (the determinant's g_min);
+  - `parameters()`: its own trainable parameters (lr × `lr_mult`);
+  - `loss_parameters()`: parameters trained like the loss's proxies;
+  - `module`: everything it owns, checkpointed for resume.
+`paired = True` asks for two class-aligned batches per step (CGML);
+`needs_proxies = True` needs a loss with class proxies (checked before a run).
 """
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from core.config import parse_typed_items
-from core.errors import UserError
+
+@dataclass(frozen=True)
+class BatchContext:
+    """One training step, as a regularizer sees it."""
+    labels: torch.Tensor                    # class indices 0 … C-1
+    embeddings: torch.Tensor                # the model's output (after an embedding flow head)
+    neck: torch.Tensor                      # W φ (before an embedding flow head)
+    trunk: torch.Tensor                     # φ (after a trunk flow head)
+    backbone: torch.Tensor                  # the backbone's output (before a trunk flow head)
+    loss: nn.Module                         # the base metric loss (augmentation terms go through it)
+    neck_layer: nn.Module                   # W, for a flow placed before it
+    generator: torch.Generator              # this step's randomness
+    proxies: torch.Tensor | None = None     # the loss's class proxies (C × d, unit rows) if it has them
+    halves: tuple[torch.Tensor, torch.Tensor] | None = None  # paired batch: embeddings of X′ and X″
+    head_terms: dict = dataclasses.field(default_factory=dict)  # head name → (log|det|, "+1" term)
 
 
 class Regularizer:
@@ -25,25 +44,23 @@ class Regularizer:
     needs_proxies: bool = False
     lr_mult: float = 10.0
 
-    def __init__(self, weight: float, params, loss_module, embed_dim: int, trunk_dim: int):
+    def __init__(self, weight: float, params, loss_module: nn.Module, embed_dim: int, trunk_dim: int):
         self.weight = float(weight)
         self.params = params
         self.module: nn.Module = nn.Module()
-        if self.needs_proxies and not getattr(loss_module, "uses_proxies", False):
-            raise UserError(f"regularizer {self.name!r} acts on class proxies; loss "
-                            f"{type(loss_module).__name__} has none (use a proxy loss: proxy_anchor, "
-                            f"proxy_nca, soft_triple, arcface)")
 
-    def install(self, model) -> None:
-        pass
+    def heads(self) -> dict[str, nn.Module]:
+        return {}
 
-    def term(self, ctx: dict) -> torch.Tensor:
+    def loss_parameters(self) -> list[nn.Parameter]:
+        return []
+
+    def parameters(self) -> list[nn.Parameter]:
+        shared = {id(p) for p in self.loss_parameters()}
+        return [p for p in self.module.parameters() if p.requires_grad and id(p) not in shared]
+
+    def terms(self, ctx: BatchContext) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
     def export(self) -> dict:
         return {"weight": self.weight, "params": dataclasses.asdict(self.params)}
-
-
-def parse_reg_params(cls, name: str, items) -> object:
-    """`name.key=value` items addressed to this regularizer → its typed params dataclass."""
-    return parse_typed_items(cls, items, f"regularizer {name!r}", prefix=name)

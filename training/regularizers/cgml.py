@@ -19,12 +19,14 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from .base import Regularizer
+from ..params import param
+from .base import BatchContext, Regularizer
+from .registry import REGULARIZERS
 
 
 @dataclass
 class CGMLParams:
-    sigma: float = 1.0
+    sigma: float = param(1.0, "RBF graph bandwidth σ")
 
 
 def rbf_graph(x: torch.Tensor, sigma: float) -> torch.Tensor:
@@ -36,12 +38,13 @@ def graph_consistency(x1: torch.Tensor, x2: torch.Tensor, sigma: float) -> torch
     return torch.linalg.matrix_norm(rbf_graph(x1, sigma) @ x1 - rbf_graph(x2, sigma) @ x2, ord="fro")
 
 
+@REGULARIZERS.register("cgml", CGMLParams, doc="graph consistency between two class-aligned batches (CGML)",
+                       weight=0.002)
 class CGMLRegularizer(Regularizer):
     name = "cgml"
     paired = True
 
-    def term(self, ctx):
-        a, b = ctx["emb_halves"]
+    def terms(self, ctx: BatchContext):
+        a, b = ctx.halves
         gc = graph_consistency(F.normalize(a, dim=1), F.normalize(b, dim=1), self.params.sigma)
-        ctx["parts"]["L_GC"] = float(gc.detach())
-        return self.weight * gc
+        return {self.name: self.weight * gc, "L_GC": gc}

@@ -19,25 +19,28 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch.nn import functional as F
 
+from model.flows import FlowSpec
 from model.network import FlowHead
-from model.flows import FlowSpec, flow_forward
 
-from .base import Regularizer
+from ..params import param
+from .base import BatchContext, Regularizer
+from .registry import REGULARIZERS
 
 
 @dataclass
 class DeterminantParams:
-    flow: str = "realnvp"        # realnvp | nice
-    transforms: int = 12         # the paper uses 12 coupling layers
-    hidden: int = 128          # coupling-network width (kept small: 2 CPU cores)
-    position: str = "neck"       # neck (the paper's) | trunk
-    variant: str = "logdet"      # logdet | plus_one
-    epsilon: float = 0.4         # tangent-plane augmentation; 0 = off
-    lambda_max: float = -1.0     # λ2; < 0 means "same as λ1 (the weight)"
+    flow: Literal["realnvp", "nice"] = param("realnvp", "flow kind: realnvp | nice")
+    transforms: int = param(12, "coupling layers (the paper uses 12)")
+    hidden: int = param(128, "coupling-network width (kept small: 2 CPU cores)")
+    position: Literal["neck", "trunk"] = param("neck", "where the flows sit: neck (the paper's) | trunk")
+    variant: Literal["logdet", "plus_one"] = param("logdet", "R: logdet | plus_one (the paper's eq. 7)")
+    epsilon: float = param(0.4, "tangent-plane augmentation ε; 0 = off")
+    lambda_max: float = param(-1.0, "λ2; < 0 means the same as λ1 (the weight)")
 
 
 def tangent_augment(x: torch.Tensor, y: torch.Tensor, eps: float, gen: torch.Generator | None = None):
@@ -53,51 +56,44 @@ def tangent_augment(x: torch.Tensor, y: torch.Tensor, eps: float, gen: torch.Gen
     return F.normalize(x + eps * v, dim=1)
 
 
+@REGULARIZERS.register("determinant", DeterminantParams,
+                       doc="determinant regularization with dueling flow metric layers g_min / g_max", weight=0.05)
 class DeterminantRegularizer(Regularizer):
     name = "determinant"
     lr_mult = 10.0  # flows at 1e-3 with the default base lr 1e-4 (paper: 1e-3 for flows and proxies)
 
     def __init__(self, weight, params: DeterminantParams, loss_module, embed_dim, trunk_dim):
         super().__init__(weight, params, loss_module, embed_dim, trunk_dim)
-        if params.flow not in ("realnvp", "nice"):
-            raise ValueError("determinant flow must be realnvp or nice")
-        if params.position not in ("neck", "trunk"):
-            raise ValueError("determinant position must be neck or trunk")
         d = embed_dim if params.position == "neck" else trunk_dim
         self.d = d
-        spec = FlowSpec(params.flow, d, params.transforms, (params.hidden, params.hidden))
-        self.g_min = FlowHead(spec)
-        self.g_min.plus_one = params.variant == "plus_one"
+        plus_one = params.variant == "plus_one"
+        self.g_min = FlowHead(FlowSpec(params.flow, d, params.transforms, (params.hidden, params.hidden)), plus_one)
         max_spec = FlowSpec(params.flow, d, params.transforms, (params.hidden, params.hidden), seed=1)
-        self.g_max = FlowHead(max_spec)
-        self.g_max.plus_one = self.g_min.plus_one
+        self.g_max = FlowHead(max_spec, plus_one)
         self.max_loss = copy.deepcopy(loss_module)  # g_max's own proxies
         self.module = torch.nn.ModuleDict({"g_max": self.g_max, "max_loss": self.max_loss})
         self.lambda_max = params.lambda_max if params.lambda_max >= 0 else self.weight
+        self.head = "embed_head" if params.position == "neck" else "trunk_head"
 
-    def install(self, model) -> None:
-        # g_min becomes the model's metric layer (and is optimised with the model's parameters)
-        if self.params.position == "neck":
-            model.embed_head = self.g_min
-        else:
-            model.trunk_head = self.g_min
+    def heads(self):
+        # g_min is the model's metric layer (kept for retrieval, optimised with the model's heads)
+        return {self.head: self.g_min}
 
-    def _R(self, head: FlowHead) -> torch.Tensor:
-        v = head.last_plus if self.g_min.plus_one else head.last_ladj
-        return v / self.d
+    def loss_parameters(self):
+        return list(self.max_loss.parameters())
 
-    def term(self, ctx):
-        y, emb, loss = ctx["y"], ctx["emb"], ctx["loss"]
-        r_min = self._R(self.g_min).mean()
-        flow_in = ctx["neck"] if self.params.position == "neck" else ctx["backbone"]
-        emb_max = self.g_max(flow_in)
-        if self.params.position == "trunk":
-            emb_max = ctx["model"].neck(emb_max)
-        r_max = self._R(self.g_max).mean()
+    def _R(self, ladj: torch.Tensor, plus: torch.Tensor | None) -> torch.Tensor:
+        return (plus if self.g_min.plus_one else ladj) / self.d
+
+    def terms(self, ctx: BatchContext):
+        y = ctx.labels
+        r_min = self._R(*ctx.head_terms[self.head]).mean()
+        emb_max, *max_terms = self.g_max.with_terms(ctx.neck if self.head == "embed_head" else ctx.backbone)
+        if self.head == "trunk_head":
+            emb_max = ctx.neck_layer(emb_max)
+        r_max = self._R(*max_terms).mean()
         total = self.weight * r_min - self.lambda_max * r_max + self.max_loss(emb_max, y)
         if self.params.epsilon > 0:
-            x = F.normalize(emb, dim=1)
-            total = total + loss(tangent_augment(x, y, self.params.epsilon), y)
-        ctx["parts"]["R_min"] = float(r_min.detach())
-        ctx["parts"]["R_max"] = float(r_max.detach())
-        return total
+            x = F.normalize(ctx.embeddings, dim=1)
+            total = total + ctx.loss(tangent_augment(x, y, self.params.epsilon, ctx.generator), y)
+        return {self.name: total, "R_min": r_min, "R_max": r_max}

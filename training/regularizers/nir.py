@@ -17,23 +17,28 @@ density can be made arbitrarily peaked (the NLL is unbounded below); with
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch.nn import functional as F
 
 from model.flows import FlowSpec, build_flow, flow_forward
 
-from .base import Regularizer
+from ..params import param
+from .base import BatchContext, Regularizer
+from .registry import REGULARIZERS
 
 
 @dataclass
 class NIRParams:
-    blocks: int = 5
-    hidden: int = 128
-    variant: str = "nll"     # nll | exp
-    input: str = "unit"      # unit: L2-normalised embeddings | raw: the neck output as is
+    blocks: int = param(5, "affine coupling blocks of the conditional flow")
+    hidden: int = param(128, "coupling-network width")
+    variant: Literal["nll", "exp"] = param("nll", "nll: mean NLL | exp: mean exp(NLL / d)")
+    input: Literal["unit", "raw"] = param("unit", "unit: L2-normalised embeddings | raw: the neck output as is")
 
 
+@REGULARIZERS.register("nir", NIRParams, doc="non-isotropy: NLL of embeddings under a proxy-conditioned flow (NIR)",
+                       weight=0.1)
 class NIRRegularizer(Regularizer):
     name = "nir"
     needs_proxies = True
@@ -41,10 +46,6 @@ class NIRRegularizer(Regularizer):
 
     def __init__(self, weight, params: NIRParams, loss_module, embed_dim, trunk_dim):
         super().__init__(weight, params, loss_module, embed_dim, trunk_dim)
-        if params.variant not in ("nll", "exp"):
-            raise ValueError("nir variant must be nll or exp")
-        if params.input not in ("unit", "raw"):
-            raise ValueError("nir input must be unit or raw")
         self.d = embed_dim
         self.flow = build_flow(FlowSpec("glow", embed_dim, params.blocks, (params.hidden, params.hidden),
                                         context=embed_dim))
@@ -54,14 +55,12 @@ class NIRRegularizer(Regularizer):
         z, ladj, _ = flow_forward(self.flow, x, c)
         return z, ladj
 
-    def nll(self, emb, y, loss_module) -> torch.Tensor:
+    def nll(self, emb, y, proxies: torch.Tensor) -> torch.Tensor:
         x = F.normalize(emb, dim=1) if self.params.input == "unit" else emb
-        c = loss_module.class_proxies()[y]
-        z, ladj = self.residual(x, c)
+        z, ladj = self.residual(x, proxies[y])
         return 0.5 * (z ** 2).sum(1) - ladj
 
-    def term(self, ctx):
-        nll = self.nll(ctx["emb"], ctx["y"], ctx["loss"])
+    def terms(self, ctx: BatchContext):
+        nll = self.nll(ctx.embeddings, ctx.labels, ctx.proxies)
         value = nll.mean() if self.params.variant == "nll" else torch.exp(nll / self.d).mean()
-        ctx["parts"]["nir_nll"] = float(nll.mean().detach())
-        return self.weight * value
+        return {self.name: self.weight * value, "nir_nll": nll.mean()}

@@ -18,21 +18,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch.nn import functional as F
 
-from .base import Regularizer
+from ..params import param
+from .base import BatchContext, Regularizer
+from .registry import REGULARIZERS
 
 
 @dataclass
 class SkewedMeanParams:
-    form: str = "r1"        # r1 | r2
-    gamma: float = 10.0     # R1 skew
-    delta: float = 0.0      # R1 margin δ3 on similarities
-    lam: float = 1.0        # R2 order −λ
-    target: float = math.sqrt(2.0)  # R2 δ₂
-    max_proxies: int = 512
+    form: Literal["r1", "r2"] = param("r1", "r1: log-sum-exp of similarities | r2: power mean of distances")
+    gamma: float = param(10.0, "R1 skew γ")
+    delta: float = param(0.0, "R1 margin δ3 on similarities")
+    lam: float = param(1.0, "R2 order −λ")
+    target: float = param(math.sqrt(2.0), "R2 target distance δ₂")
+    max_proxies: int = param(512, "proxies sampled per step when there are more classes")
 
 
 def lse_mean(a: torch.Tensor, gamma: float, dim: int = -1, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -55,14 +58,15 @@ def power_mean(d: torch.Tensor, p: float) -> torch.Tensor:
     return torch.exp((torch.logsumexp(p * torch.log(d), 0) - math.log(d.numel())) / p)
 
 
+@REGULARIZERS.register("skewed_mean", SkewedMeanParams, doc="skewed-mean repulsion of the class proxies",
+                       weight=0.1)
 class SkewedMeanRegularizer(Regularizer):
     name = "skewed_mean"
     needs_proxies = True
 
-    def _proxies(self, loss_module) -> torch.Tensor:
-        P = loss_module.class_proxies()
+    def _proxies(self, P: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         if len(P) > self.params.max_proxies:
-            idx = torch.randperm(len(P), device=P.device)[: self.params.max_proxies]
+            idx = torch.randperm(len(P), generator=gen, device=P.device)[: self.params.max_proxies]
             P = P[idx]
         return P
 
@@ -77,7 +81,6 @@ class SkewedMeanRegularizer(Regularizer):
         d = (P[iu[0]] - P[iu[1]]).norm(dim=1).clamp(min=1e-6)
         return F.relu(self.params.target - power_mean(d, -self.params.lam))
 
-    def term(self, ctx):
-        v = self.value(self._proxies(ctx["loss"]))
-        ctx["parts"][f"skew_{self.params.form}"] = float(v.detach())
-        return self.weight * v
+    def terms(self, ctx: BatchContext):
+        v = self.value(self._proxies(ctx.proxies, ctx.generator))
+        return {self.name: self.weight * v, f"skew_{self.params.form}": v}

@@ -1,0 +1,78 @@
+"""One optimisation step: forward through the heads and neck, the metric loss (per half for a
+paired batch), the regularizers' terms, backward, gradient clipping, optimizer step."""
+from __future__ import annotations
+
+import torch
+
+from .regularizers import BatchContext
+
+
+def build_optimizer(cfg, model, loss, regs, train_backbone: bool) -> torch.optim.Optimizer:
+    """AdamW with one parameter group per role, each at its own learning rate."""
+    groups = [{"params": list(model.neck.parameters()), "lr": cfg.lr * cfg.neck_lr_mult, "name": "neck"}]
+    if train_backbone:
+        groups.append({"params": list(model.backbone.parameters()), "lr": cfg.lr, "name": "backbone"})
+    # a regularizer's own copy of the loss (dueling g_max) is trained like the loss
+    loss_params = list(loss.parameters()) + [p for r in regs for p in r.loss_parameters()]
+    if loss_params:
+        groups.append({"params": loss_params, "lr": cfg.lr * cfg.proxy_lr_mult, "name": "loss",
+                       "weight_decay": 0.0})
+    heads = [p for h in (model.trunk_head, model.embed_head) if h is not None for p in h.parameters()]
+    if heads:  # flow metric layers: 1e-3 with the default base lr 1e-4 (paper 000)
+        groups.append({"params": heads, "lr": cfg.lr * 10.0, "name": "heads"})
+    for r in regs:
+        ps = r.parameters()
+        if ps:
+            groups.append({"params": ps, "lr": cfg.lr * r.lr_mult, "name": f"reg:{r.name}"})
+    # a proxy loss whose proxies miss the optimizer silently never learns them
+    in_opt = {id(p) for g in groups for p in g["params"]}
+    missing = [n for n, p in loss.named_parameters() if id(p) not in in_opt]
+    assert not missing, f"loss parameters not optimised: {missing}"
+    return torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
+
+
+class Step:
+    def __init__(self, model, loss, regs, opt: torch.optim.Optimizer, grad_clip: float):
+        self.model, self.loss, self.regs, self.opt, self.grad_clip = model, loss, regs, opt, grad_clip
+        self.paired = any(r.paired for r in regs)
+        self.wants_proxies = any(r.needs_proxies for r in regs)
+
+    def forward(self, backbone_feats: torch.Tensor, y: torch.Tensor,
+                generator: torch.Generator) -> tuple[torch.Tensor, dict]:
+        """The step's loss from backbone outputs, and its named parts (floats, for the log)."""
+        model = self.model
+        head_terms = {}
+        phi = backbone_feats
+        if model.trunk_head is not None:
+            phi, *head_terms["trunk_head"] = model.trunk_head.with_terms(backbone_feats)
+        neck = emb = model.neck(phi)
+        if model.embed_head is not None:
+            emb, *head_terms["embed_head"] = model.embed_head.with_terms(neck)
+        halves = None
+        if self.paired:  # X′ then X″: the metric loss on each
+            h = len(y) // 2
+            halves = (emb[:h], emb[h:])
+            loss = self.loss(emb[:h], y[:h]) + self.loss(emb[h:], y[h:])
+        else:
+            loss = self.loss(emb, y)
+        parts = {"loss": float(loss.detach())}
+        ctx = BatchContext(labels=y, embeddings=emb, neck=neck, trunk=phi, backbone=backbone_feats,
+                           loss=self.loss, neck_layer=model.neck, generator=generator,
+                           proxies=self.loss.class_proxies() if self.wants_proxies else None,
+                           halves=halves, head_terms=head_terms)
+        for reg in self.regs:
+            terms = reg.terms(ctx)
+            parts |= {k: float(v.detach()) for k, v in terms.items() if k != reg.name}
+            parts[reg.name] = float(terms[reg.name].detach())
+            loss = loss + terms[reg.name]
+        return loss, parts
+
+    def __call__(self, backbone_feats: torch.Tensor, y: torch.Tensor, generator: torch.Generator) -> dict:
+        loss, parts = self.forward(backbone_feats, y, generator)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.grad_clip > 0:
+            params = [p for g in self.opt.param_groups for p in g["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+        self.opt.step()
+        return parts
