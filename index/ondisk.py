@@ -48,6 +48,7 @@ import datetime as _dt
 import hashlib
 import json
 import logging
+import mmap
 import os
 import sys
 from dataclasses import dataclass
@@ -189,6 +190,15 @@ class _RowFile:
         return out
 
 
+def _map_rows(rows: _RowFile) -> np.ndarray:
+    """The features memory-mapped read-only, with read-ahead off (MADV_RANDOM): a page fault
+    on one candidate's row then reads that page, not the ~128 KiB around it."""
+    with open(rows.path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    mm.madvise(mmap.MADV_RANDOM)
+    return np.frombuffer(mm, dtype="<f4", count=rows.shape[0] * rows.shape[1], offset=rows.offset).reshape(rows.shape)
+
+
 def _fingerprint(rows: _RowFile) -> str:
     """Checksum of the shape and 256 evenly spaced rows: catches a replaced or regenerated
     features file without hashing gigabytes."""
@@ -306,7 +316,7 @@ class OnDiskIVF:
             raise UserError(f"features file {fpath} ({rows.shape[0]} × {rows.shape[1]}) is not the one "
                             f"this on-disk index was built from")
         self.manifest = man
-        self.features = load_npy(fpath, "features", mmap=True)   # re-rank reads candidates' rows only
+        self.features = _map_rows(rows)   # re-rank reads candidates' rows only
         with _c_stdout_to_stderr():
             self.index = faiss.read_index(str(self.path / INDEX_FILE),
                                           faiss.IO_FLAG_ONDISK_SAME_DIR | faiss.IO_FLAG_READ_ONLY)
