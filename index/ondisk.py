@@ -14,6 +14,8 @@ demos/demo_ondisk_ivf.py):
                      (path relative to DIR, shape, fingerprint) and file sizes
       ivf.index      the trained IVF index (quantiser, codec, list offsets)
       ivf.ivfdata    the inverted lists (codes + row ids), memory-mapped read-only
+      W.npy          the neck W (k × d; identity when none is given), so M* = WᵀW and
+                     every strategy can be searched from DIR alone
 
 Codec: SQ8 by default.  The lists only propose candidates; every returned score is
 recomputed exactly under M′ from the memory-mapped float32 features (reading only the
@@ -65,13 +67,15 @@ from core.errors import UserError
 
 from .metric import check_symmetric, m_norms, matrix_report
 from .operator import MetricOperator
+from .refinements import operator_kind, refine, strategy_params
+from .store import Items
 
 log = logging.getLogger("index")
 
 FORMAT = "dml-ondisk-ivf"
 VERSION = 1
 MODES = ("bilinear", "cosine")
-INDEX_FILE, DATA_FILE, MANIFEST = "ivf.index", "ivf.ivfdata", "ondisk.json"
+INDEX_FILE, DATA_FILE, NECK_FILE, MANIFEST = "ivf.index", "ivf.ivfdata", "W.npy", "ondisk.json"
 DEFAULT_NPROBE = 32
 _QUERY_BLOCK = 256  # queries re-ranked together: one sorted read of their candidates' rows
 
@@ -113,6 +117,16 @@ class QueryMetric:
         # cosine candidates come from the raw inner product, blind to 1/‖x‖_M′: fetch more
         factor = rerank_factor * (4 if self.mode == "cosine" else 1)
         return min(n_items, max(k * factor, 64))
+
+
+def strategy_metric(W: np.ndarray, strategy: str, params: dict | None, mode: str = "bilinear") -> QueryMetric:
+    """A refinement strategy's M′ from the neck W (M* = WᵀW), with its cheapest exact operator,
+    as index.search.Searcher.metric makes it."""
+    W64 = np.asarray(W, dtype=np.float64)
+    M_star = W64.T @ W64
+    p = strategy_params(strategy, params)
+    M = refine(strategy, M_star, p)
+    return QueryMetric.build(M, mode, W64.shape[1], MetricOperator.build(operator_kind(strategy), M, W64, M_star).apply)
 
 
 @dataclass
@@ -216,17 +230,23 @@ def default_nlist(n: int) -> int:
 
 
 # ---------------------------------------------------------------- build
-def build_ondisk_ivf(features, out, *, nlist: int | None = None, codec: str = "SQ8",
+def build_ondisk_ivf(features, out, *, W: np.ndarray | None = None, nlist: int | None = None, codec: str = "SQ8",
                      shard_rows: int = 1_000_000, train_size: int | None = None, normalize: bool = False,
-                     seed: int = 0, batch_rows: int = 65536) -> Path:
+                     seed: int = 0, batch_rows: int = 65536, source_index=None) -> Path:
     """Build DIR `out` over the float32 N × d `features` .npy (as stored: not re-normalised).
 
-    `normalize` records that the features are L2-normalised (the index manifest's
-    `normalize`), so queries get the same.  `train_size` rows (default 64 × nlist) train
-    the quantiser.  Written atomically: an interrupted build leaves the previous DIR.
+    `W`: the neck (k × d; None: the identity, M* = I).  `normalize` records that the
+    features are L2-normalised (the index manifest's `normalize`), so queries get the same;
+    it is checked on the training sample.  `train_size` rows (default 64 × nlist) train the
+    quantiser.  `source_index`: the index directory whose features these are (search then
+    reports its ids, labels and paths).  Written atomically: an interrupted build leaves
+    the previous DIR.
     """
     rows = _RowFile(features)
     n, d = rows.shape
+    W = np.eye(d, dtype=np.float32) if W is None else np.ascontiguousarray(W, dtype="<f4")
+    if W.ndim != 2 or W.shape[1] != d:
+        raise UserError(f"neck W must be k × {d} for {d}-d features, got shape {W.shape}")
     nlist = nlist or default_nlist(n)
     train_size = min(n, train_size or 64 * nlist)
     if n == 0 or nlist < 1 or train_size < nlist:
@@ -245,7 +265,12 @@ def build_ondisk_ivf(features, out, *, nlist: int | None = None, codec: str = "S
         raise UserError(f"codec {codec!r} gives {type(index).__name__}; on-disk lists need a plain IVF codec")
     sample = np.sort(np.random.default_rng(seed).choice(n, train_size, replace=False))
     log.info("training %s on %d of %d rows", factory, train_size, n)
-    index.train(rows.take(sample))
+    train = rows.take(sample)
+    if normalize and not np.allclose(np.linalg.norm(train, axis=1), 1, atol=1e-3):
+        raise UserError(f"features file {rows.path} does not hold L2-normalised rows; build without "
+                        f"normalisation or normalise the file first")
+    index.train(train)
+    del train
     out = Path(out)
     features_abs = rows.path.resolve()
     with atomic_dir(out) as tmp:
@@ -266,17 +291,21 @@ def build_ondisk_ivf(features, out, *, nlist: int | None = None, codec: str = "S
             merge_ondisk(index, shard_files, str(tmp / DATA_FILE))
         faiss.write_index(index, str(tmp / INDEX_FILE))
         del index, ivf, lists
+        np.save(tmp / NECK_FILE, W)
         for f in shard_files:
             os.unlink(f)
         manifest = {
             "format": FORMAT, "version": VERSION,
             "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "count": int(n), "dim": int(d), "nlist": int(nlist), "codec": codec, "factory": factory,
+            "count": int(n), "dim": int(d), "embed_dim": int(W.shape[0]), "nlist": int(nlist), "codec": codec,
+            "factory": factory,
             "normalize": bool(normalize), "shards": len(shard_files), "train_size": int(train_size),
             "features": {"path": os.path.relpath(features_abs, out.resolve()), "shape": [int(n), int(d)],
                          "fingerprint": _fingerprint(rows)},
-            "files": {f: {"bytes": (tmp / f).stat().st_size} for f in (INDEX_FILE, DATA_FILE)},
+            "files": {f: {"bytes": (tmp / f).stat().st_size} for f in (INDEX_FILE, DATA_FILE, NECK_FILE)},
         }
+        if source_index is not None:
+            manifest["source_index"] = os.path.relpath(Path(source_index).resolve(), out.resolve())
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return out
 
@@ -290,7 +319,8 @@ def build_for_index(index_dir, out=None, **kw) -> Path:
         normalize = bool(man["normalize"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"{index_dir} is not a readable index directory: {e}") from None
-    return build_ondisk_ivf(index_dir / "features.npy", out or index_dir / "ivf_ondisk", normalize=normalize, **kw)
+    return build_ondisk_ivf(index_dir / "features.npy", out or index_dir / "ivf_ondisk", normalize=normalize,
+                            W=load_npy(index_dir / "W.npy", "neck W"), source_index=index_dir, **kw)
 
 
 # ---------------------------------------------------------------- search
@@ -309,7 +339,8 @@ class OnDiskIVF:
         for f, want in man["files"].items():
             p = self.path / f
             if not p.is_file() or p.stat().st_size != want["bytes"]:
-                raise UserError(f"on-disk index file {p} is missing or not {want['bytes']} bytes (truncated or replaced)")
+                raise UserError(f"on-disk index file {p} is missing or not {want['bytes']} bytes "
+                                f"(truncated or replaced)")
         fpath = Path(features) if features else self.path / man["features"]["path"]
         rows = _RowFile(fpath)
         if list(rows.shape) != man["features"]["shape"] or _fingerprint(rows) != man["features"]["fingerprint"]:
@@ -323,6 +354,48 @@ class OnDiskIVF:
         if self.index.ntotal != man["count"]:
             raise UserError(f"{INDEX_FILE} holds {self.index.ntotal} rows, the manifest says {man['count']}")
         self.nprobe = nprobe or min(DEFAULT_NPROBE, man["nlist"])
+        self.W = load_npy(self.path / NECK_FILE, "neck W")
+        if self.W.shape != (man["embed_dim"], man["dim"]):
+            raise UserError(f"{NECK_FILE} is {self.W.shape}, the manifest says ({man['embed_dim']}, {man['dim']})")
+
+    def strategy_metric(self, strategy: str, params: dict | None = None, mode: str = "bilinear") -> QueryMetric:
+        return strategy_metric(self.W, strategy, params, mode)
+
+    def _source(self, name: str) -> dict:
+        """A JSON file of the index directory this was built from ({} when built from bare features)."""
+        src = self.manifest.get("source_index")
+        if src is None:
+            return {}
+        p = self.path / src / name
+        try:
+            return json.loads(p.read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot read the source index's {p}: {e}") from None
+
+    @property
+    def source_manifest(self) -> dict:
+        """The source index's manifest (model facts for embedding query images), or {}."""
+        return self._source("manifest.json")
+
+    def describe(self, res: TopK) -> list[list[dict]]:
+        """Per query, its results: row and score, plus id, label, class name, path and split
+        when the index was built from an index directory."""
+        meta = self._source("metadata.json")
+        items = Items.from_json(meta) if meta else None
+        if items is not None and len(items) != len(self):
+            raise UserError(f"the source index now has {len(items)} items, this on-disk index {len(self)}: "
+                            f"rebuild it")
+        names = {int(k): v for k, v in meta.get("class_names", {}).items()}
+        out = []
+        for rows, scores in zip(res.rows, res.scores):
+            hits = [{"row": int(r), "score": float(s)} for r, s in zip(rows, scores) if r >= 0]
+            if items is not None:
+                for h in hits:
+                    lab = int(items.labels[h["row"]])
+                    h |= {"id": int(items.ids[h["row"]]), "label": lab, "class_name": names.get(lab, str(lab)),
+                          "path": items.paths[h["row"]], "split": items.splits[h["row"]]}
+            out.append(hits)
+        return out
 
     @property
     def nprobe(self) -> int:

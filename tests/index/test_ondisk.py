@@ -53,7 +53,7 @@ def test_built_from_shards_into_one_ondisk_file(built):
     t, X, _, _ = built
     man = json.loads((t / "ivf" / "ondisk.json").read_text())
     assert man["shards"] == 3 and man["count"] == N and man["nlist"] == NLIST and man["codec"] == "SQ8"
-    assert sorted(p.name for p in (t / "ivf").iterdir()) == ["ivf.index", "ivf.ivfdata", "ondisk.json"]
+    assert sorted(p.name for p in (t / "ivf").iterdir()) == ["W.npy", "ivf.index", "ivf.ivfdata", "ondisk.json"]
     ivf = OnDiskIVF(t / "ivf")
     base = ivf.features
     while isinstance(base, np.ndarray):
