@@ -213,15 +213,14 @@ def cmd_search_backend(args) -> int:
         raise UserError("give --image PATH... or --features F.npy")
     params = strategy_params_from(args)
     qm = gallery.strategy_metric(args.strategy, params, args.mode)
+    if args.rerank_factor < 1:
+        raise UserError(f"--rerank-factor must be ≥ 1, got {args.rerank_factor}")
     nprobe = {"nprobe": args.nprobe or None} if args.backend == "milvus" else {}
-    res = gallery.search(feats, qm, args.k, **nprobe)
+    res = gallery.search(feats, qm, args.k, rerank_factor=args.rerank_factor, **nprobe)
     payload = {"backend": args.backend, "strategy": args.strategy,
                "params": {k: v for k, v in params.items() if v is not None}, "mode": args.mode, "k": args.k,
                "queries": [{"query": n, "results": r} for n, r in zip(names, gallery.describe(res))]}
-    if args.json:
-        write_json(args.json, payload)
-    else:
-        print(json.dumps(payload, indent=1, ensure_ascii=False))
+    write_json(args.json, payload) if args.json else print(json.dumps(payload, indent=1, ensure_ascii=False))
     return 0
 
 
@@ -339,6 +338,9 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     g.add_argument("--nprobe", type=int, default=0,
                    help="ondisk, and milvus IVF_* collections: inverted lists probed; 0 = 32 (at most nlist) "
                         "for ondisk, Milvus's own for milvus (default: %(default)s)")
+    g.add_argument("--rerank-factor", type=int, default=10,
+                   help="ondisk, and milvus in cosine mode or on a non-FLAT collection: candidates fetched per "
+                        "result for the exact re-rank under M′, × 4 in cosine mode (default: %(default)s)")
     _milvus_args(g)
     s.set_defaults(func=cmd_search)
 

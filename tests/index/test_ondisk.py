@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from core.errors import UserError
+from index.cli import main
 from index.metric import m_norms
 from index.ondisk import OnDiskIVF, build_ondisk_ivf, build_for_index
 from index.refinements import refine
@@ -143,3 +144,52 @@ def test_for_index_directory_and_refusals(tmp_path):
         build_ondisk_ivf(tmp_path / "other.npy", tmp_path / "x", nlist=64, train_size=10)
     with pytest.raises(UserError, match="cannot make an on-disk IVF index"):
         build_ondisk_ivf(tmp_path / "other.npy", tmp_path / "x", nlist=4, codec="Bogus")
+
+
+def test_cli_builds_from_an_index_and_searches_like_flat_under_every_strategy(tmp_path, capsys):
+    X, Q, M_star = data(2)
+    W = np.random.default_rng(2).standard_normal((6, DIM)).astype(np.float32)
+    items = Items(np.arange(N) + 50, np.arange(N) % 7, [f"{i}.png" for i in range(N)], ["g"] * N)
+    idx = write_index(tmp_path / "idx", X, items, W, normalize=True, info={})
+    np.save(tmp_path / "q.npy", Q[:4])
+    assert main(["ivf-build", "--index", str(idx), "--nlist", str(NLIST), "--shard-rows", "1000"]) == 0
+    built = json.loads(capsys.readouterr().out)
+    assert built["shards"] == 3 and built["ivf"] == str(idx / "ivf_ondisk")
+    runs = [(["--strategy", name] + [x for kv in params.items() for x in (f"--{kv[0]}", str(kv[1]))], [])
+            for name, params in STRATEGIES]
+    # cosine: candidates come by the raw inner product; a pool of every row makes the re-rank decide alone
+    runs.append((["--mode", "cosine"], ["--rerank-factor", str(N // K)]))
+    for flags, pool in runs:
+        flags = ["search", "--features", str(tmp_path / "q.npy"), "--k", str(K)] + flags
+        assert main(flags + ["--index", str(idx)]) == 0
+        want = json.loads(capsys.readouterr().out)["queries"]
+        assert main(flags + pool + ["--backend", "ondisk", "--index", str(idx), "--nprobe", str(NLIST)]) == 0
+        got = json.loads(capsys.readouterr().out)["queries"]
+        for a, b in zip(got, want):   # all lists probed: the exact top-k, with the index's metadata
+            assert [(r["id"], r["path"]) for r in a["results"]] == [(r["id"], r["path"]) for r in b["results"]]
+            np.testing.assert_allclose([r["score"] for r in a["results"]], [r["score"] for r in b["results"]],
+                                       rtol=1e-4, atol=1e-5)
+
+
+def test_cli_builds_from_bare_features_and_refuses_bad_input(tmp_path, capsys):
+    X, Q, M_star = data(3)
+    np.save(tmp_path / "F.npy", X)
+    np.save(tmp_path / "raw.npy", X * 2)
+    np.save(tmp_path / "q.npy", Q[:2])
+    np.save(tmp_path / "W.npy", np.ones((3, DIM), np.float32))
+    out = tmp_path / "ivf"
+    assert main(["ivf-build", "--features", str(tmp_path / "F.npy"), "--neck", str(tmp_path / "W.npy"),
+                 "--normalized", "--out", str(out), "--nlist", str(NLIST)]) == 0
+    capsys.readouterr()
+    np.testing.assert_array_equal(OnDiskIVF(out).W, np.ones((3, DIM)))
+    assert main(["search", "--backend", "ondisk", "--ivf", str(out), "--features", str(tmp_path / "q.npy")]) == 0
+    hits = json.loads(capsys.readouterr().out)["queries"][0]["results"]
+    assert len(hits) == 10 and set(hits[0]) == {"row", "score"}   # no index directory: rows only
+    with pytest.raises(UserError, match="does not hold L2-normalised rows"):
+        main(["ivf-build", "--features", str(tmp_path / "raw.npy"), "--normalized", "--out", str(tmp_path / "x")])
+    with pytest.raises(UserError, match="--features needs --out"):
+        main(["ivf-build", "--features", str(tmp_path / "F.npy")])
+    with pytest.raises(UserError, match="give one of --index IDX"):
+        main(["ivf-build"])
+    with pytest.raises(UserError, match="--backend ondisk needs --ivf DIR"):
+        main(["search", "--backend", "ondisk", "--features", str(tmp_path / "q.npy")])
