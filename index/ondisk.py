@@ -351,6 +351,9 @@ class OnDiskIVF:
         with _c_stdout_to_stderr():
             self.index = faiss.read_index(str(self.path / INDEX_FILE),
                                           faiss.IO_FLAG_ONDISK_SAME_DIR | faiss.IO_FLAG_READ_ONLY)
+        # faiss.contrib.torch_utils (imported by pytorch-metric-learning) replaces Index.search with a
+        # torch-aware one that drops `params`; it keeps FAISS's own as search_numpy
+        self._search = getattr(self.index, "search_numpy", self.index.search)
         if self.index.ntotal != man["count"]:
             raise UserError(f"{INDEX_FILE} holds {self.index.ntotal} rows, the manifest says {man['count']}")
         self.nprobe = nprobe or min(DEFAULT_NPROBE, man["nlist"])
@@ -434,7 +437,7 @@ class OnDiskIVF:
         S = np.full((len(qt), k), -np.inf, dtype=np.float32)
         for b in range(0, len(qt), _QUERY_BLOCK):
             block = qt[b: b + _QUERY_BLOCK]
-            _, cand = self.index.search(block, kc, params=params)
+            _, cand = self._search(block, kc, params=params)
             uniq = np.unique(cand[cand >= 0])        # sorted: the memmap is read front to back
             X = np.asarray(self.features[uniq], dtype=np.float32)
             norms = metric.norms(X)

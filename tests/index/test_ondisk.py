@@ -114,7 +114,7 @@ def test_rerank_reads_only_candidate_rows_in_order(built):
     ivf.features = CountingRows(ivf.features)
     qm = ivf.metric(M_star)
     kc = qm.candidate_count(K, N, 10)
-    _, cand = ivf.index.search(qm.transform(Q / np.linalg.norm(Q, axis=1, keepdims=True)), kc,
+    _, cand = ivf._search(qm.transform(Q / np.linalg.norm(Q, axis=1, keepdims=True)), kc,
                                params=faiss.SearchParametersIVF(nprobe=2))
     res = ivf.search(Q, qm, K)
     (read,) = ivf.features.reads   # one sorted read for the whole block of queries
@@ -193,3 +193,12 @@ def test_cli_builds_from_bare_features_and_refuses_bad_input(tmp_path, capsys):
         main(["ivf-build"])
     with pytest.raises(UserError, match="--backend ondisk needs --ivf DIR"):
         main(["search", "--backend", "ondisk", "--features", str(tmp_path / "q.npy")])
+
+
+def test_search_works_after_faiss_torch_utils_patched_index_search(built):
+    import faiss.contrib.torch_utils  # noqa: F401  (pytorch-metric-learning imports it: Index.search loses `params`)
+
+    t, X, Q, M_star = built
+    ivf = OnDiskIVF(t / "ivf")
+    res = ivf.search(Q, ivf.metric(M_star), K, nprobe=NLIST)
+    assert recall_up_to_ties(exact_scores(X, Q, M_star), res.rows) == 1.0
