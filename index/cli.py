@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -156,6 +157,8 @@ def cmd_remove(args) -> int:
 
 
 def cmd_search(args) -> int:
+    if args.backend != "faiss":  # before the torch import below: feature queries need no model
+        return cmd_search_backend(args)
     from .embedder import ImageEmbedder
     from .search import Searcher
     from .store import read_index
@@ -164,6 +167,8 @@ def cmd_search(args) -> int:
 
     if args.json:
         check_file_target(args.json)
+    if not args.index:
+        raise UserError("give --index (the index directory to search)")
     data = read_index(args.index, verify=not args.no_verify)
     serving_threads(args.threads or None)  # BLAS on 1 thread for single queries; FAISS as asked
     s = Searcher(data)
@@ -194,6 +199,109 @@ def cmd_search(args) -> int:
     else:
         print(json.dumps(payload, indent=1, ensure_ascii=False))
     return 0
+
+
+# ---------------------------------------------------------------- on-disk IVF and Milvus backends
+def cmd_ivf_build(args) -> int:
+    from .ondisk import MANIFEST, build_for_index, build_ondisk_ivf
+
+    kw = {"nlist": args.nlist or None, "codec": args.codec, "shard_rows": args.shard_rows,
+          "train_size": args.train_size or None, "seed": args.seed}
+    if bool(args.index) == bool(args.features):
+        raise UserError("give one of --index IDX (an index directory) or --features F.npy")
+    if args.index:
+        out = build_for_index(args.index, args.out, **kw)
+    else:
+        from core.arrays import load_npy
+
+        if not args.out:
+            raise UserError("--features needs --out (the on-disk index directory to write)")
+        W = load_npy(args.neck, "neck W") if args.neck else None
+        out = build_ondisk_ivf(args.features, args.out, W=W, normalize=args.normalized, **kw)
+    man = json.loads((out / MANIFEST).read_text())
+    print(json.dumps({k: man[k] for k in ("count", "dim", "nlist", "codec", "shards", "normalize")}
+                     | {"bytes_on_disk": sum(f["bytes"] for f in man["files"].values()), "ivf": str(out)}, indent=2))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .milvus_store import export_index
+
+    if not (args.uri and args.collection):
+        raise UserError("export --to milvus needs --uri and --collection")
+    n = export_index(args.index, args.uri, args.collection, token=_milvus_token(args), overwrite=args.overwrite,
+                     index_type=args.index_type)
+    print(json.dumps({"exported": n, "to": args.to, "uri": args.uri, "collection": args.collection,
+                      "metric_type": "IP", "index_type": args.index_type}))
+    return 0
+
+
+def _milvus_token(args) -> str:
+    return args.token if args.token is not None else os.environ.get("MILVUS_TOKEN", "")
+
+
+def _open_backend(args):
+    """The gallery `search --backend ondisk|milvus` reads."""
+    if args.backend == "ondisk":
+        from .ondisk import OnDiskIVF
+
+        if not (args.ivf or args.index):
+            raise UserError("--backend ondisk needs --ivf DIR (or --index IDX, whose IDX/ivf_ondisk is used)")
+        return OnDiskIVF(args.ivf or Path(args.index) / "ivf_ondisk", nprobe=args.nprobe or None)
+    from .milvus_store import MilvusGallery
+
+    if not (args.uri and args.collection):
+        raise UserError("--backend milvus needs --uri and --collection")
+    return MilvusGallery(args.uri, args.collection, _milvus_token(args))
+
+
+def cmd_search_backend(args) -> int:
+    from .threads import serving_threads
+
+    serving_threads(args.threads or None)
+    gallery = _open_backend(args)
+    if args.image:
+        from .embedder import ImageEmbedder
+
+        man = gallery.source_manifest
+        feats = ImageEmbedder(args.checkpoint or man.get("checkpoint") or "", man).features(args.image)
+        names = list(args.image)
+    elif args.features:
+        from core.arrays import load_npy
+
+        feats = np.atleast_2d(load_npy(args.features, "query features"))
+        names = [f"{args.features}[{i}]" for i in range(len(feats))]
+    else:
+        raise UserError("give --image PATH... or --features F.npy")
+    params = strategy_params_from(args)
+    qm = gallery.strategy_metric(args.strategy, params, "bilinear")
+    mode, note = args.mode, ""
+    if mode == "cosine":  # as Searcher.resolve_mode: an indefinite M′ has no cosine
+        from .metric import matrix_report
+        from .search import COSINE_FALLBACK
+
+        if matrix_report(qm.M)["psd"]:
+            qm = gallery.strategy_metric(args.strategy, params, mode)
+        else:
+            mode, note = "bilinear", COSINE_FALLBACK
+            print(f"note: {note}", file=sys.stderr)
+    if args.rerank_factor < 1:
+        raise UserError(f"--rerank-factor must be ≥ 1, got {args.rerank_factor}")
+    nprobe = {"nprobe": args.nprobe or None} if args.backend == "milvus" else {}
+    res = gallery.search(feats, qm, args.k, rerank_factor=args.rerank_factor, **nprobe)
+    payload = {"backend": args.backend, "strategy": args.strategy,
+               "params": {k: v for k, v in params.items() if v is not None}, "mode": mode, "k": args.k, "note": note,
+               "queries": [{"query": n, "results": r} for n, r in zip(names, gallery.describe(res))]}
+    write_json(args.json, payload) if args.json else print(json.dumps(payload, indent=1, ensure_ascii=False))
+    return 0
+
+
+def _milvus_args(p) -> None:
+    p.add_argument("--uri", help="Milvus: a file path ending in .db (Milvus Lite, embedded) or "
+                                 "http://host:19530 (a server or cluster)")
+    p.add_argument("--collection", help="Milvus collection name")
+    p.add_argument("--token", help="Milvus token, 'user:password' or an API key "
+                                   "(default: $MILVUS_TOKEN, else none)")
 
 
 def cmd_info(args) -> int:
@@ -332,7 +440,7 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_remove)
 
     s = sub.add_parser("search", help="search by image file(s) or feature vectors under a refined metric")
-    s.add_argument("--index", required=True, help="index directory to search")
+    s.add_argument("--index", help="index directory to search (required with --backend faiss)")
     s.add_argument("--image", nargs="+", help="query image file(s)")
     s.add_argument("--features", help="query trunk features .npy (n × d or d)")
     s.add_argument("--checkpoint", help="model to embed query images (default: the index's own)")
@@ -341,7 +449,48 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     add_shared_args(s, "json", "threads", "device")
     s.add_argument("--no-verify", action="store_true", help="skip the checksum verification at load")
     _strategy_args(s)
+    g = s.add_argument_group("backends other than the index directory's FAISS index")
+    g.add_argument("--backend", choices=("faiss", "ondisk", "milvus"), default="faiss",
+                   help="faiss: --index's own index in RAM; ondisk: an on-disk IVF (see ivf-build); "
+                        "milvus: a collection written by `export --to milvus` (default: %(default)s)")
+    g.add_argument("--ivf", help="ondisk: the on-disk IVF directory (default: INDEX/ivf_ondisk)")
+    g.add_argument("--nprobe", type=int, default=0,
+                   help="ondisk, and milvus IVF_* collections: inverted lists probed; 0 = 32 (at most nlist) "
+                        "for ondisk, Milvus's own for milvus (default: %(default)s)")
+    g.add_argument("--rerank-factor", type=int, default=10,
+                   help="ondisk, and milvus in cosine mode or on a non-FLAT collection: candidates fetched per "
+                        "result for the exact re-rank under M′, × 4 in cosine mode (default: %(default)s)")
+    _milvus_args(g)
     s.set_defaults(func=cmd_search)
+
+    v = sub.add_parser("ivf-build", help="build an IVF index whose inverted lists live on disk (larger than RAM), "
+                                         "searched with `search --backend ondisk`")
+    v.add_argument("--index", help="index directory whose features.npy, neck W and metadata to use")
+    v.add_argument("--features", help="or: trunk features .npy (float32 N × d, read in chunks, never loaded whole)")
+    v.add_argument("--neck", help="neck W .npy (k × d) for --features (none: identity)")
+    v.add_argument("--normalized", action="store_true",
+                   help="--features rows are L2-normalised (checked on a sample); queries then are too")
+    v.add_argument("--out", help="directory to write (atomically) (default with --index: INDEX/ivf_ondisk)")
+    v.add_argument("--nlist", type=int, default=0,
+                   help="inverted lists; 0 = a power of two near √N (default: %(default)s)")
+    v.add_argument("--codec", default="SQ8", help="FAISS encoding of the lists' codes; candidates are re-ranked "
+                                                  "exactly from the features (default: %(default)s)")
+    v.add_argument("--shard-rows", type=int, default=1_000_000,
+                   help="rows per shard filled in RAM before the on-disk merge (default: %(default)s)")
+    v.add_argument("--train-size", type=int, default=0,
+                   help="rows sampled to train the quantiser; 0 = 64 × nlist (default: %(default)s)")
+    v.add_argument("--seed", type=int, default=0, help="seed of the training sample (default: %(default)s)")
+    v.set_defaults(func=cmd_ivf_build)
+
+    x = sub.add_parser("export", help="copy an index directory's features and metadata into a vector database")
+    x.add_argument("--to", choices=("milvus",), required=True, help="target database (a collection with metric IP)")
+    x.add_argument("--index", required=True, help="index directory to export")
+    _milvus_args(x)
+    x.add_argument("--index-type", choices=("FLAT", "IVF_FLAT", "HNSW"), default="FLAT",
+                   help="Milvus index on the vectors; other than FLAT, search re-ranks candidates exactly "
+                        "(default: %(default)s)")
+    x.add_argument("--overwrite", action="store_true", help="replace a collection of that name")
+    x.set_defaults(func=cmd_export)
 
     i = sub.add_parser("info", help="show an index's manifest and a strategy's matrix properties")
     i.add_argument("--index", required=True, help="index directory")

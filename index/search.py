@@ -43,6 +43,7 @@ class RefinedMetric:
         return self._report
 
 
+COSINE_FALLBACK = "cosine is undefined for this indefinite M′: showing bilinear"
 # one search result, the same in `index search --json` and the app's API
 RESULT_FIELDS = ("rank", "id", "label", "class_name", "score", "relative_path")
 
@@ -174,7 +175,7 @@ class Searcher:
         """(mode actually used, note): cosine is undefined for an indefinite M′, which is then
         ranked bilinearly, and said so (the CLI, the API and the app do the same)."""
         if mode == "cosine" and not self.metric(strategy, params).report["psd"]:
-            return "bilinear", "cosine is undefined for this indefinite M′: showing bilinear"
+            return "bilinear", COSINE_FALLBACK
         return mode, ""
 
     def describe(self, res: SearchResult) -> list[list[dict]]:

@@ -1,0 +1,448 @@
+"""IVF indexes whose inverted lists live on disk, for galleries larger than RAM.
+
+Built through FAISS's own route (faiss.contrib.ondisk.merge_ondisk, as in FAISS's
+demos/demo_ondisk_ivf.py):
+  1. train the coarse quantiser and the codec on a random sample of rows;
+  2. fill one IVF shard per `shard_rows` rows, streamed from features.npy by plain
+     file reads, and write each shard to disk (no more than one shard's codes and one
+     read batch are ever in RAM);
+  3. merge the shards' inverted lists into one on-disk `ivf.ivfdata`, memory-mapped
+     at search time.
+
+    DIR/
+      ondisk.json    format, counts, nlist, codec, normalisation, the features file
+                     (path relative to DIR, shape, fingerprint) and file sizes
+      ivf.index      the trained IVF index (quantiser, codec, list offsets)
+      ivf.ivfdata    the inverted lists (codes + row ids), memory-mapped read-only
+      W.npy          the neck W (k × d; identity when none is given), so M* = WᵀW and
+                     every strategy can be searched from DIR alone
+
+Codec: SQ8 by default.  The lists only propose candidates; every returned score is
+recomputed exactly under M′ from the memory-mapped float32 features (reading only the
+candidates' rows, in sorted order).  IVF-Flat would store a second full-precision copy
+of the features (disk and page-cache traffic ×4 against SQ8) for no gain in the final
+scores, and its merge maps shard and output lists at once (≈ 2 × the features' size of
+file pages in RSS at 10⁷ × 128).  SQ8's 8 bits per dimension keep the inner product
+close enough for any query direction that a 10 × k candidate pool holds the exact top
+k; PQ codes (another 4–8 × smaller) are trained for the data distribution and
+distort inner products with transformed queries M′q more, so they need a far larger
+pool.  Any FAISS encoding suffix can be chosen with `codec` ("Flat", "PQ32", …).
+
+Why recall at a given nprobe differs per strategy: the partition is the Voronoi
+partition of φ(x) under the inner product, trained on φ(x) alone.  Bilinear search
+under M′ probes the lists whose centroids c maximise (M′q)ᵀc.  For identity that is
+the query's own neighbourhood, which is what the lists were built around.  For
+trained (M′ = WᵀW, rank k) the ranking sees only x's component in W's row space, so
+the true top-k can sit in cells whose centroids differ in the discarded directions;
+for restraints (diagonal r = 0.5 is indefinite, random zeroes off-diagonal pairs)
+M′q points in directions where a high centroid score does not bound the scores of
+the cell's members as tightly (negative eigen-directions reward being far from the
+query).  So the nprobe needed for a given recall grows with how far M′ is from the
+identity; bench/ondisk_bench.py measures it.  Cosine mode (PSD M′ only) fetches
+candidates by the inner product and divides by ‖x‖_M′ in the exact re-rank, so it
+fetches 4 × more candidates, as index.search's approximate path does.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime as _dt
+import hashlib
+import json
+import logging
+import mmap
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import faiss
+import numpy as np
+from faiss.contrib.ondisk import merge_ondisk
+
+from core.arrays import l2_normalize, load_npy
+from core.atomic import atomic_dir
+from core.errors import UserError
+
+from .metric import check_symmetric, m_norms, matrix_report
+from .operator import MetricOperator
+from .refinements import operator_kind, refine, strategy_params
+from .store import Items
+
+log = logging.getLogger("index")
+
+FORMAT = "dml-ondisk-ivf"
+VERSION = 1
+MODES = ("bilinear", "cosine")
+INDEX_FILE, DATA_FILE, NECK_FILE, MANIFEST = "ivf.index", "ivf.ivfdata", "W.npy", "ondisk.json"
+DEFAULT_NPROBE = 32
+_QUERY_BLOCK = 256  # queries re-ranked together: one sorted read of their candidates' rows
+
+
+# ---------------------------------------------------------------- query side (shared with milvus_store)
+@dataclass(eq=False)
+class QueryMetric:
+    """M′ prepared for querying: q ↦ M′q (cosine: divided by ‖q‖_M′) and candidates' ‖x‖_M′."""
+    M: np.ndarray                              # d × d, symmetric, float64
+    mode: str
+    apply: Callable[[np.ndarray], np.ndarray]  # rows Q ↦ rows of Q M′, float32
+
+    @classmethod
+    def build(cls, M: np.ndarray, mode: str = "bilinear", d: int | None = None,
+              apply: Callable[[np.ndarray], np.ndarray] | None = None) -> "QueryMetric":
+        """`apply` may be a structured MetricOperator's (cheaper for low-rank M′); dense otherwise."""
+        if mode not in MODES:
+            raise UserError(f"mode must be one of {MODES}, got {mode!r}")
+        M = check_symmetric(M, d, "M′")
+        if mode == "cosine":
+            rep = matrix_report(M)
+            if not rep["psd"]:
+                raise UserError(f"cosine mode needs a positive semi-definite M′; this one is indefinite "
+                                f"(min eigenvalue {rep['min_eigenvalue']:.3g}). Use mode bilinear.")
+        return cls(M, mode, apply or MetricOperator(M).apply)
+
+    def transform(self, Q: np.ndarray) -> np.ndarray:
+        qt = self.apply(Q)
+        if self.mode == "bilinear":
+            return qt
+        qn = np.sqrt(np.maximum(np.einsum("ij,ij->i", qt.astype(np.float64), Q.astype(np.float64)), 0))
+        return (qt / np.maximum(qn, 1e-30)[:, None]).astype(np.float32)
+
+    def norms(self, X: np.ndarray) -> np.ndarray | None:
+        """‖x‖_M′ of the given rows (cosine), None in bilinear mode."""
+        return m_norms(X, self.M) if self.mode == "cosine" else None
+
+    def candidate_count(self, k: int, n_items: int, rerank_factor: int) -> int:
+        # cosine candidates come from the raw inner product, blind to 1/‖x‖_M′: fetch more
+        factor = rerank_factor * (4 if self.mode == "cosine" else 1)
+        return min(n_items, max(k * factor, 64))
+
+
+def strategy_metric(W: np.ndarray, strategy: str, params: dict | None, mode: str = "bilinear") -> QueryMetric:
+    """A refinement strategy's M′ from the neck W (M* = WᵀW), with its cheapest exact operator,
+    as index.search.Searcher.metric makes it."""
+    W64 = np.asarray(W, dtype=np.float64)
+    M_star = W64.T @ W64
+    p = strategy_params(strategy, params)
+    M = refine(strategy, M_star, p)
+    return QueryMetric.build(M, mode, W64.shape[1], MetricOperator.build(operator_kind(strategy), M, W64, M_star).apply)
+
+
+@dataclass
+class TopK:
+    rows: np.ndarray      # n × k row positions (−1 = no result)
+    scores: np.ndarray    # n × k exact similarities under M′, best first (−inf = no result)
+
+
+def prepare_queries(feats: np.ndarray, dim: int, normalize: bool) -> np.ndarray:
+    """Query trunk features as the stored features were: float32, checked, L2-normalised if they were."""
+    q = np.atleast_2d(np.asarray(feats, dtype=np.float32))
+    if q.ndim != 2 or q.shape[1] != dim:
+        raise UserError(f"query features have shape {q.shape}; this index holds {dim}-d features")
+    if not np.isfinite(q).all():
+        raise UserError("query features contain NaN or inf")
+    return l2_normalize(q) if normalize else q
+
+
+def exact_top(qt: np.ndarray, rows: np.ndarray, X: np.ndarray, norms: np.ndarray | None, k: int):
+    """One query's exact top-k among candidate `rows` (their features X): (rows, scores), padded."""
+    s = X @ qt
+    if norms is not None:
+        s = np.where(norms > 0, s / np.maximum(norms, 1e-30), -np.inf)
+    top = np.argsort(-s, kind="stable")[:k]
+    out_r = np.full(k, -1, dtype=np.int64)
+    out_s = np.full(k, -np.inf, dtype=np.float32)
+    out_r[: len(top)], out_s[: len(top)] = rows[top], s[top]
+    return out_r, out_s
+
+
+# ---------------------------------------------------------------- helpers
+@contextlib.contextmanager
+def _c_stdout_to_stderr():
+    """FAISS's C++ code printf()s progress ("resizing …", "updating ondisk filename …") to
+    stdout; a CLI whose stdout is JSON must not get it.  Send fd 1 to stderr meanwhile."""
+    libc = ctypes.CDLL(None)
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        libc.fflush(None)
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+class _RowFile:
+    """Rows of a float32 N × d .npy read by plain file reads: unlike a memory map, nothing
+    read stays counted in the process's RSS once the caller drops it."""
+
+    def __init__(self, path):
+        m = load_npy(path, "features", mmap=True)
+        if m.ndim != 2 or m.dtype != np.dtype("<f4") or not m.flags.c_contiguous:
+            raise UserError(f"features file {path} must be a C-ordered float32 N × d array, "
+                            f"got {m.dtype} {m.shape}")
+        self.path, self.shape, self.offset = Path(path), m.shape, m.offset
+        self.row_bytes = m.shape[1] * 4
+        del m
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        with open(self.path, "rb") as f:
+            f.seek(self.offset + start * self.row_bytes)
+            x = np.fromfile(f, dtype="<f4", count=(stop - start) * self.shape[1])
+        return x.reshape(stop - start, self.shape[1])
+
+    def take(self, rows: np.ndarray) -> np.ndarray:
+        out = np.empty((len(rows), self.shape[1]), dtype=np.float32)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            for i, r in enumerate(rows):
+                out[i] = np.frombuffer(os.pread(fd, self.row_bytes, self.offset + int(r) * self.row_bytes), "<f4")
+        finally:
+            os.close(fd)
+        return out
+
+
+def _map_rows(rows: _RowFile) -> np.ndarray:
+    """The features memory-mapped read-only, with read-ahead off (MADV_RANDOM): a page fault
+    on one candidate's row then reads that page, not the ~128 KiB around it."""
+    with open(rows.path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    mm.madvise(mmap.MADV_RANDOM)
+    return np.frombuffer(mm, dtype="<f4", count=rows.shape[0] * rows.shape[1], offset=rows.offset).reshape(rows.shape)
+
+
+def _fingerprint(rows: _RowFile) -> str:
+    """Checksum of the shape and 256 evenly spaced rows: catches a replaced or regenerated
+    features file without hashing gigabytes."""
+    n = rows.shape[0]
+    h = hashlib.sha256(repr(tuple(rows.shape)).encode())
+    h.update(rows.take(np.unique(np.linspace(0, n - 1, min(n, 256)).astype(np.int64))).tobytes())
+    return h.hexdigest()
+
+
+def default_nlist(n: int) -> int:
+    """A power of two near √N (FAISS's guidance is 1–16 × √N; the low end keeps the
+    coarse assignment cheap on a small machine), with ≥ 39 training rows per list."""
+    nl = 2 ** int(round(np.log2(max(np.sqrt(n), 1))))
+    return int(max(1, min(nl, n // 39)))
+
+
+# ---------------------------------------------------------------- build
+def build_ondisk_ivf(features, out, *, W: np.ndarray | None = None, nlist: int | None = None, codec: str = "SQ8",
+                     shard_rows: int = 1_000_000, train_size: int | None = None, normalize: bool = False,
+                     seed: int = 0, batch_rows: int = 65536, source_index=None) -> Path:
+    """Build DIR `out` over the float32 N × d `features` .npy (as stored: not re-normalised).
+
+    `W`: the neck (k × d; None: the identity, M* = I).  `normalize` records that the
+    features are L2-normalised (the index manifest's `normalize`), so queries get the same;
+    it is checked on the training sample.  `train_size` rows (default 64 × nlist) train the
+    quantiser.  `source_index`: the index directory whose features these are (search then
+    reports its ids, labels and paths).  Written atomically: an interrupted build leaves
+    the previous DIR.
+    """
+    rows = _RowFile(features)
+    n, d = rows.shape
+    W = np.eye(d, dtype=np.float32) if W is None else np.ascontiguousarray(W, dtype="<f4")
+    if W.ndim != 2 or W.shape[1] != d:
+        raise UserError(f"neck W must be k × {d} for {d}-d features, got shape {W.shape}")
+    nlist = nlist or default_nlist(n)
+    train_size = min(n, train_size or 64 * nlist)
+    if n == 0 or nlist < 1 or train_size < nlist:
+        raise UserError(f"an IVF index with {nlist} lists needs at least {nlist} training rows; "
+                        f"have {min(n, train_size)} of {n}")
+    if shard_rows < 1 or batch_rows < 1:
+        raise UserError("shard_rows and batch_rows must be ≥ 1")
+    factory = f"IVF{nlist},{codec}"
+    try:
+        index = faiss.index_factory(d, factory, faiss.METRIC_INNER_PRODUCT)
+        ivf = faiss.extract_index_ivf(index)
+    except RuntimeError as e:
+        raise UserError(f"cannot make an on-disk IVF index {factory!r}: {e}") from None
+    lists = faiss.downcast_InvertedLists(ivf.invlists)
+    if isinstance(index, faiss.IndexIVFPQR) or not isinstance(lists, faiss.ArrayInvertedLists):
+        raise UserError(f"codec {codec!r} gives {type(index).__name__}; on-disk lists need a plain IVF codec")
+    sample = np.sort(np.random.default_rng(seed).choice(n, train_size, replace=False))
+    log.info("training %s on %d of %d rows", factory, train_size, n)
+    train = rows.take(sample)
+    if normalize and not np.allclose(np.linalg.norm(train, axis=1), 1, atol=1e-3):
+        raise UserError(f"features file {rows.path} does not hold L2-normalised rows; build without "
+                        f"normalisation or normalise the file first")
+    index.train(train)
+    del train
+    out = Path(out)
+    features_abs = rows.path.resolve()
+    with atomic_dir(out) as tmp:
+        shard_files = []
+        for s0 in range(0, n, shard_rows):
+            s1 = min(n, s0 + shard_rows)
+            shard = faiss.clone_index(index)
+            for b in range(s0, s1, batch_rows):
+                e = min(s1, b + batch_rows)
+                shard.add_with_ids(rows.read(b, e), np.arange(b, e, dtype=np.int64))
+            shard_files.append(str(tmp / f"shard{len(shard_files):04d}.index"))
+            faiss.write_index(shard, shard_files[-1])
+            del shard
+            log.info("shard %d: rows %d–%d", len(shard_files), s0, s1)
+        # merge_ondisk maps the shards and keeps their lists mapped until the process ends;
+        # the shard files are deleted below (their space returns when the process exits)
+        with _c_stdout_to_stderr():
+            merge_ondisk(index, shard_files, str(tmp / DATA_FILE))
+        faiss.write_index(index, str(tmp / INDEX_FILE))
+        del index, ivf, lists
+        np.save(tmp / NECK_FILE, W)
+        for f in shard_files:
+            os.unlink(f)
+        manifest = {
+            "format": FORMAT, "version": VERSION,
+            "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "count": int(n), "dim": int(d), "embed_dim": int(W.shape[0]), "nlist": int(nlist), "codec": codec,
+            "factory": factory,
+            "normalize": bool(normalize), "shards": len(shard_files), "train_size": int(train_size),
+            "features": {"path": os.path.relpath(features_abs, out.resolve()), "shape": [int(n), int(d)],
+                         "fingerprint": _fingerprint(rows)},
+            "files": {f: {"bytes": (tmp / f).stat().st_size} for f in (INDEX_FILE, DATA_FILE, NECK_FILE)},
+        }
+        if source_index is not None:
+            manifest["source_index"] = os.path.relpath(Path(source_index).resolve(), out.resolve())
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return out
+
+
+def build_for_index(index_dir, out=None, **kw) -> Path:
+    """An on-disk IVF over an index directory's features.npy (default DIR: INDEX/ivf_ondisk,
+    dropped with the directory whenever `add`/`remove` rewrite it)."""
+    index_dir = Path(index_dir)
+    try:
+        man = json.loads((index_dir / "manifest.json").read_text())
+        normalize = bool(man["normalize"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{index_dir} is not a readable index directory: {e}") from None
+    return build_ondisk_ivf(index_dir / "features.npy", out or index_dir / "ivf_ondisk", normalize=normalize,
+                            W=load_npy(index_dir / "W.npy", "neck W"), source_index=index_dir, **kw)
+
+
+# ---------------------------------------------------------------- search
+class OnDiskIVF:
+    """An on-disk IVF index plus its memory-mapped features; search(…) re-ranks exactly under M′."""
+
+    def __init__(self, path, features=None, nprobe: int | None = None):
+        self.path = Path(path)
+        mpath = self.path / MANIFEST
+        try:
+            man = json.loads(mpath.read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"{self.path} is not an on-disk IVF index ({MANIFEST}: {e})") from None
+        if not isinstance(man, dict) or man.get("format") != FORMAT or man.get("version") != VERSION:
+            raise UserError(f"{mpath} is not a manifest of this project's on-disk IVF format (version {VERSION})")
+        for f, want in man["files"].items():
+            p = self.path / f
+            if not p.is_file() or p.stat().st_size != want["bytes"]:
+                raise UserError(f"on-disk index file {p} is missing or not {want['bytes']} bytes "
+                                f"(truncated or replaced)")
+        fpath = Path(features) if features else self.path / man["features"]["path"]
+        rows = _RowFile(fpath)
+        if list(rows.shape) != man["features"]["shape"] or _fingerprint(rows) != man["features"]["fingerprint"]:
+            raise UserError(f"features file {fpath} ({rows.shape[0]} × {rows.shape[1]}) is not the one "
+                            f"this on-disk index was built from")
+        self.manifest = man
+        self.features = _map_rows(rows)   # re-rank reads candidates' rows only
+        with _c_stdout_to_stderr():
+            self.index = faiss.read_index(str(self.path / INDEX_FILE),
+                                          faiss.IO_FLAG_ONDISK_SAME_DIR | faiss.IO_FLAG_READ_ONLY)
+        # faiss.contrib.torch_utils (imported by pytorch-metric-learning) replaces Index.search with a
+        # torch-aware one that drops `params`; it keeps FAISS's own as search_numpy
+        self._search = getattr(self.index, "search_numpy", self.index.search)
+        if self.index.ntotal != man["count"]:
+            raise UserError(f"{INDEX_FILE} holds {self.index.ntotal} rows, the manifest says {man['count']}")
+        self.nprobe = nprobe or min(DEFAULT_NPROBE, man["nlist"])
+        self.W = load_npy(self.path / NECK_FILE, "neck W")
+        if self.W.shape != (man["embed_dim"], man["dim"]):
+            raise UserError(f"{NECK_FILE} is {self.W.shape}, the manifest says ({man['embed_dim']}, {man['dim']})")
+
+    def strategy_metric(self, strategy: str, params: dict | None = None, mode: str = "bilinear") -> QueryMetric:
+        return strategy_metric(self.W, strategy, params, mode)
+
+    def _source(self, name: str) -> dict:
+        """A JSON file of the index directory this was built from ({} when built from bare features)."""
+        src = self.manifest.get("source_index")
+        if src is None:
+            return {}
+        p = self.path / src / name
+        try:
+            return json.loads(p.read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot read the source index's {p}: {e}") from None
+
+    @property
+    def source_manifest(self) -> dict:
+        """The source index's manifest (model facts for embedding query images), or {}."""
+        return self._source("manifest.json")
+
+    def describe(self, res: TopK) -> list[list[dict]]:
+        """Per query, its results: row and score, plus id, label, class name, path and split
+        when the index was built from an index directory."""
+        meta = self._source("metadata.json")
+        items = Items.from_json(meta) if meta else None
+        if items is not None and len(items) != len(self):
+            raise UserError(f"the source index now has {len(items)} items, this on-disk index {len(self)}: "
+                            f"rebuild it")
+        names = {int(k): v for k, v in meta.get("class_names", {}).items()}
+        out = []
+        for rows, scores in zip(res.rows, res.scores):
+            hits = [{"row": int(r), "score": float(s)} for r, s in zip(rows, scores) if r >= 0]
+            if items is not None:
+                for h in hits:
+                    lab = int(items.labels[h["row"]])
+                    h |= {"id": int(items.ids[h["row"]]), "label": lab, "class_name": names.get(lab, str(lab)),
+                          "path": items.paths[h["row"]], "split": items.splits[h["row"]]}
+            out.append(hits)
+        return out
+
+    @property
+    def nprobe(self) -> int:
+        return self._nprobe
+
+    @nprobe.setter
+    def nprobe(self, value: int) -> None:
+        self._nprobe = self._checked_nprobe(value)
+
+    def _checked_nprobe(self, value) -> int:
+        if not 1 <= int(value) <= self.manifest["nlist"]:
+            raise UserError(f"nprobe must be in [1, {self.manifest['nlist']}] (the number of lists), got {value}")
+        return int(value)
+
+    @property
+    def dim(self) -> int:
+        return int(self.manifest["dim"])
+
+    def __len__(self) -> int:
+        return int(self.manifest["count"])
+
+    def metric(self, M: np.ndarray, mode: str = "bilinear", apply=None) -> QueryMetric:
+        return QueryMetric.build(M, mode, self.dim, apply)
+
+    def search(self, feats: np.ndarray, metric: QueryMetric, k: int = 10, nprobe: int | None = None,
+               rerank_factor: int = 10) -> TopK:
+        """Top-k rows under `metric` with exact scores; candidates from the `nprobe` lists
+        whose centroids score highest against the transformed query."""
+        if k < 1:
+            raise UserError(f"k must be ≥ 1, got {k}")
+        # per-call parameters, not index.nprobe: concurrent searches may probe differently
+        params = faiss.SearchParametersIVF(nprobe=self._nprobe if nprobe is None else self._checked_nprobe(nprobe))
+        qt = metric.transform(prepare_queries(feats, self.dim, bool(self.manifest["normalize"])))
+        kc = metric.candidate_count(k, len(self), rerank_factor)
+        R = np.full((len(qt), k), -1, dtype=np.int64)
+        S = np.full((len(qt), k), -np.inf, dtype=np.float32)
+        for b in range(0, len(qt), _QUERY_BLOCK):
+            block = qt[b: b + _QUERY_BLOCK]
+            _, cand = self._search(block, kc, params=params)
+            uniq = np.unique(cand[cand >= 0])        # sorted: the memmap is read front to back
+            X = np.asarray(self.features[uniq], dtype=np.float32)
+            norms = metric.norms(X)
+            for i, c in enumerate(cand):
+                pos = np.searchsorted(uniq, c[c >= 0])
+                R[b + i], S[b + i] = exact_top(block[i], uniq[pos], X[pos],
+                                               None if norms is None else norms[pos], k)
+        return TopK(R, S)

@@ -1,0 +1,204 @@
+"""On-disk IVF (index/ondisk.py): built from shards through merge_ondisk, exact re-rank under M′."""
+import json
+import mmap
+
+import faiss
+import numpy as np
+import pytest
+
+from core.errors import UserError
+from index.cli import main
+from index.metric import m_norms
+from index.ondisk import OnDiskIVF, build_ondisk_ivf, build_for_index
+from index.refinements import refine
+from index.store import Items, write_index
+
+N, DIM, NLIST, K = 3000, 24, 8, 10
+STRATEGIES = [("trained", {}), ("identity", {}), ("diagonal", {"r": 0.5, "seed": 0}), ("random", {"r": 0.5, "seed": 1})]
+
+
+def data(seed=0):
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((12, DIM))
+    X = (centres[rng.integers(0, 12, N)] + 0.8 * rng.standard_normal((N, DIM))).astype(np.float32)
+    X /= np.linalg.norm(X, axis=1, keepdims=True)
+    Q = X[rng.choice(N, 30, replace=False)] + 0.1 * rng.standard_normal((30, DIM)).astype(np.float32)
+    W = rng.standard_normal((6, DIM))
+    return X, Q, W.T @ W
+
+
+def exact_scores(X, Q, M, cosine=False):
+    Qn = Q / np.linalg.norm(Q, axis=1, keepdims=True)
+    S = (Qn.astype(np.float64) @ M) @ X.T.astype(np.float64)
+    if cosine:
+        S = S / m_norms(X, M)[None] / m_norms(Qn, M)[:, None]
+    return S
+
+
+def recall_up_to_ties(S, rows):
+    """Share of returned rows whose exact score reaches the exact k-th best (ties count as hits)."""
+    kth = np.sort(S, axis=1)[:, -K]
+    return float((np.take_along_axis(S, rows, 1) >= kth[:, None] - 1e-6).mean())
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    t = tmp_path_factory.mktemp("ondisk")
+    X, Q, M_star = data()
+    np.save(t / "features.npy", X)
+    build_ondisk_ivf(t / "features.npy", t / "ivf", nlist=NLIST, shard_rows=1100, normalize=True)
+    return t, X, Q, M_star
+
+
+def test_built_from_shards_into_one_ondisk_file(built):
+    t, X, _, _ = built
+    man = json.loads((t / "ivf" / "ondisk.json").read_text())
+    assert man["shards"] == 3 and man["count"] == N and man["nlist"] == NLIST and man["codec"] == "SQ8"
+    assert sorted(p.name for p in (t / "ivf").iterdir()) == ["W.npy", "ivf.index", "ivf.ivfdata", "ondisk.json"]
+    ivf = OnDiskIVF(t / "ivf")
+    base = ivf.features
+    while isinstance(base, np.ndarray):
+        base = base.base
+    assert isinstance(base.obj, mmap.mmap) and not ivf.features.flags.writeable  # memory-mapped, read-only
+    np.testing.assert_array_equal(ivf.features, X)
+    lists = faiss.downcast_InvertedLists(ivf.index.invlists)
+    assert isinstance(lists, faiss.OnDiskInvertedLists) and lists.filename == str(t / "ivf" / "ivf.ivfdata")
+    assert ivf.index.ntotal == N
+
+
+@pytest.mark.parametrize("name,params", STRATEGIES)
+def test_all_lists_probed_is_exact(built, name, params):
+    t, X, Q, M_star = built
+    ivf = OnDiskIVF(t / "ivf")
+    M = refine(name, M_star, params)
+    res = ivf.search(Q, ivf.metric(M), K, nprobe=NLIST)
+    S = exact_scores(X, Q, M)
+    assert recall_up_to_ties(S, res.rows) == 1.0
+    np.testing.assert_allclose(res.scores, np.take_along_axis(S, res.rows, 1), rtol=1e-4, atol=1e-5)
+    assert (np.diff(res.scores, axis=1) <= 0).all()
+
+
+def test_fewer_lists_probed_lose_some_recall_for_a_non_identity_metric(built):
+    t, X, Q, M_star = built
+    ivf = OnDiskIVF(t / "ivf", nprobe=1)
+    M = refine("diagonal", M_star, {"r": 0.5, "seed": 0})
+    assert recall_up_to_ties(exact_scores(X, Q, M), ivf.search(Q, ivf.metric(M), K).rows) < 1.0
+
+
+def test_cosine_divides_by_candidate_m_norms(built):
+    t, X, Q, M_star = built
+    ivf = OnDiskIVF(t / "ivf")
+    S = exact_scores(X, Q, M_star, cosine=True)
+    # every row a candidate: the re-rank alone decides, so it must be the exact cosine top-k
+    res = ivf.search(Q, ivf.metric(M_star, "cosine"), K, nprobe=NLIST, rerank_factor=N)
+    assert recall_up_to_ties(S, res.rows) == 1.0
+    np.testing.assert_allclose(res.scores, np.take_along_axis(S, res.rows, 1), rtol=1e-4, atol=1e-5)
+    with pytest.raises(UserError, match="cosine mode needs a positive semi-definite M′"):
+        ivf.metric(refine("diagonal", M_star, {"r": 0.5}), "cosine")
+
+
+class CountingRows:
+    """Stands in for the memory-mapped features and records every row read."""
+
+    def __init__(self, mm):
+        self.mm, self.reads = mm, []
+
+    def __getitem__(self, rows):
+        self.reads.append(np.asarray(rows))
+        return self.mm[rows]
+
+
+def test_rerank_reads_only_candidate_rows_in_order(built):
+    t, X, Q, M_star = built
+    ivf = OnDiskIVF(t / "ivf", nprobe=2)
+    ivf.features = CountingRows(ivf.features)
+    qm = ivf.metric(M_star)
+    kc = qm.candidate_count(K, N, 10)
+    _, cand = ivf._search(qm.transform(Q / np.linalg.norm(Q, axis=1, keepdims=True)), kc,
+                               params=faiss.SearchParametersIVF(nprobe=2))
+    res = ivf.search(Q, qm, K)
+    (read,) = ivf.features.reads   # one sorted read for the whole block of queries
+    np.testing.assert_array_equal(read, np.unique(cand[cand >= 0]))
+    assert len(read) < N / 2 and np.isin(res.rows, read).all()
+
+
+def test_for_index_directory_and_refusals(tmp_path):
+    X, Q, M_star = data(1)
+    W = np.linalg.cholesky(M_star + 1e-6 * np.eye(DIM)).T[:6]
+    items = Items(np.arange(N), np.zeros(N, np.int64), [""] * N, ["g"] * N)
+    idx = write_index(tmp_path / "idx", X * 3, items, W, normalize=True, info={})
+    out = build_for_index(idx, nlist=NLIST)
+    ivf = OnDiskIVF(out)
+    assert out == idx / "ivf_ondisk" and ivf.manifest["normalize"] is True
+    # queries are L2-normalised like the stored features: a scaled query ranks the same
+    M = np.eye(DIM)
+    np.testing.assert_array_equal(ivf.search(Q * 5, ivf.metric(M), K).rows, ivf.search(Q, ivf.metric(M), K).rows)
+    with pytest.raises(UserError, match="nprobe must be in"):
+        ivf.search(Q, ivf.metric(M), K, nprobe=NLIST + 1)
+    with pytest.raises(UserError, match="query features have shape"):
+        ivf.search(Q[:, :5], ivf.metric(M), K)
+    np.save(tmp_path / "other.npy", X[::-1].copy())
+    with pytest.raises(UserError, match="is not the one this on-disk index was built from"):
+        OnDiskIVF(out, features=tmp_path / "other.npy")
+    with pytest.raises(UserError, match="needs at least 64 training rows"):
+        build_ondisk_ivf(tmp_path / "other.npy", tmp_path / "x", nlist=64, train_size=10)
+    with pytest.raises(UserError, match="cannot make an on-disk IVF index"):
+        build_ondisk_ivf(tmp_path / "other.npy", tmp_path / "x", nlist=4, codec="Bogus")
+
+
+def test_cli_builds_from_an_index_and_searches_like_flat_under_every_strategy(tmp_path, capsys):
+    X, Q, M_star = data(2)
+    W = np.random.default_rng(2).standard_normal((6, DIM)).astype(np.float32)
+    items = Items(np.arange(N) + 50, np.arange(N) % 7, [f"{i}.png" for i in range(N)], ["g"] * N)
+    idx = write_index(tmp_path / "idx", X, items, W, normalize=True, info={})
+    np.save(tmp_path / "q.npy", Q[:4])
+    assert main(["ivf-build", "--index", str(idx), "--nlist", str(NLIST), "--shard-rows", "1000"]) == 0
+    built = json.loads(capsys.readouterr().out)
+    assert built["shards"] == 3 and built["ivf"] == str(idx / "ivf_ondisk")
+    runs = [(["--strategy", name] + [x for kv in params.items() for x in (f"--{kv[0]}", str(kv[1]))], [])
+            for name, params in STRATEGIES]
+    # cosine: candidates come by the raw inner product; a pool of every row makes the re-rank decide alone
+    runs.append((["--mode", "cosine"], ["--rerank-factor", str(N // K)]))
+    for flags, pool in runs:
+        flags = ["search", "--features", str(tmp_path / "q.npy"), "--k", str(K)] + flags
+        assert main(flags + ["--index", str(idx)]) == 0
+        want = json.loads(capsys.readouterr().out)["queries"]
+        assert main(flags + pool + ["--backend", "ondisk", "--index", str(idx), "--nprobe", str(NLIST)]) == 0
+        got = json.loads(capsys.readouterr().out)["queries"]
+        for a, b in zip(got, want):   # all lists probed: the exact top-k, with the index's metadata
+            assert [(r["id"], r["path"]) for r in a["results"]] == [(r["id"], r["path"]) for r in b["results"]]
+            np.testing.assert_allclose([r["score"] for r in a["results"]], [r["score"] for r in b["results"]],
+                                       rtol=1e-4, atol=1e-5)
+
+
+def test_cli_builds_from_bare_features_and_refuses_bad_input(tmp_path, capsys):
+    X, Q, M_star = data(3)
+    np.save(tmp_path / "F.npy", X)
+    np.save(tmp_path / "raw.npy", X * 2)
+    np.save(tmp_path / "q.npy", Q[:2])
+    np.save(tmp_path / "W.npy", np.ones((3, DIM), np.float32))
+    out = tmp_path / "ivf"
+    assert main(["ivf-build", "--features", str(tmp_path / "F.npy"), "--neck", str(tmp_path / "W.npy"),
+                 "--normalized", "--out", str(out), "--nlist", str(NLIST)]) == 0
+    capsys.readouterr()
+    np.testing.assert_array_equal(OnDiskIVF(out).W, np.ones((3, DIM)))
+    assert main(["search", "--backend", "ondisk", "--ivf", str(out), "--features", str(tmp_path / "q.npy")]) == 0
+    hits = json.loads(capsys.readouterr().out)["queries"][0]["results"]
+    assert len(hits) == 10 and set(hits[0]) == {"row", "score"}   # no index directory: rows only
+    with pytest.raises(UserError, match="does not hold L2-normalised rows"):
+        main(["ivf-build", "--features", str(tmp_path / "raw.npy"), "--normalized", "--out", str(tmp_path / "x")])
+    with pytest.raises(UserError, match="--features needs --out"):
+        main(["ivf-build", "--features", str(tmp_path / "F.npy")])
+    with pytest.raises(UserError, match="give one of --index IDX"):
+        main(["ivf-build"])
+    with pytest.raises(UserError, match="--backend ondisk needs --ivf DIR"):
+        main(["search", "--backend", "ondisk", "--features", str(tmp_path / "q.npy")])
+
+
+def test_search_works_after_faiss_torch_utils_patched_index_search(built):
+    import faiss.contrib.torch_utils  # noqa: F401  (pytorch-metric-learning imports it: Index.search loses `params`)
+
+    t, X, Q, M_star = built
+    ivf = OnDiskIVF(t / "ivf")
+    res = ivf.search(Q, ivf.metric(M_star), K, nprobe=NLIST)
+    assert recall_up_to_ties(exact_scores(X, Q, M_star), res.rows) == 1.0
