@@ -33,7 +33,7 @@ def launch(args, block: bool = True):
     from core.errors import UserError
 
     from .service import RetrievalService
-    from .ui import CSS, build_ui, offline_theme
+    from .ui import CSS, KEYS_JS, build_ui, offline_theme
 
     if not Path(args.index).is_dir():
         hint = " Run `make demo` (or `python -m demo --no-ui`) to build it." if args.index == DEMO_INDEX else ""
@@ -47,7 +47,7 @@ def launch(args, block: bool = True):
     demo.queue(default_concurrency_limit=args.concurrency, max_size=64)
     demo.launch(server_name=args.host, server_port=args.port, share=False, inbrowser=False,
                 max_file_size=f"{max(1, int(args.max_upload_mb * 1024))}kb", show_error=True, prevent_thread_lock=not block,
-                theme=offline_theme(), css=CSS, quiet=not args.verbose, allowed_paths=[], ssr_mode=False)
+                theme=offline_theme(), css=CSS, js=KEYS_JS, quiet=not args.verbose, allowed_paths=[], ssr_mode=False)
     return demo, svc
 
 

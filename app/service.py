@@ -8,8 +8,8 @@ Read paths are lock-free (FAISS searches are thread-safe); caches are locked.
 """
 from __future__ import annotations
 
+import base64
 import io
-import json
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -20,11 +20,14 @@ from PIL import Image, ImageDraw
 
 from core.errors import CorruptImageError, UserError
 from core.images import load_rgb
-from evaluation.evaluator import evaluate_ranking, per_query_metrics
+from evaluation.evaluator import per_query_metrics
+from index.compare import Comparer, Comparison, item_image
 from index.embedder import ImageEmbedder
-from index.refinements import REFINEMENTS, file_params, strategy_label
-from index.search import Searcher
+from index.refinements import REFINEMENTS, file_params, strategy_key, strategy_label
+from index.search import RESULT_FIELDS, Searcher
 from index.store import read_index
+
+from .compare import ap_scatter, class_colours, metric_features, project_2d, subsample, svg_scatter
 
 log = logging.getLogger("app")
 
@@ -71,7 +74,8 @@ class RetrievalService:
         self.root = Path(self.data.root) if self.data.root else None
         self._row_of_id = {int(i): r for r, i in enumerate(self.data.items.ids)}
         self._lock = threading.Lock()
-        self._per_query: dict = {}
+        self.comparer = Comparer(self.data, self.searcher)
+        self._maps: dict = {}
         self._pca = None
         self._thumbs: dict[int, Image.Image] = {}
 
@@ -137,34 +141,69 @@ class RetrievalService:
     def compare(self, q: Query, right: Spec, k: int = 12, left_mode: str = "cosine") -> tuple[Panel, Panel]:
         return self.panel(q, Spec("trained", {}, left_mode), k), self.panel(q, right, k)
 
-    # ------------------------------------------------------------ disagreements
+    def export(self, q: Query, right: Spec, k: int = 12, left_mode: str = "cosine") -> dict:
+        """The current comparison: the query, and both panels' results (RESULT_FIELDS and whether
+        each is of the query's class), P@k and AP, as the JSON/CSV export writes them."""
+        query = ({"kind": "item", "id": q.self_id, "label": q.label, "class_name": self.class_name(q.label)}
+                 if q.self_id is not None else {"kind": "upload"})
+        panels = [{"side": side, "metric": p.title, "note": p.note, "p_at_k": p.p_at_k, "ap": p.ap,
+                   "results": [{f: r[f] for f in (*RESULT_FIELDS, "correct")} for r in p.results]}
+                  for side, p in zip(("left", "right"), self.compare(q, right, k, left_mode))]
+        return {"index": str(self.index_dir), "k": int(k), "query": query, "panels": panels}
+
+    # ------------------------------------------------------------ the whole test set
     def per_query_ap(self, spec: Spec) -> np.ndarray:
-        """MAP@R of every index item as a query (leave-one-out), under `spec`; cached."""
-        key = (spec.strategy, json.dumps(spec.params, sort_keys=True, default=str), spec.mode)
-        with self._lock:
-            if key in self._per_query:
-                return self._per_query[key]
-        transform, index, _ = self.searcher.query_view(spec.strategy, spec.params, spec.mode)
-        q = np.asarray(self.data.features, dtype=np.float32)
-        y = self.data.items.labels
-        res = evaluate_ranking(index, transform(q), y, y, same_set=True, ks=(1,), return_per_query=True)
-        ap = res["per_query"]["map@r"]
-        with self._lock:
-            self._per_query[key] = ap
-        return ap
+        """MAP@R of every index item as a query (leave-one-out), under `spec`; one batched
+        pass, cached (index/compare.py)."""
+        return self.comparer.per_query_ap(spec.strategy, spec.params, spec.mode)
+
+    def comparison(self, right: Spec, left_mode: str = "cosine") -> Comparison:
+        """Per-query AP under the trained metric (`left_mode`) vs `right`, over every query."""
+        return self.comparer.compare(right.strategy, right.params, right.mode, left_mode)
 
     def disagreements(self, right: Spec, left_mode: str = "cosine", top: int = 12) -> list[dict]:
         if not self.data.manifest.get("count"):
             return []
-        mode, _ = self.searcher.resolve_mode(right.strategy, right.params, right.mode)
-        a = self.per_query_ap(Spec("trained", {}, left_mode))
-        b = self.per_query_ap(Spec(right.strategy, right.params, mode))
-        diff = np.nan_to_num(b - a, nan=0.0)
-        order = np.argsort(-np.abs(diff), kind="stable")[:top]
-        return [{"id": int(self.data.items.ids[r]), "label": int(self.data.items.labels[r]),
-                 "class_name": self.class_name(int(self.data.items.labels[r])),
-                 "ap_trained": float(a[r]), "ap_refined": float(b[r]), "delta": float(diff[r])}
-                for r in order if abs(diff[r]) > 0]
+        return self.comparison(right, left_mode).disagreements("all", top)
+
+    def scatter_html(self, cmp: Comparison, q_id: int | None = None) -> str:
+        mark = np.nonzero(cmp.ids == q_id)[0]
+        return ap_scatter(cmp, mark=int(mark[0]) if len(mark) else None)
+
+    def map_coords(self, strategy: str, params: dict, mode: str, method: str) -> tuple[np.ndarray, np.ndarray, str]:
+        """(rows, 2-D coordinates, note) of the gallery under a metric; computed once per
+        (strategy, parameters, mode, method)."""
+        rm = self.searcher.metric(strategy, params)
+        key = (strategy_key(strategy, rm.params), mode, method)
+        with self._lock:
+            hit = self._maps.get(key)
+        if hit is not None:
+            return hit
+        rows = subsample(len(self.data.items))
+        X, note = metric_features(np.asarray(self.data.features, dtype=np.float32)[rows], rm.M, rm.op.kind,
+                                  self.data.W, mode)
+        if len(rows) < len(self.data.items):
+            note = ", ".join(x for x in (note, f"sub-sampled: {len(rows):,} of {len(self.data.items):,} points") if x)
+        out = (rows, project_2d(X, method), note)
+        with self._lock:
+            self._maps[key] = out
+        return out
+
+    def map_html(self, spec: Spec, method: str, title: str, q_id: int | None = None) -> str:
+        """The gallery in 2-D under `spec`, coloured by class, the query (an item) starred."""
+        mode, _ = self.searcher.resolve_mode(spec.strategy, spec.params, spec.mode)
+        rows, xy, note = self.map_coords(spec.strategy, spec.params, mode, method)
+        ids, labels = self.data.items.ids[rows], self.data.items.labels[rows]
+        mark = np.nonzero(ids == q_id)[0]
+        tips = [f"{self.class_name(lab)} · id {i}" for i, lab in zip(ids, labels)]
+        return svg_scatter(xy[:, 0], xy[:, 1], ids, class_colours(labels), tips, title=f"{title} ({method})",
+                           axes=False, mark=int(mark[0]) if len(mark) else None, note=note)
+
+    def thumbnail_uri(self, item_id: int, size: int = 96) -> str:
+        """A thumbnail as a data: URI (the plots' hover preview; the app serves no files)."""
+        buf = io.BytesIO()
+        self.thumbnail(int(item_id), size).save(buf, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
     # ------------------------------------------------------------ pictures
     def class_name(self, label: int) -> str:
@@ -172,18 +211,11 @@ class RetrievalService:
 
     def thumbnail(self, item_id: int, size: int = 112) -> Image.Image:
         """The gallery image of an item (only indexed items are ever read)."""
+        key = (int(item_id), size)
         with self._lock:
-            if item_id in self._thumbs:
-                return self._thumbs[item_id]
-        row = self._row(item_id)
-        rel = self.data.items.paths[row]
-        img = None
-        if rel and self.root is not None:
-            p = Path(rel) if Path(rel).is_absolute() else self.root / rel
-            try:
-                img = load_rgb(p)
-            except CorruptImageError:
-                img = None
+            if key in self._thumbs:
+                return self._thumbs[key]
+        img = item_image(self.data, self._row(item_id))
         if img is None:
             img = Image.new("RGB", (size, size), (230, 230, 230))
             ImageDraw.Draw(img).text((8, size // 2 - 6), f"id {item_id}", fill=(90, 90, 90))
@@ -191,7 +223,7 @@ class RetrievalService:
         img.thumbnail((size, size))
         with self._lock:
             if len(self._thumbs) < 20000:
-                self._thumbs[item_id] = img
+                self._thumbs[key] = img
         return img
 
     def examples(self, n: int = 24, seed: int = 0) -> list[int]:

@@ -14,7 +14,9 @@ from core.errors import UserError  # noqa: E402
 from index.refinements import MODES, REFINEMENTS, SharedParam, file_params, shared_params, strategy_params  # noqa: E402
 from index.search import RESULT_FIELDS  # noqa: E402
 
+from .compare import MAP_METHODS, parse_state, state_query, write_exports  # noqa: E402
 from .service import Panel, RetrievalService, Spec  # noqa: E402
+from index.compare import FILTERS  # noqa: E402
 
 log = logging.getLogger("app")
 
@@ -84,7 +86,7 @@ class Handlers:
 
     def on_search(self, qstate, upload, strategy, mode, k, **params):
         """→ left title, left gallery, right title, right gallery, status, results state, M′ heatmap,
-        M′ report, 2-D map.  `params`: every strategy parameter control's value, by name."""
+        M′ report, 2-D map, share link.  `params`: every strategy parameter control's value, by name."""
         k = int(k)
         try:
             q = self._query(qstate, upload)
@@ -96,11 +98,98 @@ class Handlers:
             ids = {"left": [x["id"] for x in left.results], "right": [x["id"] for x in right.results]}
             return (panel_title("Left", left, k), gallery_items(self.svc, left),
                     panel_title("Right", right, k), gallery_items(self.svc, right), status, ids,
-                    self.svc.heatmap(spec), report_md(spec, rep), self.svc.gallery_map(q))
+                    self.svc.heatmap(spec), report_md(spec, rep), self.svc.gallery_map(q), share_link(q, spec, k))
         except UserError as e:
             gr.Warning(str(e))
             return ("### Left", [], "### Right", [], f"⚠️ {e}", {"left": [], "right": []},
-                    gr.update(), gr.update(), gr.update())
+                    gr.update(), gr.update(), gr.update(), gr.update())
+
+    def on_export(self, qstate, upload, strategy, mode, k, **params):
+        """→ the JSON and CSV files of the current comparison (in a fresh temp folder)."""
+        try:
+            q = self._query(qstate, upload)
+            payload = self.svc.export(q, spec_from(strategy, mode, params), int(k), left_mode=mode)
+        except UserError as e:
+            gr.Warning(str(e))
+            return None
+        return list(write_exports(payload))
+
+    def on_load(self, request: gr.Request):
+        """A shared link's comparison → query state, query image, strategy, mode, k, each parameter
+        control, status (nothing changes for a plain URL)."""
+        n = 5 + len(shared_params())
+        try:
+            st = parse_state(request.query_params if request is not None else {})
+            if st is None:
+                return (gr.update(),) * (n + 1)
+            self.svc.query_from_item(st["q"])  # refuses an unknown id
+        except UserError as e:
+            gr.Warning(f"link: {e}")
+            return (gr.update(),) * n + (f"⚠️ link: {e}",)
+        values = [st["params"].get(sp.name, gr.update()) for sp in shared_params()]
+        return ({"kind": "item", "id": st["q"]}, self.svc.thumbnail(st["q"], size=200), st["strategy"], st["mode"],
+                st["k"], *values, f"Opened the shared comparison of gallery item {st['q']}.")
+
+    # ------------------------------------------------------------ the Compare tab
+    def _comparison(self, strategy, mode, params):
+        return self.svc.comparison(spec_from(strategy, mode, params), left_mode=mode)
+
+    def on_compare(self, qstate, strategy, mode, which, **params):
+        """→ summary, AP scatter, disagreements table, their ids, cursor, per-class table."""
+        try:
+            cmp = self._comparison(strategy, mode, params)
+        except UserError as e:
+            gr.Warning(str(e))
+            return f"⚠️ {e}", "", [], [], -1, []
+        q_id = qstate.get("id") if qstate and qstate.get("kind") == "item" else None
+        dis_rows, ids = disagreement_table(cmp, which)
+        summary = f"**{cmp.label_a}** (x) vs **{cmp.label_b}** (y): {cmp.summary_text()}"
+        classes = [[r["class_name"], r["label"], r["n"], round(r["ap_a"], 4), round(r["ap_b"], 4), round(r["delta"], 4)]
+                   for r in cmp.per_class()]
+        return summary, self.svc.scatter_html(cmp, q_id), dis_rows, ids, -1, classes
+
+    def on_filter(self, strategy, mode, which, **params):
+        try:
+            rows, ids = disagreement_table(self._comparison(strategy, mode, params), which)
+        except UserError as e:
+            gr.Warning(str(e))
+            return [], [], -1
+        return rows, ids, -1
+
+    def on_class(self, strategy, mode, evt: gr.SelectData, **params):
+        """A per-class table row → that class's queries (table, ids)."""
+        label = int(evt.row_value[1])
+        try:
+            rows = self._comparison(strategy, mode, params).class_queries(label)
+        except UserError as e:
+            gr.Warning(str(e))
+            return [], []
+        return [query_row(r) for r in rows], [r["id"] for r in rows]
+
+    def open_item(self, item_id):
+        """Open a gallery item as the query in the Search tab (→ query state, image, tab)."""
+        i = int(item_id)
+        return {"kind": "item", "id": i}, self.svc.thumbnail(i, size=200), gr.Tabs(selected="search")
+
+    def on_step(self, ids, cursor, step: int):
+        """Next/previous query of the filtered disagreements → query state, image, tab, cursor."""
+        if not ids:
+            gr.Warning("no disagreements listed: run the comparison first")
+            return gr.update(), gr.update(), gr.update(), cursor
+        cursor = (int(cursor) + step) % len(ids) if int(cursor) >= 0 or step > 0 else len(ids) - 1
+        gr.Info(f"disagreement {cursor + 1} of {len(ids)}")
+        return (*self.open_item(ids[cursor]), cursor)
+
+    def on_maps(self, qstate, strategy, mode, method, **params):
+        """→ the gallery's 2-D map under M* and under M′."""
+        try:
+            spec = spec_from(strategy, mode, params)
+            q_id = qstate.get("id") if qstate and qstate.get("kind") == "item" else None
+            return (self.svc.map_html(Spec("trained", {}, mode), method, f"M*: embeddings Wφ · {mode}", q_id),
+                    self.svc.map_html(spec, method, f"M′ = {spec.label()}", q_id))
+        except UserError as e:
+            gr.Warning(str(e))
+            return gr.update(), gr.update()
 
     def on_disagreements(self, strategy, mode, **params):
         try:
@@ -110,11 +199,30 @@ class Handlers:
             gr.Warning(str(e))
             return [], [], f"⚠️ {e}"
         items = [(self.svc.thumbnail(x["id"]),
-                  f"{x['class_name']} ΔAP {x['delta']:+.2f} ({x['ap_trained']:.2f}→{x['ap_refined']:.2f})")
+                  f"{x['class_name']} ΔAP {x['delta']:+.2f} ({x['ap_a']:.2f}→{x['ap_b']:.2f})")
                  for x in rows]
         msg = (f"{len(rows)} test queries with the largest AP change from trained to {spec.label()}. "
                "Click one to search with it.") if rows else "The two metrics agree on every query."
         return items, [x["id"] for x in rows], msg
+
+
+def share_link(q, spec: Spec, k: int) -> str:
+    """The query string of this comparison (the page's script prefixes the page address)."""
+    if q.self_id is None:
+        return "(an uploaded query cannot be in a link: pick a gallery image to share)"
+    try:
+        return state_query(q.self_id, spec.strategy, spec.params, spec.mode, k)
+    except UserError as e:
+        return f"({e})"
+
+
+def query_row(r: dict) -> list:
+    return [r["id"], r["class_name"], round(r["ap_a"], 4), round(r["ap_b"], 4), round(r["delta"], 4)]
+
+
+def disagreement_table(cmp, which: str) -> tuple[list, list]:
+    rows = cmp.disagreements(which)
+    return [query_row(r) for r in rows], [r["id"] for r in rows]
 
 
 def report_md(spec: Spec, rep: dict) -> str:
@@ -146,7 +254,56 @@ def offline_theme():
                              font_mono=["ui-monospace", "monospace"])
 
 
-CSS = ".result-gallery .caption-label {font-size: 13px;}"
+CSS = (".result-gallery .caption-label {font-size: 13px;}\n"
+       ".cmp-plot circle {cursor: pointer;} .cmp-plot circle:hover {stroke: black; stroke-width: 1.5;}")
+QUERY_COLUMNS = ("id", "class", "AP trained", "AP M′", "ΔAP")
+
+# a click on a point (any element with data-id) → the component's click event with {id}; hovering
+# shows the point's tooltip with its thumbnail, fetched from the server (the app serves no files)
+PLOT_JS = """
+const tip = document.createElement('div');
+tip.style.cssText = 'position:fixed;display:none;pointer-events:none;z-index:1000;background:#fff;' +
+  'border:1px solid #999;border-radius:4px;padding:4px;font:12px sans-serif;max-width:220px';
+document.body.appendChild(tip);
+element.addEventListener('click', (e) => {
+  const c = e.target.closest('[data-id]');
+  if (c) trigger('click', {id: Number(c.dataset.id)});
+});
+element.addEventListener('mouseover', async (e) => {
+  const c = e.target.closest('[data-id]');
+  if (!c) return;
+  const id = c.dataset.id;
+  tip.dataset.id = id;
+  tip.textContent = c.querySelector('title')?.textContent || ('id ' + id);
+  tip.style.left = (e.clientX + 14) + 'px'; tip.style.top = (e.clientY + 14) + 'px';
+  tip.style.display = 'block';
+  const uri = await server.thumb(id);
+  if (tip.dataset.id === id && tip.style.display === 'block') {
+    const img = document.createElement('img'); img.src = uri; img.style.cssText = 'display:block;max-width:96px';
+    tip.prepend(img);
+  }
+});
+element.addEventListener('mouseout', (e) => { if (e.target.closest('[data-id]')) { tip.style.display = 'none'; tip.dataset.id = ''; } });
+"""
+# the share box shows a whole address: this page's, with the comparison's query string
+LINK_JS = "(qs) => qs && qs.startsWith('?') ? window.location.origin + window.location.pathname + qs : qs"
+# n / p: next / previous disagreement, unless typing in a field
+KEYS_JS = """() => {
+  document.addEventListener('keydown', (e) => {
+    const t = e.target;
+    if (e.altKey || e.ctrlKey || e.metaKey || (t && (t.isContentEditable || /INPUT|TEXTAREA|SELECT/.test(t.tagName)))) return;
+    const id = {n: 'cmp-next', p: 'cmp-prev'}[e.key];
+    const b = id && document.getElementById(id);
+    if (b) { e.preventDefault(); b.click(); }
+  });
+}"""
+
+
+def plot_html(svc: RetrievalService, elem_id: str) -> gr.HTML:
+    """An SVG plot whose points open a query when clicked (see PLOT_JS)."""
+    def thumb(item_id):
+        return svc.thumbnail_uri(int(item_id))
+    return gr.HTML("", js_on_load=PLOT_JS, server_functions=[thumb], elem_id=elem_id, min_height=120)
 
 
 def build_ui(svc: RetrievalService) -> gr.Blocks:
@@ -162,53 +319,102 @@ def build_ui(svc: RetrievalService) -> gr.Blocks:
         results_state = gr.State({"left": [], "right": []})
         selected = gr.State(None)
         dis_ids = gr.State([])
-        with gr.Tab("Search"):
-            with gr.Row():
-                with gr.Column(scale=1, min_width=280):
-                    query = UploadImage(label="Query: upload or paste an image", type="filepath",
-                                        sources=["upload", "clipboard"], height=200)
-                    strategy = gr.Dropdown(svc.strategy_choices(), value="identity", label="Right-panel strategy")
-                    mode = gr.Radio(["cosine", "bilinear"], value="cosine", label="Mode (both panels)")
-                    with gr.Accordion("Strategy parameters", open=True):
-                        controls = {sp.name: param_control(sp) for sp in shared_params()}
-                    k = gr.Slider(1, 48, 12, step=1, label="k")
-                    go = gr.Button("Search", variant="primary")
-                    status = gr.Markdown("Pick an example below or upload an image.")
-                with gr.Column(scale=3):
+        cmp_ids, cmp_cursor, class_q_ids = gr.State([]), gr.State(-1), gr.State([])
+        with gr.Tabs() as tabs:
+            with gr.Tab("Search", id="search"):
+                with gr.Row():
+                    with gr.Column(scale=1, min_width=280):
+                        query = UploadImage(label="Query: upload or paste an image", type="filepath",
+                                            sources=["upload", "clipboard"], height=200)
+                        strategy = gr.Dropdown(svc.strategy_choices(), value="identity", label="Right-panel strategy")
+                        mode = gr.Radio(["cosine", "bilinear"], value="cosine", label="Mode (both panels)")
+                        with gr.Accordion("Strategy parameters", open=True):
+                            controls = {sp.name: param_control(sp) for sp in shared_params()}
+                        k = gr.Slider(1, 48, 12, step=1, label="k")
+                        go = gr.Button("Search", variant="primary")
+                        status = gr.Markdown("Pick an example below or upload an image.")
+                    with gr.Column(scale=3):
+                        with gr.Row():
+                            with gr.Column():
+                                left_title = gr.Markdown("### Left: trained")
+                                left = gr.Gallery(columns=4, height=430, allow_preview=False, elem_classes="result-gallery", object_fit="contain",
+                                                  label="trained M*")
+                            with gr.Column():
+                                right_title = gr.Markdown("### Right: refined")
+                                right = gr.Gallery(columns=4, height=430, allow_preview=False, elem_classes="result-gallery", object_fit="contain",
+                                                   label="refined M′")
+                        follow = gr.Button("Search with the selected result")
+                        with gr.Row():
+                            link = gr.Textbox(label="Link to this comparison", buttons=["copy"], interactive=False,
+                                              scale=3, elem_id="share-link")
+                            export = gr.Button("Export JSON + CSV", scale=1)
+                        gr.Markdown("_An uploaded query cannot be in a link: share a gallery query (an example, a "
+                                    "result, a disagreement)._")
+                        link_qs = gr.Textbox(visible=False)
+                        exported = gr.File(label="exported comparison", file_count="multiple", visible=True,
+                                           height=80)
+                examples = gr.Gallery(value=[(svc.thumbnail(i), svc.class_name(svc.query_from_item(i).label))
+                                             for i in example_ids],
+                                      label="Examples from the test split: click one to query", columns=12,
+                                      height=200, allow_preview=False, object_fit="contain")
+                with gr.Accordion("Disagreements: test queries where the two metrics differ most", open=False):
+                    dis_go = gr.Button("Find disagreements for the current strategy")
+                    dis_msg = gr.Markdown()
+                    dis = gr.Gallery(columns=6, height=300, allow_preview=False, label="largest |ΔAP|",
+                                     object_fit="contain")
+            with gr.Tab("Compare", id="compare") as cmp_tab:
+                gr.Markdown("### Every test query: the trained M* (x) against the right-panel strategy (y)\n"
+                            "Strategy, mode and parameters are the Search tab's. Click a point, a disagreement or a "
+                            "class's query to open it in the Search tab; keys **n** / **p** step through the "
+                            "filtered disagreements.")
+                cmp_go = gr.Button("Compare on every test query", variant="primary")
+                cmp_summary = gr.Markdown()
+                with gr.Row():
+                    scatter = plot_html(svc, "cmp-scatter")
+                    with gr.Column():
+                        which = gr.Radio(list(FILTERS), value="all", label="Disagreements (by |ΔAP|)")
+                        with gr.Row():
+                            prev_btn = gr.Button("◀ previous (p)", elem_id="cmp-prev", size="sm")
+                            next_btn = gr.Button("next (n) ▶", elem_id="cmp-next", size="sm")
+                        dis_table = gr.Dataframe(headers=list(QUERY_COLUMNS), interactive=False, max_height=380,
+                                                 label="click a row to open it")
+                with gr.Row():
+                    class_table = gr.Dataframe(headers=["class", "label", "n", "AP trained", "AP M′", "Δ"],
+                                               interactive=False, max_height=360,
+                                               label="per class (sort by a header; click a class for its queries)")
+                    class_queries = gr.Dataframe(headers=list(QUERY_COLUMNS), interactive=False, max_height=360,
+                                                 label="the class's queries")
+                with gr.Accordion("2-D maps of the gallery under M* and M′ (computed once per strategy)", open=False):
                     with gr.Row():
+                        method = gr.Radio(list(MAP_METHODS), value="t-SNE", label="projection")
+                        maps_go = gr.Button("Draw the maps")
+                    with gr.Row():
+                        map_a, map_b = plot_html(svc, "map-a"), plot_html(svc, "map-b")
+            with gr.Tab("Analysis"):
+                a = svc.analysis()
+                gr.Markdown("### Strategy evaluation on the test classes (`python -m index evaluate`)")
+                gr.Markdown(a["table"] or "_No evaluation found: run `python -m index evaluate`._")
+                # captions above the figures: an image's label would cover its title
+                with gr.Row():
+                    for img, caption in ((a["sweep"], "accuracy vs restraint degree r"),
+                                         (a["principles"], "accuracy vs principle ratios")):
                         with gr.Column():
-                            left_title = gr.Markdown("### Left: trained")
-                            left = gr.Gallery(columns=4, height=430, allow_preview=False, elem_classes="result-gallery", object_fit="contain",
-                                              label="trained M*")
-                        with gr.Column():
-                            right_title = gr.Markdown("### Right: refined")
-                            right = gr.Gallery(columns=4, height=430, allow_preview=False, elem_classes="result-gallery", object_fit="contain",
-                                               label="refined M′")
-                    follow = gr.Button("Search with the selected result")
-            examples = gr.Gallery(value=[(svc.thumbnail(i), svc.class_name(svc.query_from_item(i).label))
-                                         for i in example_ids],
-                                  label="Examples from the test split: click one to query", columns=12,
-                                  height=200, allow_preview=False, object_fit="contain")
-            with gr.Accordion("Disagreements: test queries where the two metrics differ most", open=False):
-                dis_go = gr.Button("Find disagreements for the current strategy")
-                dis_msg = gr.Markdown()
-                dis = gr.Gallery(columns=6, height=300, allow_preview=False, label="largest |ΔAP|",
-                                 object_fit="contain")
-        with gr.Tab("Analysis"):
-            a = svc.analysis()
-            gr.Markdown("### Strategy evaluation on the test classes (`python -m index evaluate`)")
-            gr.Markdown(a["table"] or "_No evaluation found: run `python -m index evaluate`._")
-            with gr.Row():
-                gr.Image(a["sweep"], label="accuracy vs restraint degree r", interactive=False)
-                gr.Image(a["principles"], label="accuracy vs principle ratios", interactive=False)
-            with gr.Row():
-                gr.Image(svc.heatmap(Spec("trained", {}, "bilinear")), label="M* (trained)", interactive=False)
-                m_prime = gr.Image(label="current M′", interactive=False)
-                gal_map = gr.Image(svc.gallery_map(), label="2-D map of the gallery", interactive=False)
-            m_report = gr.Markdown()
+                            gr.Markdown(f"**{caption}**")
+                            gr.Image(img, show_label=False, interactive=False)
+                with gr.Row():
+                    with gr.Column():
+                        gr.Markdown("**M* (trained)**")
+                        gr.Image(svc.heatmap(Spec("trained", {}, "bilinear")), show_label=False, interactive=False)
+                    with gr.Column():
+                        gr.Markdown("**current M′**")
+                        m_prime = gr.Image(show_label=False, interactive=False)
+                    with gr.Column():
+                        gr.Markdown("**2-D map of the gallery**")
+                        gal_map = gr.Image(svc.gallery_map(), show_label=False, interactive=False)
+                m_report = gr.Markdown()
 
         inputs = [qstate, query, strategy, mode, k]
-        outputs = [left_title, left, right_title, right, status, results_state, m_prime, m_report, gal_map]
+        outputs = [left_title, left, right_title, right, status, results_state, m_prime, m_report, gal_map, link_qs]
 
         def search_on(event):
             return event(h.on_search, inputs, outputs, inputs_kwargs=controls, api_visibility="private")
@@ -251,6 +457,38 @@ def build_ui(svc: RetrievalService) -> gr.Blocks:
             return {"kind": "item", "id": i}, svc.thumbnail(i, size=200)
 
         search_on(dis.select(pick_dis, dis_ids, [qstate, query], api_visibility="private").then)
+
+        # share and export
+        link_qs.change(None, link_qs, link, js=LINK_JS)
+        export.click(h.on_export, inputs, exported, inputs_kwargs=controls, api_visibility="private")
+        search_on(demo.load(h.on_load, None, [qstate, query, strategy, mode, k, *controls.values(), status],
+                            api_visibility="private").then)
+
+        # the Compare tab
+        cmp_out = [cmp_summary, scatter, dis_table, cmp_ids, cmp_cursor, class_table]
+        for ev in (cmp_go.click, cmp_tab.select):
+            ev(h.on_compare, [qstate, strategy, mode, which], cmp_out, inputs_kwargs=controls, api_visibility="private")
+        which.change(h.on_filter, [strategy, mode, which], [dis_table, cmp_ids, cmp_cursor], inputs_kwargs=controls,
+                     api_visibility="private")
+        opened = [qstate, query, tabs]
+
+        def open_clicked(evt: gr.EventData):
+            return h.open_item(evt._data["id"])
+
+        def open_row(evt: gr.SelectData):
+            return h.open_item(evt.row_value[0])
+
+        for plot in (scatter, map_a, map_b):
+            search_on(plot.click(open_clicked, None, opened, api_visibility="private").then)
+        for table in (dis_table, class_queries):
+            search_on(table.select(open_row, None, opened, api_visibility="private").then)
+        for btn, step in ((next_btn, 1), (prev_btn, -1)):
+            search_on(btn.click(lambda ids, cur, s=step: h.on_step(ids, cur, s), [cmp_ids, cmp_cursor],
+                                [*opened, cmp_cursor], api_visibility="private").then)
+        class_table.select(h.on_class, [strategy, mode], [class_queries, class_q_ids], inputs_kwargs=controls,
+                           api_visibility="private")
+        maps_go.click(h.on_maps, [qstate, strategy, mode, method], [map_a, map_b], inputs_kwargs=controls,
+                      api_visibility="private")
 
         # The HTTP API `/search` (gradio_client, see README): hidden components give it typed,
         # file-uploading parameters; the UI never shows them.  Strategies needing a file are left out.

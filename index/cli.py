@@ -523,6 +523,7 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
         add_shared_args(e, "json", "threads", "progress", "cache_dir", "device")
         _data_args(e)
         e.set_defaults(func=func)
+    _add_report_parser(sub)
     return p
 
 
@@ -530,3 +531,33 @@ def main(argv=None) -> int:
     args = parse_with_config_file(build_parser, argv, {"build": BuildConfig})
     setup_logging(args.verbose)
     return args.func(args)
+
+
+def cmd_report(args) -> int:
+    from .report import write_report
+    from .store import read_index
+
+    apply_threads(args.threads)
+    analysis = Path(args.analysis) if args.analysis else None
+    if analysis is not None and not analysis.is_dir():
+        raise UserError(f"--analysis folder not found: {analysis}")
+    if args.top < 1 or args.k < 1:
+        raise UserError("--top and --k must be at least 1")
+    out = write_report(read_index(args.index, verify=not args.no_verify), args.out, args.strategy,
+                       strategy_params_from(args), args.mode, top=args.top, k=args.k, analysis=analysis)
+    print(f"written: {out}")
+    return 0
+
+
+def _add_report_parser(sub) -> None:
+    rp = sub.add_parser("report", help="one self-contained HTML page: trained vs a strategy over every query")
+    rp.add_argument("--index", required=True, help="index directory (every item is a query, leave-one-out)")
+    rp.add_argument("--out", required=True, help="the HTML file to write (figures and thumbnails inlined)")
+    rp.add_argument("--analysis", help="folder written by `python -m index evaluate`: its strategy table and "
+                                       "curves go into the report (default: none)")
+    rp.add_argument("--top", type=int, default=20, help="improved and worsened queries shown, each (default: %(default)s)")
+    rp.add_argument("--k", type=int, default=8, help="results shown per query and metric (default: %(default)s)")
+    rp.add_argument("--no-verify", action="store_true", help="skip the checksum verification at load")
+    add_shared_args(rp, "threads")
+    _strategy_args(rp)
+    rp.set_defaults(func=cmd_report)

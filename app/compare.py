@@ -1,0 +1,213 @@
+"""The Compare tab's pieces without Gradio: interactive SVG plots, 2-D maps of the gallery
+under M* and M′, the shareable URL state, and the export files.
+
+The plots are SVG (one <circle data-id> per query, a <title> tooltip each): Gradio's native
+scatter plot selects an x-interval, not a point, and gr.Plot has no click event, so the app
+puts these in a gr.HTML whose script turns a click on a point into an event.  The same SVG
+goes into the static report.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import html
+import json
+import tempfile
+import urllib.parse
+from pathlib import Path
+
+import numpy as np
+
+from core.arrays import l2_normalize
+from core.errors import UserError
+from index.refinements import MODES, REFINEMENTS, file_params, strategy_params
+from index.search import RESULT_FIELDS
+
+MAP_METHODS = ("t-SNE", "PCA", "UMAP")
+MAX_MAP_POINTS = 10_000
+K_RANGE = (1, 48)  # the app's k slider
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+           "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7",
+           "#dbdb8d", "#9edae5")  # tab20
+OUTCOME_COLOURS = {1: "#2ca02c", -1: "#d62728", 0: "#9a9a9a"}
+
+
+# ---------------------------------------------------------------- plots
+def tick_label(v: float) -> str:
+    """Readable tick text: 3 significant digits, plain notation (−0.0217, not −2.16746×10⁻²)."""
+    return np.format_float_positional(float(v), precision=3, unique=True, fractional=False, trim="-")
+
+
+def nice_ticks(lo: float, hi: float, n: int = 5) -> np.ndarray:
+    from matplotlib.ticker import MaxNLocator
+
+    t = MaxNLocator(n).tick_values(lo, hi)
+    return t[(t >= lo - 1e-12) & (t <= hi + 1e-12)]
+
+
+def svg_scatter(x, y, ids, colours, tips, *, title: str, x_label: str = "", y_label: str = "",
+                lims: tuple | None = None, diagonal: bool = False, axes: bool = True, mark: int | None = None,
+                note: str = "", width: int = 470, height: int = 430) -> str:
+    """One SVG scatter: point i is a circle with data-id=ids[i] and tooltip tips[i]; `mark`: the
+    index of a point drawn as a star (the current query); `note` goes under the title."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    L, R, T, B = (52 if axes else 10), 12, 44 if note else 30, (44 if axes else 10)
+    if lims is None:
+        pad = lambda a: (float(a.min()), float(a.max())) if len(a) and a.max() > a.min() else (-1.0, 1.0)  # noqa: E731
+        (x0, x1), (y0, y1) = pad(x), pad(y)
+    else:
+        x0, x1, y0, y1 = lims
+    px = lambda v: L + (np.asarray(v) - x0) / (x1 - x0) * (width - L - R)  # noqa: E731
+    py = lambda v: height - B - (np.asarray(v) - y0) / (y1 - y0) * (height - T - B)  # noqa: E731
+    out = [f'<svg class="cmp-plot" viewBox="0 0 {width} {height}" width="100%" xmlns="http://www.w3.org/2000/svg" '
+           'font-family="sans-serif">',
+           f'<text x="{width / 2}" y="16" text-anchor="middle" font-size="13" font-weight="bold">'
+           f'{html.escape(title)}</text>']
+    if note:
+        out.append(f'<text x="{width / 2}" y="32" text-anchor="middle" font-size="11" fill="#555">'
+                   f'{html.escape(note)}</text>')
+    out.append(f'<rect x="{L}" y="{T}" width="{width - L - R}" height="{height - T - B}" fill="none" stroke="#bbb"/>')
+    if axes:
+        for t in nice_ticks(x0, x1):
+            out.append(f'<text x="{px(t):.1f}" y="{height - B + 14}" text-anchor="middle" font-size="10">'
+                       f'{tick_label(t)}</text>')
+        for t in nice_ticks(y0, y1):
+            out.append(f'<text x="{L - 4}" y="{py(t) + 3:.1f}" text-anchor="end" font-size="10">{tick_label(t)}</text>')
+        out.append(f'<text x="{(L + width - R) / 2}" y="{height - 6}" text-anchor="middle" font-size="11">'
+                   f'{html.escape(x_label)}</text>')
+        out.append(f'<text transform="translate(12,{(T + height - B) / 2}) rotate(-90)" text-anchor="middle" '
+                   f'font-size="11">{html.escape(y_label)}</text>')
+    if diagonal:
+        lo, hi = max(x0, y0), min(x1, y1)
+        out.append(f'<line x1="{px(lo):.1f}" y1="{py(lo):.1f}" x2="{px(hi):.1f}" y2="{py(hi):.1f}" '
+                   'stroke="#444" stroke-dasharray="4 3"/>')
+    X, Y = px(x), py(y)
+    for i in range(len(x)):
+        out.append(f'<circle cx="{X[i]:.1f}" cy="{Y[i]:.1f}" r="3.2" fill="{colours[i]}" fill-opacity="0.7" '
+                   f'data-id="{int(ids[i])}"><title>{html.escape(tips[i])}</title></circle>')
+    if mark is not None:
+        out.append(f'<text x="{X[mark]:.1f}" y="{Y[mark] + 7:.1f}" text-anchor="middle" font-size="22" '
+                   f'fill="black" stroke="yellow" stroke-width="1" data-id="{int(ids[mark])}">★'
+                   f'<title>query: {html.escape(tips[mark])}</title></text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def ap_scatter(cmp, **kw) -> str:
+    """x: AP under the trained metric, y: under M′, one point per query, the diagonal drawn;
+    green above it (improved), red below (worsened), grey on it."""
+    o = cmp.outcome()
+    tips = [f"{cmp.class_name(lab)} · id {i} · AP {a:.3f} → {b:.3f}"
+            for i, lab, a, b in zip(cmp.ids, cmp.labels, cmp.ap_a, cmp.ap_b)]
+    return svg_scatter(cmp.ap_a, cmp.ap_b, cmp.ids, [OUTCOME_COLOURS[int(v)] for v in o], tips,
+                       title="per-query AP (MAP@R): click a point to open it", x_label=f"AP, {cmp.label_a}",
+                       y_label=f"AP, {cmp.label_b}", lims=(0, 1, 0, 1), diagonal=True, **kw)
+
+
+# ---------------------------------------------------------------- maps
+def metric_features(feats: np.ndarray, M: np.ndarray, kind: str, W: np.ndarray, mode: str) -> tuple[np.ndarray, str]:
+    """Features whose Euclidean geometry is M′'s: Lφ with LᵀL = M′ (Wφ for M*, φ for the
+    identity; an indefinite M′ keeps its PSD part, said in the note); rows normalised in
+    cosine mode, where the M′-cosine is the cosine of Lφ."""
+    note = ""
+    if kind == "identity":
+        X = feats
+    elif kind == "lowrank":
+        X = feats @ W.T
+    else:
+        lam, V = np.linalg.eigh(np.asarray(M, dtype=np.float64))
+        if lam.min() < -1e-8 * max(abs(lam).max(), 1e-300):
+            note = "indefinite M′: its PSD part"
+        X = (feats @ (V * np.sqrt(np.clip(lam, 0, None)))).astype(np.float32)
+    return (l2_normalize(X) if mode == "cosine" else X), note
+
+
+def subsample(n: int, seed: int = 0, cap: int = MAX_MAP_POINTS) -> np.ndarray:
+    """Rows drawn for a map: all up to `cap`, else `cap` of them (seeded, in index order)."""
+    if n <= cap:
+        return np.arange(n)
+    return np.sort(np.random.default_rng(seed).choice(n, cap, replace=False))
+
+
+def project_2d(X: np.ndarray, method: str, seed: int = 0) -> np.ndarray:
+    """2-D coordinates of the rows of X: t-SNE (on a 50-d PCA, as scikit-learn advises),
+    PCA, or UMAP where installed."""
+    if method not in MAP_METHODS:
+        raise UserError(f"map method must be one of {MAP_METHODS}, got {method!r}")
+    from sklearn.decomposition import PCA
+
+    X = np.asarray(X, dtype=np.float32)
+    if method == "PCA":
+        return PCA(n_components=2, random_state=seed).fit_transform(X)
+    if method == "UMAP":
+        try:
+            import umap  # optional
+        except ImportError:
+            raise UserError("UMAP is not installed (pip install umap-learn); use t-SNE or PCA") from None
+        return umap.UMAP(n_components=2, random_state=seed).fit_transform(X)
+    from sklearn.manifold import TSNE
+
+    if X.shape[1] > 50 and len(X) > 50:
+        X = PCA(n_components=50, random_state=seed).fit_transform(X)
+    perplexity = float(min(30, max(2, (len(X) - 1) / 3)))
+    return TSNE(n_components=2, init="pca", random_state=seed, perplexity=perplexity).fit_transform(X)
+
+
+def class_colours(labels: np.ndarray) -> list[str]:
+    _, codes = np.unique(labels, return_inverse=True)
+    return [PALETTE[c % len(PALETTE)] for c in codes]
+
+
+# ---------------------------------------------------------------- URL state
+def state_query(item_id: int, strategy: str, params: dict, mode: str, k: int) -> str:
+    """`?q=<id>&strategy=<name>&<param>=<value>…&mode=…&k=…`: the strategy's own parameters only;
+    a strategy that needs a file cannot be shared (its file is not in the URL)."""
+    if file_params(strategy):
+        raise UserError(f"strategy {strategy} uses an uploaded file: it cannot be shared in a link")
+    own = {f: params[f] for f in REFINEMENTS.get(strategy).param_defaults() if params.get(f) is not None}
+    return "?" + urllib.parse.urlencode({"q": int(item_id), "strategy": strategy, **own, "mode": mode, "k": int(k)})
+
+
+def parse_state(query: dict) -> dict | None:
+    """The URL's comparison: {q, strategy, params, mode, k} (None when it names no query);
+    bad values are refused with a message that names them."""
+    query = {k: v for k, v in dict(query).items() if v not in ("", None)}
+    if "q" not in query:
+        return None
+    try:
+        q = int(query["q"])
+        k = int(query.get("k", 12))
+    except ValueError:
+        raise UserError(f"the link's q and k must be integers, got q={query['q']!r}, k={query.get('k')!r}") from None
+    if not K_RANGE[0] <= k <= K_RANGE[1]:
+        raise UserError(f"the link's k must be between {K_RANGE[0]} and {K_RANGE[1]}, got {k}")
+    strategy = query.get("strategy", "identity")
+    REFINEMENTS.get(strategy)  # an unknown name is refused with the known ones
+    if file_params(strategy):
+        raise UserError(f"strategy {strategy} needs an uploaded file: a link cannot carry it")
+    mode = query.get("mode", "cosine")
+    if mode not in MODES:
+        raise UserError(f"the link's mode must be one of {MODES}, got {mode!r}")
+    given = {name: query[name] for name in REFINEMENTS.get(strategy).param_defaults() if name in query}
+    params = dataclasses.asdict(strategy_params(strategy, given))
+    return {"q": q, "strategy": strategy, "params": params, "mode": mode, "k": k}
+
+
+# ---------------------------------------------------------------- export
+CSV_FIELDS = ("side", "metric", "p_at_k", "ap", *RESULT_FIELDS, "correct")
+
+
+def write_exports(payload: dict, folder: str | None = None) -> tuple[str, str]:
+    """The comparison as JSON and as CSV (one row per result per panel), in a fresh temp folder."""
+    out = Path(folder or tempfile.mkdtemp(prefix="compare-"))
+    stem = f"comparison-q{payload['query'].get('id', 'upload')}"
+    j, c = out / f"{stem}.json", out / f"{stem}.csv"
+    j.write_text(json.dumps(payload, indent=1, ensure_ascii=False))
+    with c.open("w", newline="") as f:
+        w = csv.DictWriter(f, CSV_FIELDS)
+        w.writeheader()
+        for p in payload["panels"]:
+            for r in p["results"]:
+                w.writerow({"side": p["side"], "metric": p["metric"], "p_at_k": p["p_at_k"], "ap": p["ap"],
+                            **{f: r.get(f) for f in (*RESULT_FIELDS, "correct")}})
+    return str(j), str(c)

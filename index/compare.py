@@ -1,0 +1,214 @@
+"""Two metrics over a whole index, query by query: per-query AP, the paired statistics, per class.
+
+Every index item is a query against the rest (leave-one-out), scored by MAP@R
+(the evaluator's per-query metric).  One strategy's per-query AP over the
+whole index is one batched computation: up to `sweep.MAX_N` items the score
+matrix S = Φ M′ Φᵀ of the batched sweep (index/sweep.py, equal to the search
+path up to floating-point ties) ranked by one top-R per row; above, one
+chunked exact search through `Searcher.query_view`.  Results are cached per
+(strategy, parameters, mode).  The app's Compare tab and `index report` use it.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from core.errors import CorruptImageError
+from core.images import load_rgb
+from evaluation.evaluator import evaluate_ranking, per_query_metrics
+
+from .refinements import strategy_key, strategy_label
+from .search import Searcher
+from .store import IndexData
+from .sweep import MAX_N, GramSweep
+
+FILTERS = ("all", "improved", "worsened")
+TIE_TOL = 1e-12  # APs are equal when their rankings are: only round-off separates "tied"
+
+
+class QuerySweep(GramSweep):
+    """The batched sweep, kept per query: each item's MAP@R under one setting."""
+
+    def per_query_ap(self, S: torch.Tensor, mode: str) -> np.ndarray:
+        """MAP@R of every item (NaN where it has no other item of its class); S is consumed."""
+        if mode == "cosine":  # as the search path: rows by 1/‖x‖ (0 where ‖x‖ = 0), queries by 1/max(‖q‖, ε)
+            norm = torch.sqrt(torch.clamp(torch.diagonal(S).double(), min=0.0))
+            inv = 1.0 / torch.clamp(norm, min=1e-30)
+            S.mul_(torch.where(norm > 0, inv, 0.0).float()[None, :]).mul_(inv.float()[:, None])
+        S.fill_diagonal_(-float("inf"))
+        ap = np.full(self.n, np.nan)
+        k = int(self.R.max(initial=0))  # R ≤ n − 1: every needed rank exists
+        for s in range(0, len(self.valid), self.chunk):
+            rows = self.valid[s: s + self.chunk]
+            nbr = self.labels[torch.topk(S[torch.from_numpy(rows)], k, dim=1, sorted=True).indices.numpy()]
+            ap[rows] = per_query_metrics(nbr, self.labels[rows], self.R[rows], ks=(1,))["map@r"]
+        return ap
+
+
+def sign_test(improved: int, worsened: int) -> float:
+    """Two-sided exact sign test of improved vs worsened (ties dropped); 1 when none differ."""
+    from scipy.stats import binomtest
+
+    n = improved + worsened
+    return float(binomtest(improved, n, 0.5, alternative="two-sided").pvalue) if n else 1.0
+
+
+def bootstrap_ci(values: np.ndarray, seed: int = 0, n_boot: int = 2000, level: float = 0.95,
+                 chunk: int = 250) -> tuple[float, float]:
+    """Percentile bootstrap CI of the mean: `n_boot` resamples with replacement, drawn
+    `chunk` at a time from numpy's Generator(seed) (memory stays chunk × n)."""
+    values = np.asarray(values, dtype=np.float64)
+    if len(values) == 0:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    means = np.concatenate([values[rng.integers(0, len(values), size=(min(chunk, n_boot - b), len(values)))].mean(1)
+                            for b in range(0, n_boot, chunk)])
+    lo, hi = np.percentile(means, [50 * (1 - level), 50 * (1 + level)])
+    return float(lo), float(hi)
+
+
+@dataclass
+class Comparison:
+    """Per-query AP of the same queries under metric A (x, the trained) and B (y, the chosen M′)."""
+    label_a: str
+    label_b: str
+    ids: np.ndarray            # item ids of the queries (those with a relevant item)
+    labels: np.ndarray
+    ap_a: np.ndarray
+    ap_b: np.ndarray
+    class_names: dict = field(default_factory=dict)
+    seed: int = 0
+
+    @property
+    def delta(self) -> np.ndarray:
+        return self.ap_b - self.ap_a
+
+    def outcome(self) -> np.ndarray:
+        """+1 improved, −1 worsened, 0 tied, per query."""
+        d = self.delta
+        return np.where(d > TIE_TOL, 1, np.where(d < -TIE_TOL, -1, 0))
+
+    def counts(self) -> dict:
+        o = self.outcome()
+        return {"queries": int(len(o)), "improved": int((o > 0).sum()), "worsened": int((o < 0).sum()),
+                "tied": int((o == 0).sum())}
+
+    def summary(self) -> dict:
+        c = self.counts()
+        lo, hi = bootstrap_ci(self.delta, self.seed)
+        return c | {"map_a": float(self.ap_a.mean()) if len(self.ap_a) else float("nan"),
+                    "map_b": float(self.ap_b.mean()) if len(self.ap_b) else float("nan"),
+                    "mean_delta": float(self.delta.mean()) if len(self.delta) else float("nan"),
+                    "ci95": (lo, hi), "sign_test_p": sign_test(c["improved"], c["worsened"])}
+
+    def summary_text(self) -> str:
+        s = self.summary()
+        return (f"{s['queries']:,} queries: {s['improved']:,} improved, {s['worsened']:,} worsened, "
+                f"{s['tied']:,} tied · MAP@R {s['map_a']:.4f} → {s['map_b']:.4f} · mean ΔAP {s['mean_delta']:+.4f} "
+                f"(bootstrap 95% CI [{s['ci95'][0]:+.4f}, {s['ci95'][1]:+.4f}]) · two-sided sign test "
+                f"p = {s['sign_test_p']:.3g}")
+
+    def class_name(self, label: int) -> str:
+        return self.class_names.get(int(label), str(int(label)))
+
+    def row(self, i: int) -> dict:
+        return {"id": int(self.ids[i]), "label": int(self.labels[i]), "class_name": self.class_name(self.labels[i]),
+                "ap_a": float(self.ap_a[i]), "ap_b": float(self.ap_b[i]), "delta": float(self.delta[i])}
+
+    def disagreements(self, which: str = "all", top: int | None = None, label: int | None = None) -> list[dict]:
+        """Queries by |ΔAP|, largest first (ties by position): `which` of FILTERS (all: every
+        query that changed), optionally of one class."""
+        if which not in FILTERS:
+            raise ValueError(f"filter must be one of {FILTERS}, got {which!r}")
+        o = self.outcome()
+        keep = {"all": o != 0, "improved": o > 0, "worsened": o < 0}[which]
+        if label is not None:
+            keep = keep & (self.labels == label)
+        rows = np.nonzero(keep)[0]
+        rows = rows[np.argsort(-np.abs(self.delta[rows]), kind="stable")][:top]
+        return [self.row(i) for i in rows]
+
+    def class_queries(self, label: int) -> list[dict]:
+        """Every query of one class, largest |ΔAP| first."""
+        rows = np.nonzero(self.labels == label)[0]
+        return [self.row(i) for i in rows[np.argsort(-np.abs(self.delta[rows]), kind="stable")]]
+
+    def per_class(self) -> list[dict]:
+        """Per class: its queries n, mean AP under A and B, and Δ (by label)."""
+        out = []
+        for c in np.unique(self.labels):
+            m = self.labels == c
+            a, b = float(self.ap_a[m].mean()), float(self.ap_b[m].mean())
+            out.append({"label": int(c), "class_name": self.class_name(c), "n": int(m.sum()),
+                        "ap_a": a, "ap_b": b, "delta": b - a})
+        return out
+
+
+class Comparer:
+    """Per-query AP of whole-index leave-one-out retrieval, one batched pass per setting, cached."""
+
+    def __init__(self, data: IndexData, searcher: Searcher | None = None, cache_size: int = 16):
+        self.data = data
+        self.searcher = searcher or Searcher(data)
+        self._sweep = None
+        self._cache: dict = {}
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    def resolve(self, strategy: str, params: dict | None, mode: str) -> str:
+        return self.searcher.resolve_mode(strategy, params or {}, mode)[0]
+
+    def per_query_ap(self, strategy: str = "trained", params: dict | None = None, mode: str = "cosine") -> np.ndarray:
+        """MAP@R of every index item as a query, in index order (NaN: no other item of its class).
+        `mode` is used as given (resolve an indefinite M′'s cosine first: `resolve`)."""
+        rm = self.searcher.metric(strategy, params)
+        key = (strategy_key(strategy, rm.params), mode)
+        with self._lock:  # one computation at a time: each holds N² floats
+            if key not in self._cache:
+                self._cache[key] = self._compute(rm, strategy, params, mode)
+                while len(self._cache) > self._cache_size:
+                    self._cache.pop(next(iter(self._cache)))
+            return self._cache[key]
+
+    def _compute(self, rm, strategy, params, mode) -> np.ndarray:
+        y = self.data.items.labels
+        if self.searcher.exact and len(y) <= MAX_N:
+            if self._sweep is None:
+                self._sweep = QuerySweep(np.array(self.data.features, dtype=np.float32), y, self.data.W)  # a writable copy for torch
+            if mode == "cosine" and not rm.report["psd"]:
+                self.searcher.query_view(strategy, params, mode)  # raises the search path's refusal
+            return self._sweep.per_query_ap(self._sweep.scores(rm.M, rm.op.kind, rm.op.diag_removed), mode)
+        transform, index, _ = self.searcher.query_view(strategy, params, mode)
+        q = self.searcher.prepare_queries(np.asarray(self.data.features, dtype=np.float32))
+        res = evaluate_ranking(index, transform(q), y, y, same_set=True, ks=(1,), return_per_query=True)
+        return res["per_query"]["map@r"]
+
+    def compare(self, strategy: str, params: dict | None = None, mode: str = "cosine",
+                left_mode: str = "cosine", seed: int = 0) -> Comparison:
+        """Trained M* (`left_mode`) vs the strategy (its mode resolved), over the queries that
+        have a relevant item."""
+        mode = self.resolve(strategy, params, mode)
+        a = self.per_query_ap("trained", {}, left_mode)
+        b = self.per_query_ap(strategy, params, mode)
+        ok = ~np.isnan(a)
+        rm = self.searcher.metric(strategy, params)
+        return Comparison(f"trained · {left_mode}", f"{strategy_label(strategy, rm.params)} · {mode}",
+                          self.data.items.ids[ok], self.data.items.labels[ok], a[ok], b[ok],
+                          dict(self.data.class_names), seed)
+
+
+def item_image(data: IndexData, row: int) -> Image.Image | None:
+    """The gallery image of one index row, or None where it cannot be read."""
+    rel = data.items.paths[row]
+    if not rel or not data.root:
+        return None
+    p = Path(rel) if Path(rel).is_absolute() else Path(data.root) / rel
+    try:
+        return load_rgb(p)
+    except CorruptImageError:
+        return None

@@ -1,0 +1,53 @@
+"""A real browser on the Compare tab: a shared link opens its comparison, a click on a point opens that query."""
+import pytest
+
+from test_app_server import _chromium, server  # noqa: F401  (the running app fixture)
+
+
+def launch_chromium(p):
+    return p.chromium.launch(executable_path=_chromium(), args=[
+        "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+        "--disable-sync", "--no-first-run"])
+
+
+def wait_for_link(page, item_id: int):
+    """The share box names the query once both panels are filled."""
+    page.wait_for_function("(q) => (document.querySelector('#share-link textarea, #share-link input') || {}).value"
+                           "?.includes('?q=' + q + '&')", arg=item_id, timeout=60000)
+
+
+@pytest.mark.skipif(_chromium() is None, reason="Debian's chromium is not installed "
+                    "(make setup installs it as root; elsewhere: apt-get install chromium)")
+def test_shared_link_then_click_a_point(server, tmp_path):  # noqa: F811
+    from playwright.sync_api import sync_playwright
+
+    url, svc, _ = server
+    shared = int(svc.data.items.ids[5])
+    with sync_playwright() as p:
+        browser = launch_chromium(p)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            page.goto(f"{url}?q={shared}&strategy=spectral&p=0.5&mode=cosine&k=6", wait_until="load")
+            page.get_by_text("Right: spectral(p=0.5) · cosine").first.wait_for(timeout=60000)
+            page.get_by_text("Left: trained · cosine").first.wait_for(timeout=30000)
+            wait_for_link(page, shared)
+            galleries = page.locator(".result-gallery")
+            assert [galleries.nth(i).locator("button.thumbnail-item").count() for i in range(2)] == [6, 6]
+            assert "Query class: **" not in page.content()  # rendered as bold text, not markdown
+            page.get_by_role("tab", name="Compare").click()
+            points = page.locator("#cmp-scatter circle[data-id]")
+            points.first.wait_for(timeout=60000)
+            assert points.count() == len(svc.data.items)
+            assert page.locator("#cmp-scatter text", has_text="★").count() == 1  # the shared query is marked
+            page.screenshot(path=str(tmp_path / "compare_tab.png"), full_page=True)
+            # the topmost point (drawn last) other than the query's: points with equal APs overlap
+            ids = [int(i) for i in points.evaluate_all("cs => cs.map(c => c.dataset.id)")]
+            target = next(i for i in reversed(ids) if i != shared)
+            page.locator(f'#cmp-scatter circle[data-id="{target}"]').click()
+            wait_for_link(page, target)  # the Search tab, searched with the clicked query
+            assert page.get_by_text("Right: spectral(p=0.5) · cosine").first.is_visible()
+            assert page.locator(".result-gallery").first.is_visible()
+            page.screenshot(path=str(tmp_path / "after_click.png"), full_page=True)
+        finally:
+            browser.close()
+    assert (tmp_path / "compare_tab.png").stat().st_size > 10_000

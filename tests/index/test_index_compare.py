@@ -1,0 +1,107 @@
+"""index/compare.py: per-query AP of a whole index in one pass, and the paired statistics."""
+import math
+
+import numpy as np
+import pytest
+
+import index.compare as compare
+from evaluation.evaluator import per_query_metrics
+from index.compare import Comparer, Comparison, bootstrap_ci, sign_test
+from index.search import Searcher
+from index.store import in_memory_index
+
+SETTINGS = [("trained", {}, "cosine"), ("identity", {}, "cosine"), ("spectral", {"p": 0.5}, "cosine"),
+            ("random", {"r": 0.6, "seed": 2}, "bilinear"), ("diagonal", {"r": 0.3, "seed": 1}, "bilinear")]
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(0)
+    y = np.repeat(np.arange(12), 5)
+    y = np.concatenate([y, [99]])  # a class of one: no relevant item, no query
+    X = rng.normal(size=(13, 24))[np.minimum(y, 12)] + 0.8 * rng.normal(size=(61, 24))
+    return in_memory_index(X, y, rng.normal(size=(6, 24)), normalize=True)
+
+
+def reference_ap(data, M: np.ndarray, mode: str) -> np.ndarray:
+    """Brute force in float64: S = Φ M′ Φᵀ (cosine: over ‖·‖_M′), argsort, the evaluator's MAP@R."""
+    X = np.asarray(data.features, dtype=np.float64)
+    S = X @ M @ X.T
+    if mode == "cosine":
+        n = np.sqrt(np.diag(S))
+        S = S / n[:, None] / n[None, :]
+    np.fill_diagonal(S, -np.inf)
+    y = data.items.labels
+    R = np.array([(y == c).sum() - 1 for c in y])
+    nbr = y[np.argsort(-S, axis=1, kind="stable")[:, : R.max()]]
+    ap = per_query_metrics(nbr, y, R, ks=(1,))["map@r"]
+    return np.where(R > 0, ap, np.nan)
+
+
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("name, params, mode", SETTINGS)
+def test_per_query_ap_equals_brute_force(data, monkeypatch, batched, name, params, mode):
+    if not batched:  # above MAX_N the comparer searches through the search path instead
+        monkeypatch.setattr(compare, "MAX_N", 0)
+    c = Comparer(data)
+    got = c.per_query_ap(name, params, mode)
+    ref = reference_ap(data, c.searcher.metric(name, params).M, mode)
+    assert np.isnan(got[-1]) and np.isnan(ref[-1])
+    np.testing.assert_allclose(got[:-1], ref[:-1], atol=1e-9)
+    assert c.per_query_ap(name, params, mode) is got  # cached
+
+
+def test_comparison_counts_classes_and_disagreements(data):
+    cmp = Comparer(data).compare("random", {"r": 0.6, "seed": 2}, "bilinear", left_mode="bilinear")
+    c = cmp.counts()
+    assert c["queries"] == 60 == c["improved"] + c["worsened"] + c["tied"]  # the class of one is no query
+    assert c["improved"] > 0 and c["worsened"] > 0
+    worse = cmp.disagreements("worsened")
+    assert len(worse) == c["worsened"] and all(r["delta"] < 0 for r in worse)
+    assert len(cmp.disagreements("improved")) == c["improved"]
+    every = cmp.disagreements("all")
+    assert len(every) == c["improved"] + c["worsened"]
+    assert [abs(r["delta"]) for r in every] == sorted((abs(r["delta"]) for r in every), reverse=True)
+    assert len(cmp.disagreements("all", top=3)) == 3
+    per_class = cmp.per_class()
+    assert [r["n"] for r in per_class] == [5] * 12
+    r3 = per_class[3]
+    mask = cmp.labels == 3
+    assert r3["ap_a"] == pytest.approx(cmp.ap_a[mask].mean()) and r3["delta"] == pytest.approx(
+        cmp.ap_b[mask].mean() - cmp.ap_a[mask].mean())
+    assert {r["id"] for r in cmp.class_queries(3)} == set(cmp.ids[mask].tolist())
+    with pytest.raises(ValueError, match="filter must be one of"):
+        cmp.disagreements("better")
+
+
+def test_identical_metrics_tie_everywhere(data):
+    cmp = Comparer(data).compare("trained", {}, "cosine")
+    s = cmp.summary()
+    assert s["tied"] == s["queries"] == 60 and s["mean_delta"] == 0.0 and s["sign_test_p"] == 1.0
+    assert s["ci95"] == (0.0, 0.0) and cmp.disagreements() == []
+
+
+def test_sign_test_and_bootstrap_against_hand_computation():
+    # 7 improved, 2 worsened: P(X ≤ 2 | n=9, ½) doubled
+    assert sign_test(7, 2) == pytest.approx(2 * (1 + 9 + 36) / 512)
+    assert sign_test(0, 0) == 1.0
+    d = np.array([0.5, -0.25, 0.0, 1.0])
+    cmp = Comparison("a", "b", np.arange(4), np.zeros(4, dtype=int), np.zeros(4), d, seed=3)
+    s = cmp.summary()
+    assert (s["improved"], s["worsened"], s["tied"]) == (2, 1, 1) and s["mean_delta"] == pytest.approx(0.3125)
+    assert s["sign_test_p"] == pytest.approx(1.0)  # 2 vs 1 of 3: two-sided p = 1
+    # the bootstrap by hand: the same Generator draws, resampled means, percentiles
+    rng = np.random.default_rng(3)
+    means = np.concatenate([d[rng.integers(0, 4, size=(250, 4))].mean(1) for _ in range(8)])
+    assert s["ci95"] == pytest.approx(tuple(np.percentile(means, [2.5, 97.5])))
+    assert bootstrap_ci(np.array([]))[0] != bootstrap_ci(np.array([]))[0]  # NaN: nothing to resample
+    assert math.isclose(bootstrap_ci(np.full(10, 0.2))[1], 0.2)
+
+
+def test_indefinite_cosine_is_refused_like_search(data):
+    from core.errors import UserError
+
+    c = Comparer(data, Searcher(data))
+    with pytest.raises(UserError, match="cosine mode needs a positive semi-definite"):
+        c.per_query_ap("diagonal", {"r": 0.3, "seed": 1}, "cosine")
+    assert c.resolve("diagonal", {"r": 0.3, "seed": 1}, "cosine") == "bilinear"
