@@ -12,7 +12,7 @@ demo: setup
 	$(PY) -m demo $(DEMO_ARGS)
 
 test:
-	WITH_BROWSER=1 bash scripts/bootstrap.sh
+	WITH_BROWSER=1 WITH_MILVUS=1 bash scripts/bootstrap.sh
 	$(PY) -m pytest -q $(TEST_ARGS)
 
 clean:

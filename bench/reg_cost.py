@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from core.atomic import write_json, write_text  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
+from training.samplers import epoch_batches  # noqa: E402
 from training.trainer import Run  # noqa: E402
 
 PAIRS = [("proxy_anchor", "nir", 1.2), ("proxy_anchor", "determinant", 1.5), ("triplet", "cgml", 2.1),
@@ -40,11 +41,11 @@ def make_run(mode, loss, reg, batch, tmp):
 
 
 def batch_for(r: Run, mode: str, rng):
-    labels = np.asarray(r.cache["train"][1] if mode == "frozen" else r.splits.train.labels)
-    b = r._epoch_batches(labels, 1)[0]
+    labels = np.asarray(r.source.cache["train"][1] if mode == "frozen" else r.splits.train.labels)
+    b = epoch_batches(labels, r.cfg.batch_size, r.cfg.m_per_class, r.step.paired, np.random.RandomState(0))[0]
     y = torch.tensor([r.label_map[int(v)] for v in labels[b]])
     if mode == "frozen":
-        return r.cache["train"][0][torch.from_numpy(b)], y
+        return r.source.cache["train"][0][torch.from_numpy(b)], y
     from data.loader import ImageDataset
 
     ds = ImageDataset(r.splits.train, dataclasses.replace(r.spec, augment=True).build())
@@ -54,8 +55,7 @@ def batch_for(r: Run, mode: str, rng):
 def step_time(r: Run, x, y, mode) -> float:
     t = time.perf_counter()
     feats = x if mode == "frozen" else r.backbone(x)
-    loss, _ = r._train_step(feats, y)
-    r._step(loss)
+    r.step(feats, y, torch.Generator())
     return time.perf_counter() - t
 
 

@@ -55,9 +55,13 @@ def convert(value, t, what: str):
     """Convert a string (or value) to the field type `t` (bool, int, float, str, Optional[...])."""
     origin = typing.get_origin(t)
     if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "")):
+        inner = next(a for a in typing.get_args(t) if a is not type(None))
+        # "" is None for every optional; "none" only where it cannot be a value (not for strings:
+        # `weights = "none"` means no pretrained weights, not the default)
+        if value is None or (isinstance(value, str) and (value == "" or (value.lower() == "none"
+                                                                          and inner is not str))):
             return None
-        t = next(a for a in typing.get_args(t) if a is not type(None))
+        t = inner
     if origin is typing.Literal:
         choices = typing.get_args(t)
         if value not in choices:
@@ -73,7 +77,8 @@ def convert(value, t, what: str):
     try:
         return t(value)
     except (TypeError, ValueError):
-        raise UserError(f"{what}: {value!r} is not a {getattr(t, '__name__', t)}") from None
+        kind = {int: "an integer", float: "a number", str: "a string"}.get(t, f"a {getattr(t, '__name__', t)}")
+        raise UserError(f"{what}: {value!r} is not {kind}") from None
 
 
 def build_params(cls: type, given: dict | None, what: str, *, ignore_unknown: bool = False):

@@ -207,8 +207,12 @@ def plot_sweeps(agg: list[dict], out: Path) -> None:
             ax.set_xlabel(title)
             ax.set_ylabel("test MAP@R")
     axes[0].legend(fontsize=7)
-    axes[1].set_xscale("symlog")
-    axes[0].set_xscale("symlog")
+    from matplotlib.ticker import FuncFormatter
+
+    for ax in axes:
+        ax.set_xscale("symlog")
+        # plain short numbers (the default symlog labels read like −2.16746×10⁻²)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
     fig.tight_layout()
     write_with(out / "principles.png", lambda t: fig.savefig(t, format="png", dpi=90))
     plt.close(fig)

@@ -37,10 +37,13 @@ fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
+# the Milvus backend is an optional extra: `make test` (WITH_MILVUS=1) installs it for its tests
+reqs=(-r requirements.txt)
+[ "${WITH_MILVUS:-0}" = 1 ] && reqs+=(-r requirements-milvus.txt)
 stamp=.venv/.requirements.sha256
-want=$(sha256sum requirements.txt | cut -d' ' -f1)
+want=$(cat requirements.txt $([ "${WITH_MILVUS:-0}" = 1 ] && echo requirements-milvus.txt) | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -r requirements.txt
+  .venv/bin/python -m pip install -q "${reqs[@]}"
   echo "$want" > "$stamp"
 fi

@@ -53,7 +53,7 @@ def test_typed_params_refuse_unknown_keys_and_bad_values():
     assert (p.size, p.scale, p.loud) == (4, 0.25, True)
     with pytest.raises(UserError, match=r"no parameter 'colour'; valid: \['size', 'scale', 'loud'\]"):
         reg.params("round", ["colour=red"])
-    with pytest.raises(UserError, match="size: 'big' is not a int"):
+    with pytest.raises(UserError, match="size: 'big' is not an integer"):
         reg.params("round", {"size": "big"})
     with pytest.raises(UserError, match="loud: 'maybe' is not a boolean"):
         reg.params("round", {"loud": "maybe"})
@@ -111,7 +111,7 @@ def test_toml_round_trip_and_refusals(tmp_path):
     with pytest.raises(UserError, match="unknown setting 'colour'"):
         read_config_file(RunConfig, tmp_path / "bad.toml")
     (tmp_path / "bad2.toml").write_text("epochs = 'many'\n")
-    with pytest.raises(UserError, match="epochs: 'many' is not a int"):
+    with pytest.raises(UserError, match="epochs: 'many' is not an integer"):
         read_config_file(RunConfig, tmp_path / "bad2.toml")
     (tmp_path / "bad3.toml").write_text("epochs = \n")
     with pytest.raises(UserError, match="not valid TOML"):
@@ -137,3 +137,11 @@ def test_flags_override_the_config_file(tmp_path):
     assert (cfg.epochs, cfg.lr, cfg.tags, cfg.name) == (9, 0.1, ("a",), "run")
     assert "(default: 9)" in build_parser({"train": {"epochs": 9}})._subparsers._group_actions[0].choices[
         "train"].format_help()
+
+
+def test_none_is_a_value_for_optional_strings_and_empty_means_unset():
+    from core.registry import convert
+
+    assert convert("none", str | None, "weights") == "none"   # --weights none: no pretrained weights
+    assert convert("", str | None, "weights") is None
+    assert convert("none", int | None, "seed") is None and convert("3", int | None, "seed") == 3
