@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+
+from core.flags import add_shared_args
 import logging
 import os
 from pathlib import Path
@@ -21,6 +23,8 @@ def build_parser():
     p.add_argument("--max-upload-mb", type=float, default=10.0, help="upload size cap (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=2, help="searches served at once (queue) (default: %(default)s)")
     p.add_argument("--no-verify", action="store_true", help="skip index checksum verification at start")
+    # the app serves single queries: the CPU unless asked (a GPU helps batches, not one image)
+    add_shared_args(p, "threads", "device", defaults={"device": "cpu"})
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
@@ -41,8 +45,8 @@ def launch(args, block: bool = True):
     analysis = args.analysis or (DEMO_ANALYSIS if args.index == DEMO_INDEX else None)
     from index.threads import serving_threads
 
-    serving_threads()
-    svc = RetrievalService(args.index, args.checkpoint, analysis, verify=not args.no_verify)
+    serving_threads(args.threads or None)
+    svc = RetrievalService(args.index, args.checkpoint, analysis, verify=not args.no_verify, device=args.device)
     demo = build_ui(svc)
     demo.queue(default_concurrency_limit=args.concurrency, max_size=64)
     demo.launch(server_name=args.host, server_port=args.port, share=False, inbrowser=False,

@@ -61,7 +61,7 @@ class Spec:
 
 class RetrievalService:
     def __init__(self, index_dir, checkpoint: str | None = None, analysis_dir: str | None = None,
-                 verify: bool = True):
+                 verify: bool = True, device: str = "cpu"):
         self.data = read_index(index_dir, verify=verify)
         self.searcher = Searcher(self.data)
         self.index_dir = Path(index_dir)
@@ -69,7 +69,7 @@ class RetrievalService:
         self.embedder = None
         ck = checkpoint or man.get("checkpoint")
         if ck and man.get("checkpoint_sha256"):
-            self.embedder = ImageEmbedder(ck, man)
+            self.embedder = ImageEmbedder(ck, man, device=device)
         self.analysis_dir = Path(analysis_dir) if analysis_dir else None
         self.root = Path(self.data.root) if self.data.root else None
         self._row_of_id = {int(i): r for r, i in enumerate(self.data.items.ids)}
