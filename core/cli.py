@@ -39,3 +39,13 @@ def run_cli(main, argv=None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     return int(rc or 0)
+
+
+def command_parser(prog: str, description: str | None, defaults: dict | None = None):
+    """(parser, subparsers) of a `python -m PACKAGE COMMAND` CLI, with -v; every package's CLI
+    starts the same way.  `defaults` (from a --config file) are returned as {} when None."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return p, p.add_subparsers(dest="command", required=True), defaults or {}

@@ -127,21 +127,11 @@ def load_inshop(root, val_fraction: float = 0.2, seed: int = 0) -> DatasetSplits
     )
 
 
-@DATASETS.register("cub", doc="CUB-200-2011 (root holds images/, images.txt, image_class_labels.txt); 100/100 classes")
-def _cub(cfg, progress: bool = True) -> DatasetSplits:
-    return load_cub(require_root(cfg), cfg.val_fraction, cfg.data_seed)
-
-
-@DATASETS.register("cars", doc="Cars196 (root holds cars_annos.mat and car_ims/); 98/98 classes")
-def _cars(cfg, progress: bool = True) -> DatasetSplits:
-    return load_cars(require_root(cfg), cfg.val_fraction, cfg.data_seed)
-
-
-@DATASETS.register("sop", doc="Stanford Online Products (Ebay_train.txt, Ebay_test.txt); 11,318/11,316 classes")
-def _sop(cfg, progress: bool = True) -> DatasetSplits:
-    return load_sop(require_root(cfg), cfg.val_fraction, cfg.data_seed)
-
-
-@DATASETS.register("inshop", doc="In-Shop Clothes (list_eval_partition.txt, img/); query/gallery test split")
-def _inshop(cfg, progress: bool = True) -> DatasetSplits:
-    return load_inshop(require_root(cfg), cfg.val_fraction, cfg.data_seed)
+# one registration per benchmark: each loader reads its official layout under --data-root
+for _name, _doc, _load in (
+        ("cub", "CUB-200-2011 (root holds images/, images.txt, image_class_labels.txt); 100/100 classes", load_cub),
+        ("cars", "Cars196 (root holds cars_annos.mat and car_ims/); 98/98 classes", load_cars),
+        ("sop", "Stanford Online Products (Ebay_train.txt, Ebay_test.txt); 11,318/11,316 classes", load_sop),
+        ("inshop", "In-Shop Clothes (list_eval_partition.txt, img/); query/gallery test split", load_inshop)):
+    DATASETS.register(_name, doc=_doc)(
+        lambda cfg, progress=True, _load=_load: _load(require_root(cfg), cfg.val_fraction, cfg.data_seed))

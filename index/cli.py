@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from core.atomic import check_file_target, write_json
+from core.cli import command_parser
 from core.config import add_config_args, parse_with_config_file
 from core.errors import UserError
 from core.flags import add_shared_args, apply_threads
@@ -400,10 +401,7 @@ def _splits(s: str) -> tuple[str, ...]:
 
 def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     """`defaults`: {command: values} from a --config file, replacing the field defaults."""
-    defaults = defaults or {}
-    p = argparse.ArgumentParser(prog="python -m index", description=__doc__)
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = p.add_subparsers(dest="command", required=True)
+    p, sub, defaults = command_parser("python -m index", __doc__, defaults)
 
     b = sub.add_parser("build", help="build an index from a data-set split, an image folder, or features")
     b.add_argument("--config", help="TOML file with these settings (flags given here override it); "

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from core.atomic import write_json
+from core.cli import command_parser
 from core.config import add_config_args, config_from_args, parse_with_config_file
 from core.errors import UserError
 from core.logs import setup_logging
@@ -227,10 +228,7 @@ def _json_arg(parser, what: str) -> None:
 
 def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     """`defaults`: {command: {field: value}} from a config file, replacing the field defaults."""
-    defaults = defaults or {}
-    p = argparse.ArgumentParser(prog="python -m training", description=__doc__)
-    p.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
-    sub = p.add_subparsers(dest="command", required=True)
+    p, sub, defaults = command_parser("python -m training", __doc__, defaults)
 
     sp = sub.add_parser("prepare", help="render/verify a data set and print its splits")
     add_config_args(sp, DataConfig, registries=CHOICES)
