@@ -31,14 +31,13 @@ def check_symmetric(M: np.ndarray, d: int | None = None, what: str = "metric mat
     return (M + M.T) / 2
 
 
-def matrix_report(M: np.ndarray, eigenvalues: np.ndarray | None = None) -> dict:
-    """Trace, norms, the principle ratios, and positive semi-definiteness.  `eigenvalues`: M's,
-    when the caller knows them more cheaply (a structured M′), else computed."""
+def matrix_report(M: np.ndarray) -> dict:
+    """Trace, norms, the principle ratios, and positive semi-definiteness."""
     M = np.asarray(M, dtype=np.float64)
     tr = float(np.trace(M))
     fro = float(np.linalg.norm(M))
     off = M - np.diag(np.diag(M))
-    ev = np.linalg.eigvalsh(M) if eigenvalues is None else np.sort(np.asarray(eigenvalues, dtype=np.float64))
+    ev = np.linalg.eigvalsh(M)
     lam_max = float(np.abs(ev).max()) if ev.size else 0.0
     return {
         "trace": tr,

@@ -22,7 +22,6 @@ from core.atomic import write_json, write_text, write_with
 from evaluation.evaluator import DEFAULT_KS, evaluate_ranking
 
 from .refinements import REFINEMENTS, coarse, grid, ranks_like_trained, seeded, strategy_label, sweep, sweepable
-from .metric import matrix_report
 from .search import Searcher
 from .store import in_memory_index
 from .sweep import MAX_N, GramSweep
@@ -60,38 +59,25 @@ def sweep_configs(seeds: int = 3, strategies: tuple[str, ...] | None = None,
     return out
 
 
-def evaluate_configs(features, labels, W, configs, normalize=True, progress=True, desc="strategies",
-                     reports: dict | None = None) -> list[dict]:
+def evaluate_configs(features, labels, W, configs, normalize=True, progress=True, desc="strategies") -> list[dict]:
     """Each setting's metrics, query = gallery.  Up to sweep.MAX_N items all settings share one
     batched score computation (index/sweep.py, equal to the search path); above, each setting
-    is searched through the search path.  `reports`: M′ reports by setting, shared between the
-    splits of one evaluation (M′ depends on W and the parameters only)."""
+    is searched through the search path."""
     s = Searcher(in_memory_index(features, labels, W, normalize), cache_size=4)
     q = np.asarray(s.data.features)
     y = s.data.items.labels
     batched = GramSweep(q, y, s.data.W) if len(y) <= MAX_N else None
-    reports = {} if reports is None else reports
-    rows, S = [], None
-    for i, (name, params, mode) in enumerate(tqdm(configs, desc=desc, disable=not progress)):
-        key = (name, json.dumps(params, sort_keys=True))
+    rows, last = [], (None, None)
+    for name, params, mode in tqdm(configs, desc=desc, disable=not progress):
         rm = s.metric(name, params)
-        form = None  # needed for a dense M′'s scores, and for any report not yet made
-        if batched is not None and (rm.op.kind == "dense" or (rm.op.kind != "lowrank-diag" and key not in reports)):
-            form = batched.range_form(rm.M)
-        if key not in reports:
-            reports[key] = matrix_report(rm.M, form[2] if form else None) if form else rm.report
-        rep = reports[key]
+        rep = rm.report
         if mode == "cosine" and not rep["psd"]:
-            S = None
             continue
         if batched is not None:
-            if S is None:
-                S = batched.scores(rm.M, rm.op.kind, rm.op.diag_removed, form)
-            # the modes of one setting share its score matrix; evaluate consumes it
-            again = i + 1 < len(configs) and configs[i + 1][:2] == (name, params)
-            res = batched.evaluate(S.clone() if again else S, mode)
-            if not again:
-                S = None
+            key = (name, json.dumps(params, sort_keys=True))
+            if last[0] != key:  # the modes of one setting share its score matrix
+                last = (key, batched.scores(rm.M, rm.op.kind, rm.op.diag_removed))
+            res = batched.evaluate(last[1].clone(), mode)
         else:
             transform, index, _ = s.query_view(name, params, mode)
             res = evaluate_ranking(index, transform(q), y, y, same_set=True, ks=DEFAULT_KS)
@@ -242,14 +228,12 @@ def run_evaluation(test_feats, test_labels, W, out, val=None, normalize=True, se
                    strategies: tuple[str, ...] | None = None, grid_name: str = "full", split: str = "test") -> dict:
     out = Path(out)
     configs = sweep_configs(seeds, strategies, grid_name)
-    reports: dict = {}
-    test_rows = evaluate_configs(test_feats, test_labels, W, configs, normalize, progress, f"{split} strategies",
-                                 reports)
+    test_rows = evaluate_configs(test_feats, test_labels, W, configs, normalize, progress, f"{split} strategies")
     test_agg = aggregate(test_rows)
     val_agg = None
     counts = {split: split_counts(test_labels)}
     if val is not None:
-        val_rows = evaluate_configs(val[0], val[1], W, configs, normalize, progress, "val strategies", reports)
+        val_rows = evaluate_configs(val[0], val[1], W, configs, normalize, progress, "val strategies")
         val_agg = aggregate(val_rows)
         counts["val"] = split_counts(val[1])
     table = summary_table(test_agg, val_agg)

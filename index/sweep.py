@@ -37,7 +37,7 @@ class GramSweep:
         self.R = relevant_counts(self.labels, self.labels, same_set=True)
         self.valid = np.nonzero(self.R > 0)[0]
         self.k = int(max(self.R.max(initial=0), max(self.ks)))
-        self._G = self._T = self._V = self._phiV = None
+        self._G = self._T = None
 
     @property
     def n(self) -> int:
@@ -54,34 +54,8 @@ class GramSweep:
             self._T = E @ E.T
         return self._T
 
-    def _basis(self):
-        """An orthonormal basis V (d × r) of W's row space, and ΦV."""
-        if self._V is None:
-            _, sv, Vt = torch.linalg.svd(self.W.double(), full_matrices=False)
-            r = int((sv > 1e-10 * sv.max().clamp(min=1e-300)).sum())
-            self._V = Vt[:r].T.contiguous()
-            self._phiV = self.phi @ self._V.float()
-        return self._V, self._phiV
-
-    def range_form(self, M: np.ndarray):
-        """(C, c, eigenvalues of M′) when M′ = V C Vᵀ + c·I exactly (to float64 round-off): spectral
-        powers, shrinkage, M*, identity.  Their scores are then rank-r products and their spectrum
-        an r × r problem.  None for anything else (random or diagonal restraint)."""
-        V, _ = self._basis()
-        Mt = torch.from_numpy(np.ascontiguousarray(M, dtype=np.float64))
-        d, r = Mt.shape[0], V.shape[1]
-        inner = V.T @ Mt @ V
-        c = float((torch.trace(Mt) - torch.trace(inner)) / (d - r)) if d > r else 0.0
-        C = inner - c * torch.eye(r, dtype=torch.float64)
-        resid = Mt - c * torch.eye(d, dtype=torch.float64) - V @ C @ V.T
-        if float(torch.linalg.norm(resid)) > 1e-9 * max(float(torch.linalg.norm(Mt)), 1e-300):
-            return None
-        ev = np.concatenate([torch.linalg.eigvalsh(C).numpy() + c, np.full(d - r, c)])
-        return C, c, ev
-
-    def scores(self, M: np.ndarray, op_kind: str, diag_removed: np.ndarray | None = None,
-               form=None) -> torch.Tensor:
-        """S = Φ M′ Φᵀ (a fresh tensor the caller may modify); `form` = range_form(M) if known."""
+    def scores(self, M: np.ndarray, op_kind: str, diag_removed: np.ndarray | None = None) -> torch.Tensor:
+        """S = Φ M′ Φᵀ (a fresh tensor the caller may modify)."""
         if op_kind == "identity":
             return self.gram().clone()
         if op_kind == "lowrank":
@@ -93,11 +67,6 @@ class GramSweep:
                 cols = self.phi[:, torch.from_numpy(nz)]
                 S -= (cols * torch.from_numpy(diag_removed[nz].astype(np.float32))) @ cols.T
             return S
-        if form is not None:
-            C, c, _ = form
-            _, phiV = self._basis()
-            S = (phiV @ C.float()) @ phiV.T
-            return S.add_(self.gram(), alpha=c) if c else S
         return (self.phi @ torch.from_numpy(np.ascontiguousarray(M, dtype=np.float32))) @ self.phi.T
 
     def evaluate(self, S: torch.Tensor, mode: str) -> dict:

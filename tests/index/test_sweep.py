@@ -32,7 +32,7 @@ def test_sweep_equals_search_path(split, name, params, mode):
     q = np.asarray(s.data.features)
     ref = evaluate_ranking(index, transform(q), y, y, same_set=True)
     sweep = GramSweep(q, y, s.data.W)
-    got = sweep.evaluate(sweep.scores(rm.M, rm.op.kind, rm.op.diag_removed, sweep.range_form(rm.M)), mode)
+    got = sweep.evaluate(sweep.scores(rm.M, rm.op.kind, rm.op.diag_removed), mode)
     for key in ("map@r", "precision@1", "r_precision", "recall@1", "recall@4", "n_queries"):
         assert got[key] == pytest.approx(ref[key], abs=1e-9), key
 
@@ -47,21 +47,3 @@ def test_structured_scores_equal_the_dense_product(split):
         S = sweep.scores(rm.M, rm.op.kind, rm.op.diag_removed).numpy()
         assert np.allclose(S, q @ rm.M @ q.T, atol=1e-4), (name, rm.op.kind)
     assert {s.metric(n, p).op.kind for n, p in SETTINGS} >= {"identity", "lowrank", "lowrank-diag", "dense"}
-
-
-def test_range_form_finds_the_structured_matrices_and_their_spectrum(split):
-    X, y, W = split
-    s = Searcher(in_memory_index(X, y, W, normalize=True))
-    q = np.asarray(s.data.features, dtype=np.float64)
-    sweep = GramSweep(q, y, s.data.W)
-    found = {}
-    for name, params in SETTINGS:
-        rm = s.metric(name, params)
-        form = sweep.range_form(rm.M)
-        found[name] = form is not None
-        if form is not None:  # M′ = V C Vᵀ + c·I: rank-r scores and an r × r spectrum
-            S = sweep.scores(rm.M, "dense", None, form).numpy()
-            assert np.allclose(S, q @ rm.M @ q.T, atol=1e-4), name
-            assert np.allclose(np.sort(form[2]), np.linalg.eigvalsh(rm.M), atol=1e-9), name
-    assert found == {"trained": True, "identity": True, "shrink": True, "spectral": True,
-                     "diagonal": False, "random": False}
