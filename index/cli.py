@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from core.atomic import check_file_target, write_json
 from core.cli import command_parser
 from core.config import add_config_args, parse_with_config_file

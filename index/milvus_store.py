@@ -222,9 +222,11 @@ class MilvusGallery:
             else:
                 R[i, : len(rows)] = rows
                 S[i, : len(rows)] = [by_row[r]["distance"] for r in rows]
-            hits.append([{"id": int(by_row[r]["id"]), "row": int(r), "label": int(by_row[r]["entity"]["label"]),
-                          "path": by_row[r]["entity"]["path"], "split": by_row[r]["entity"]["split"],
-                          "score": float(s)} for r, s in zip(R[i], S[i]) if r >= 0])
+            # the FAISS search's result fields (index.search.RESULT_FIELDS, less the class name), plus row
+            hits.append([{"rank": j + 1, "id": int(by_row[r]["id"]), "row": int(r),
+                          "label": int(by_row[r]["entity"]["label"]), "score": float(s),
+                          "relative_path": by_row[r]["entity"]["path"], "split": by_row[r]["entity"]["split"]}
+                         for j, (r, s) in enumerate((r, s) for r, s in zip(R[i], S[i]) if r >= 0)])
         return MilvusResult(R, S, hits)
 
     def describe(self, res: MilvusResult) -> list[list[dict]]:

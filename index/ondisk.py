@@ -391,12 +391,13 @@ class OnDiskIVF:
         names = {int(k): v for k, v in meta.get("class_names", {}).items()}
         out = []
         for rows, scores in zip(res.rows, res.scores):
-            hits = [{"row": int(r), "score": float(s)} for r, s in zip(rows, scores) if r >= 0]
+            hits = [{"rank": i + 1, "row": int(r), "score": float(s)}
+                    for i, (r, s) in enumerate((r, s) for r, s in zip(rows, scores) if r >= 0)]
             if items is not None:
                 for h in hits:
                     lab = int(items.labels[h["row"]])
                     h |= {"id": int(items.ids[h["row"]]), "label": lab, "class_name": names.get(lab, str(lab)),
-                          "path": items.paths[h["row"]], "split": items.splits[h["row"]]}
+                          "relative_path": items.paths[h["row"]], "split": items.splits[h["row"]]}
             out.append(hits)
         return out
 

@@ -49,7 +49,7 @@ def test_top_k_equals_faiss_flat(gallery, name, params):
     # metadata comes back with each hit
     h = res.hits[0][0]
     r = int(res.rows[0, 0])
-    assert h["row"] == r and h["id"] == int(s.data.items.ids[r]) and h["path"] == f"img/{r}.png"
+    assert h["row"] == r and h["id"] == int(s.data.items.ids[r]) and h["relative_path"] == f"img/{r}.png"
 
 
 def test_cosine_under_psd_metric_re_ranks_exactly(gallery):

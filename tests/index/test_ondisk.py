@@ -155,7 +155,8 @@ def test_cli_builds_from_an_index_and_searches_like_flat_under_every_strategy(tm
     assert main(["ivf-build", "--index", str(idx), "--nlist", str(NLIST), "--shard-rows", "1000"]) == 0
     built = json.loads(capsys.readouterr().out)
     assert built["shards"] == 3 and built["ivf"] == str(idx / "ivf_ondisk")
-    runs = [(["--strategy", name] + [x for kv in params.items() for x in (f"--{kv[0]}", str(kv[1]))], [])
+    runs = [(["--strategy", name, "--mode", "bilinear"]
+             + [x for kv in params.items() for x in (f"--{kv[0]}", str(kv[1]))], [])
             for name, params in STRATEGIES]
     # cosine: candidates come by the raw inner product; a pool of every row makes the re-rank decide alone
     runs.append((["--mode", "cosine"], ["--rerank-factor", str(N // K)]))
@@ -166,7 +167,7 @@ def test_cli_builds_from_an_index_and_searches_like_flat_under_every_strategy(tm
         assert main(flags + pool + ["--backend", "ondisk", "--index", str(idx), "--nprobe", str(NLIST)]) == 0
         got = json.loads(capsys.readouterr().out)["queries"]
         for a, b in zip(got, want):   # all lists probed: the exact top-k, with the index's metadata
-            assert [(r["id"], r["path"]) for r in a["results"]] == [(r["id"], r["path"]) for r in b["results"]]
+            assert [(r["id"], r["relative_path"]) for r in a["results"]] == [(r["id"], r["relative_path"]) for r in b["results"]]
             np.testing.assert_allclose([r["score"] for r in a["results"]], [r["score"] for r in b["results"]],
                                        rtol=1e-4, atol=1e-5)
 
@@ -184,7 +185,7 @@ def test_cli_builds_from_bare_features_and_refuses_bad_input(tmp_path, capsys):
     np.testing.assert_array_equal(OnDiskIVF(out).W, np.ones((3, DIM)))
     assert main(["search", "--backend", "ondisk", "--ivf", str(out), "--features", str(tmp_path / "q.npy")]) == 0
     hits = json.loads(capsys.readouterr().out)["queries"][0]["results"]
-    assert len(hits) == 10 and set(hits[0]) == {"row", "score"}   # no index directory: rows only
+    assert len(hits) == 10 and set(hits[0]) == {"rank", "row", "score"}   # no index directory: rows only
     with pytest.raises(UserError, match="does not hold L2-normalised rows"):
         main(["ivf-build", "--features", str(tmp_path / "raw.npy"), "--normalized", "--out", str(tmp_path / "x")])
     with pytest.raises(UserError, match="--features needs --out"):

@@ -91,7 +91,7 @@ def test_loss_params_are_typed_and_checked():
     assert p == {"alpha": 16.0, "margin": 0.2}
     with pytest.raises(UserError, match="no parameter 'gamma'"):
         build_loss("proxy_anchor", 4, 8, ["gamma=1"])
-    with pytest.raises(UserError, match="not a float"):
+    with pytest.raises(UserError, match="not a number"):
         build_loss("proxy_anchor", 4, 8, ["alpha=big"])
     with pytest.raises(UserError, match="unknown loss"):
         build_loss("lifted", 4, 8)
