@@ -200,6 +200,8 @@ class Registry:
         lines = [f"{self.plural}:"]
         for e in self.entries():
             lines.append(f"  {e.name:<20} {e.doc}")
+            if "stages" in e.meta:  # backbones: what --train-blocks counts, from the end
+                lines.append(f"      stages: {', '.join(e.meta['stages'])}")
             helps = e.param_help()
             for k, v in e.param_defaults().items():
                 h = f"  {helps[k]}" if helps[k] else ""

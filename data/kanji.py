@@ -226,7 +226,7 @@ def load_kanji(cfg: KanjiConfig, progress: bool = True) -> DatasetSplits:
 
 
 @DATASETS.register("kanji", doc="kanji glyphs rendered offline from 23 Debian CJK fonts (class = character)",
-                   image_size=64, resize_mode="resize", renders=True)
+                   image_size=64, resize_mode="resize", renders=True, flip=False)  # a mirrored glyph is no kanji
 def _kanji(cfg, progress: bool = True) -> DatasetSplits:
     kc = KanjiConfig(root=cfg.data_root or KanjiConfig.root, num_classes=cfg.num_classes,
                      image_size=cfg.resolved_image_size(), seed=cfg.data_seed, val_fraction=cfg.val_fraction,

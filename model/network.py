@@ -96,7 +96,9 @@ class EmbeddingModel(nn.Module):
         was_np = isinstance(x, np.ndarray)
         t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)) if was_np else x
         self.eval()
-        out = torch.cat([fn(t[i: i + chunk]) for i in range(0, len(t), chunk)]) if len(t) else t.new_zeros(0, out_dim)
+        dev = self.neck.W.device  # inputs may live on the CPU (cached features); results go back there
+        out = (torch.cat([fn(t[i: i + chunk].to(dev)).float().to(t.device) for i in range(0, len(t), chunk)])
+               if len(t) else t.new_zeros(0, out_dim))
         return out.numpy() if was_np else out
 
     def trunk_of_backbone(self, backbone_features):

@@ -36,6 +36,7 @@ class TransformSpec:
     std: tuple[float, float, float]
     augment: bool = False           # random resized crop (training only)
     resize_mode: str = ""           # crop | resize | pad ("" = implied by resize: the format before pad)
+    flip: bool = False              # with augment: random horizontal flip (photos; never glyphs)
 
     @property
     def mode(self) -> str:
@@ -47,17 +48,21 @@ class TransformSpec:
         # pad existed; only pad is spelled out, so existing caches and index manifests stay valid
         if self.mode != "pad":
             d.pop("resize_mode")
+        if not self.flip:  # evaluation transforms never flip: keys made before the field stay valid
+            d.pop("flip")
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "TransformSpec":
         return cls(int(d["image_size"]), int(d["resize"]), tuple(d["mean"]), tuple(d["std"]),
-                   bool(d.get("augment", False)), str(d.get("resize_mode", "")))
+                   bool(d.get("augment", False)), str(d.get("resize_mode", "")), bool(d.get("flip", False)))
 
     def build(self):
         s = self.image_size
         if self.augment:
             geo = [T.RandomResizedCrop(s, scale=(0.6, 1.0), ratio=(0.8, 1.25), antialias=True)]
+            if self.flip:
+                geo.append(T.RandomHorizontalFlip())
         elif self.mode == "pad":
             geo = [PadToSquare(), T.Resize((s, s), antialias=True)]
         elif self.mode == "resize":
@@ -71,9 +76,14 @@ class TransformSpec:
 def transform_for(backbone, dcfg, augment: bool = False) -> TransformSpec:
     """The evaluation transform of `backbone` for the data configuration `dcfg`: its image size and
     resize mode (crop: resize to 256/224 of the size, then centre crop, as for photos; resize: plain
-    resize, for square centred glyphs; pad: pad to a square with the border, then resize)."""
+    resize, for square centred glyphs; pad: pad to a square with the border, then resize).
+    `augment`: the training transform, the field's usual one for the data set: random resized crop,
+    plus a horizontal flip unless the data set says its images are not mirror-symmetric (glyphs)."""
+    from data.registry import DATASETS
+
     size = dcfg.resolved_image_size()
     mode = dcfg.resolved_resize_mode()
     resize = int(round(size * CROP_RATIO)) if mode == "crop" else size
+    flip = augment and DATASETS.get(dcfg.dataset).meta.get("flip", True)
     return TransformSpec(size, resize, tuple(backbone.mean), tuple(backbone.std), augment,
-                         "pad" if mode == "pad" else "")
+                         "pad" if mode == "pad" else "", bool(flip))

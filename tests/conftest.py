@@ -56,3 +56,8 @@ def tiny_index(tiny_run):
     if not (out / "manifest.json").exists():
         build_from_dataset(Path(cfg.out) / "best.pt", cfg.data_config(), out, progress=False)
     return out
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA device; skipped with the reason where there is none "
+                            "(run them alone with `pytest -m cuda`)")

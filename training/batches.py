@@ -7,22 +7,42 @@ inside the step (so gradients reach whatever part trains), and embeds a
 split for evaluation.
 
   FrozenFeatures  the frozen backbone's features, cached on disk: a step is neck + loss only;
+  PrefixTail      the frozen prefix's output maps, cached on disk (float16, memory-mapped):
+                  a step runs the last N stages (the trained tail), the neck and the loss;
   ImageBatches    augmented images through the whole network (fine-tuning).
 
-A cached-prefix source (model.features.cached_prefix: a frozen prefix's output maps
-on disk) is a third: its inputs are the maps and `encode` runs the remaining stages.
+Which stages train is decided in one place, `set_trainable`: the frozen part is in
+eval mode (its BatchNorm statistics stay the pretrained ones) and gets no gradient.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import numpy as np
 import torch
 
-from model.features import backbone_features, embed_subset
+from model.features import backbone_features, cached_prefix, embed_subset
 
 log = logging.getLogger("training")
+
+
+def set_trainable(backbone, n_train: int, trainable: bool = True, bn_freeze: bool = False) -> None:
+    """The last `n_train` stages train (unless not `trainable`: a warm-up epoch); everything before
+    them is frozen and in eval mode.  `bn_freeze` keeps the trained stages' BatchNorm in eval mode
+    too (their affine weights still train), as in the Proxy-Anchor recipe."""
+    stages = [m for _, m in backbone.stages()]
+    train_part = stages[len(stages) - n_train:] if n_train and trainable else []
+    backbone.eval()
+    for p in backbone.parameters():
+        p.requires_grad_(False)
+    for m in train_part:
+        m.train()
+        for p in m.parameters():
+            p.requires_grad_(True)
+        if bn_freeze:
+            for b in m.modules():
+                if isinstance(b, torch.nn.modules.batchnorm._BatchNorm):
+                    b.eval()
 
 
 class FrozenFeatures:
@@ -41,7 +61,7 @@ class FrozenFeatures:
 
     def start_epoch(self, epoch: int, model) -> None:
         model.train()
-        self.backbone.eval()  # frozen: its BatchNorm statistics stay as they are
+        set_trainable(self.backbone, 0)  # frozen: its BatchNorm statistics stay as they are
 
     def batches(self, index_batches):
         feats, labels = self.cache["train"]
@@ -56,29 +76,71 @@ class FrozenFeatures:
         return np.asarray(model.embed_of_backbone(f)), y
 
 
+class PrefixTail:
+    """Inputs are the frozen prefix's cached output maps; `encode` runs the trained tail."""
+
+    def __init__(self, backbone, n_train: int, splits, spec, dcfg, cache_dir: str, progress: bool,
+                 device: torch.device, warmup_epochs: int = 0, bn_freeze: bool = False):
+        self.backbone, self.splits, self.spec, self.dcfg = backbone, splits, spec, dcfg
+        self.n_train, self.n_prefix = n_train, len(backbone.stages()) - n_train
+        self.cache_dir, self.progress, self.device = cache_dir, progress, device
+        self.warmup_epochs, self.bn_freeze = warmup_epochs, bn_freeze
+        self.cache = {name: self._maps(splits.get(name)) for name in ("train", "val")}
+        self.labels = self.cache["train"].labels
+
+    def _maps(self, subset):
+        return cached_prefix(self.backbone, self.n_prefix, self.splits, subset, self.spec, self.dcfg,
+                             self.cache_dir, self.progress, self.device)
+
+    def start_epoch(self, epoch: int, model) -> None:
+        model.train()
+        set_trainable(self.backbone, self.n_train, epoch >= self.warmup_epochs, self.bn_freeze)
+
+    def batches(self, index_batches):
+        maps, labels = self.cache["train"].maps, self.cache["train"].labels
+        for b in index_batches:  # fancy indexing copies only this batch's rows out of the memory map
+            yield torch.from_numpy(np.asarray(maps[b], dtype=np.float32)), labels[b], []
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backbone.run_stages(x, self.n_prefix)
+
+    @torch.inference_mode()
+    def embed(self, model, subset) -> tuple[np.ndarray, np.ndarray]:
+        model.eval()  # (the next epoch's start_epoch sets the training modes again)
+        c = self.cache[subset.name] if subset.name in self.cache else self._maps(subset)
+        bs, out = self.dcfg.eval_batch_size, []
+        for i in range(0, len(c.labels), bs):
+            x = torch.from_numpy(np.asarray(c.maps[i: i + bs], dtype=np.float32)).to(self.device)
+            out.append(model.embed_features(model.head_trunk(self.encode(x))).float().cpu())
+        e = torch.cat(out).numpy() if out else np.zeros((0, model.embed_dim), np.float32)
+        return e, c.labels
+
+
 class ImageBatches:
-    def __init__(self, backbone, splits, spec, dcfg, warmup_epochs: int, progress: bool):
+    def __init__(self, backbone, splits, spec, dcfg, warmup_epochs: int, progress: bool,
+                 n_train: int | None = None, bn_freeze: bool = False, device: torch.device | None = None):
         self.backbone, self.splits, self.spec, self.dcfg = backbone, splits, spec, dcfg
         self.warmup_epochs, self.progress = warmup_epochs, progress
+        self.n_train = len(backbone.stages()) if n_train is None else n_train
+        self.bn_freeze, self.device = bn_freeze, device or torch.device("cpu")
         self.labels = np.asarray(splits.train.labels)
 
     def start_epoch(self, epoch: int, model) -> None:
-        frozen = epoch < self.warmup_epochs
-        for p in self.backbone.parameters():
-            p.requires_grad_(not frozen)
         model.train()
-        if frozen:
-            self.backbone.eval()
+        set_trainable(self.backbone, self.n_train, epoch >= self.warmup_epochs, self.bn_freeze)
 
     def batches(self, index_batches):
         from torch.utils.data import DataLoader
 
         from data.loader import ImageDataset, collate_skip
 
-        spec = dataclasses.replace(self.spec, augment=True)
+        from model.preprocess import transform_for
+
+        spec = transform_for(self.backbone, self.dcfg, augment=True)
         # worker seeds come from torch's own generator, seeded for the epoch by the trainer
         loader = DataLoader(ImageDataset(self.splits.train, spec.build()), batch_sampler=index_batches,
-                            num_workers=self.dcfg.workers, collate_fn=collate_skip)
+                            num_workers=self.dcfg.workers, collate_fn=collate_skip,
+                            pin_memory=self.device.type == "cuda")
         for images, y, _, bad in loader:
             for _, msg in bad:
                 log.warning("skipped: %s", msg)
@@ -88,5 +150,6 @@ class ImageBatches:
         return self.backbone(x)
 
     def embed(self, model, subset) -> tuple[np.ndarray, np.ndarray]:
-        e, y, _, _ = embed_subset(model, subset, self.spec, self.dcfg, f"embed {subset.name}", self.progress)
+        e, y, _, _ = embed_subset(model, subset, self.spec, self.dcfg, f"embed {subset.name}", self.progress,
+                                  device=self.device)
         return e, y

