@@ -45,7 +45,9 @@ class TrainConfig(DataConfig):
     neck_lr_mult: float = field(default=10.0, metadata={"help": "neck learning rate = lr × this"})
     proxy_lr_mult: float = field(default=100.0, metadata={"help": "proxy/loss learning rate = lr × this"})
     weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay"})
-    warmup_epochs: int = field(default=0, metadata={"help": "finetune: epochs with the backbone frozen"})
+    warmup_epochs: int = field(default=0, metadata={
+        "help": "tail/finetune: first epochs with the backbone frozen (the neck and proxies settle first: "
+                "a gradual unfreeze)"})
     grad_clip: float = field(default=10.0, metadata={"help": "gradient-norm clip (0 = off)"})
     schedule: Literal["cosine", "none"] = field(default="cosine", metadata={"help": "learning-rate schedule"})
     seed: int = field(default=0, metadata={"help": "training seed: same seed, same metrics"})
