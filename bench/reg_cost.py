@@ -1,6 +1,6 @@
 """Issue-4 training cost: per-step wall time of each regularizer as a ratio to its plain base.
 
-  python bench/reg_cost.py [--steps 30] [--out bench/results/reg_cost]
+  python bench/reg_cost.py [--steps 30] [--modes frozen,tail,finetune] [--out bench/results/reg_cost]
 
 Measured in one run, interleaved (base, regularized, base, ...) so machine noise
 hits both alike; the median step time is compared.  Two settings:
@@ -67,6 +67,7 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--finetune-steps", type=int, default=8)
     ap.add_argument("--out", default="bench/results/reg_cost")
+    ap.add_argument("--modes", default="frozen,tail,finetune", help="which settings (default: %(default)s)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     import tempfile
@@ -74,8 +75,9 @@ def main():
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        for mode, batch, steps in (("frozen", 120, args.steps), ("tail", 120, args.steps),
-                                   ("finetune", 32, args.finetune_steps)):
+        for mode, batch, steps in [m for m in (("frozen", 120, args.steps), ("tail", 120, args.steps),
+                                               ("finetune", 32, args.finetune_steps))
+                                   if m[0] in args.modes.split(",")]:
             for loss, reg, target in PAIRS:
                 torch.manual_seed(0)
                 rng = np.random.default_rng(0)

@@ -145,12 +145,19 @@ def test_tail_run_stores_the_trained_trunk_and_index_features_come_from_it(tmp_p
     np.testing.assert_allclose(e_index, e_train, atol=2e-2)  # the cache's float16 rounding only
 
 
-def test_tail_training_does_not_fall_below_the_frozen_neck_on_validation(tmp_path, kanji_root):
-    """The default tail recipe (pretrained trunk, BatchNorm statistics frozen) on tiny data."""
-    kw = dict(backbone="efficientnet_lite0", weights=None, lr=1e-4, epochs=4, embed_dim=32)
-    frozen = train(tiny(tmp_path / "f", kanji_root, **kw))
-    tail = train(tiny(tmp_path / "t", kanji_root, train_blocks=2, **kw))
-    assert tail["val"]["map@r"] >= frozen["val"]["map@r"]
+@pytest.fixture(scope="module")
+def frozen_neck_val(tmp_path_factory, kanji_root):
+    return train(tiny(tmp_path_factory.mktemp("frozen"), kanji_root, **PRETRAINED))["val"]["map@r"]
+
+
+PRETRAINED = dict(backbone="efficientnet_lite0", weights=None, lr=1e-4, epochs=4, embed_dim=32)
+
+
+@pytest.mark.parametrize("mode", [dict(train_blocks=2), dict(mode="finetune")], ids=["tail2", "finetune"])
+def test_default_recipes_do_not_fall_below_the_frozen_neck_on_validation(tmp_path, kanji_root, frozen_neck_val, mode):
+    """The default tail and fine-tune recipes (pretrained trunk, BatchNorm statistics frozen) on tiny data."""
+    trained = train(tiny(tmp_path, kanji_root, **PRETRAINED, **mode))
+    assert trained["val"]["map@r"] >= frozen_neck_val
 
 
 def test_tensorboard_events_hold_losses_learning_rates_validation_and_the_projector(tmp_path, kanji_root):
