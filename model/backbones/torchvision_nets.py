@@ -81,14 +81,16 @@ def resnet_stages(net) -> list:
 
 
 class _GoogLeNetStem(nn.Module):
+    """Holds only the stem's layers (not the whole net: a stage's parameters must be its own, or the
+    optimizer would see every weight in the stem's group)."""
+
     def __init__(self, net):
         super().__init__()
-        self.net = net
+        self.convs = nn.Sequential(net.conv1, net.maxpool1, net.conv2, net.conv3, net.maxpool2)
+        object.__setattr__(self, "_transform", net._transform_input)  # a bound method, not a submodule
 
     def forward(self, x):
-        n = self.net
-        x = n._transform_input(x)
-        return n.maxpool2(n.conv3(n.conv2(n.maxpool1(n.conv1(x)))))
+        return self.convs(self._transform(x))
 
 
 def googlenet_stages(net) -> list:

@@ -31,3 +31,13 @@ def test_stages_compose_to_the_trunk(name):
     assert torch.allclose(full, split, atol=1e-5)
     keys = set(bb.state_dict())
     assert all(k.startswith("trunk.") for k in keys)  # stages add no state-dict keys: checkpoints unchanged
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_stages_partition_the_trunk_parameters(name):
+    """Each parameter belongs to exactly one stage: the optimizer's per-stage groups and the frozen
+    prefix depend on it."""
+    bb = build_backbone(name, weights="none")
+    seen = [id(p) for _, m in bb.stages() for p in m.parameters()]
+    assert len(seen) == len(set(seen))
+    assert set(seen) == {id(p) for p in bb.trunk.parameters()}
