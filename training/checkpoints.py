@@ -43,7 +43,10 @@ def recorded_config(out: Path) -> dict | None:
 
 
 def same_identity(recorded: dict, cfg: TrainConfig) -> bool:
+    """Same result-deciding settings.  A setting the recorded run predates (e.g. --train-blocks) is
+    taken at its default, which is what that run did: older runs stay reusable and resumable."""
     old = {k: v for k, v in recorded.items() if k not in RUNTIME_FIELDS}
+    old = {k: v for k, v in TrainConfig().identity().items() if k not in old} | old
     return json.loads(json.dumps(old)) == json.loads(json.dumps(cfg.identity()))
 
 

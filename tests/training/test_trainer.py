@@ -132,3 +132,12 @@ def test_missing_dataset_and_bad_batch(tmp_path, kanji_root):
         train(tiny(tmp_path, kanji_root, dataset="cub", data_root=str(tmp_path / "nope")))
     with pytest.raises(UserError, match="multiple of m_per_class"):
         train(tiny(tmp_path, kanji_root, batch_size=10))
+
+
+def test_a_run_recorded_before_a_setting_existed_is_the_same_run(tmp_path):
+    from training.checkpoints import same_identity
+
+    cfg = TrainConfig(out=str(tmp_path / "r"))
+    recorded = {k: v for k, v in cfg.identity().items() if k not in ("train_blocks", "bn_freeze", "lr_decay")}
+    assert same_identity(recorded, cfg)
+    assert not same_identity(recorded, dataclasses.replace(cfg, train_blocks=2))
