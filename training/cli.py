@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -198,6 +199,8 @@ def cmd_train(args, argv) -> int:
     cfg = config_from_args(TrainConfig, args)
     with torch_threads(cfg.threads):
         metrics = train(cfg)
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun rank 0 reports (and writes --json)
+        return 0
     t = metrics["test"]
     out = {"selected_epoch": metrics["selected_epoch"], "val_map@r": metrics["val"]["map@r"],
            "test": {k: t[k] for k in ("map@r", "recall@1", "r_precision", "nmi", "f1")}, "run": cfg.out}

@@ -1,5 +1,9 @@
 """One optimisation step: forward through the heads and neck, the metric loss (per half for a
-paired batch), the regularizers' terms, backward, gradient clipping, optimizer step."""
+paired batch), the regularizers' terms, backward, gradient clipping, optimizer step.
+
+Under torchrun (`distribute`) the step's loss runs as the forward of a DDP-wrapped module
+(training/distributed.py), so the gradients of the model, the loss and the regularizers are
+averaged over the ranks in backward; the logged parts are averaged over the ranks too."""
 from __future__ import annotations
 
 import torch
@@ -46,6 +50,14 @@ class Step:
         self.wants_proxies = any(r.needs_proxies for r in regs)
         self.device, self.precision = device or torch.device("cpu"), precision
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == "fp16")
+        self.ddp = None  # the DDP-wrapped step under torchrun
+
+    def distribute(self, dist, find_unused: bool | None = None) -> None:
+        """Run the step data-parallel: DDP over its modules (call when every parameter that will ever
+        train has requires_grad set; see distributed.wrap_step)."""
+        from .distributed import wrap_step
+
+        self.ddp = wrap_step(self, dist, find_unused)
 
     def forward(self, backbone_feats: torch.Tensor, y: torch.Tensor,
                 generator: torch.Generator) -> tuple[torch.Tensor, dict]:
@@ -63,6 +75,13 @@ class Step:
             h = len(y) // 2
             halves = (emb[:h], emb[h:])
             loss = self.loss(emb[:h], y[:h]) + self.loss(emb[h:], y[h:])
+            if self.ddp is not None:
+                # this rank holds a class-aligned share [X′_r, X″_r] of one global pair (the sampler); the
+                # graph-consistency term sees the global X′ and X″ (the ranks' shares in rank order, this
+                # rank's rows with W × their gradient, as the losses do): the one-process term
+                from .distributed import global_batch
+
+                halves = (global_batch(halves[0])[0], global_batch(halves[1])[0])
         else:
             loss = self.loss(emb, y)
         parts = {"loss": float(loss.detach())}
@@ -77,14 +96,21 @@ class Step:
             loss = loss + terms[reg.name]
         return loss, parts
 
-    def __call__(self, encode, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator) -> dict:
+    def loss_of_batch(self, encode, x: torch.Tensor, y: torch.Tensor,
+                      generator: torch.Generator) -> tuple[torch.Tensor, dict]:
         from model.device import autocast
 
-        x = x.to(self.device, non_blocking=True)
-        y = y.to(self.device, non_blocking=True)
         with autocast(self.device, self.precision):
             feats = encode(x)
-        loss, parts = self.forward(feats.float(), y, generator)
+        return self.forward(feats.float(), y, generator)
+
+    def __call__(self, encode, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator) -> dict:
+        x = x.to(self.device, non_blocking=True)
+        y = y.to(self.device, non_blocking=True)
+        if self.ddp is not None:  # one DDP forward: backward averages every trained gradient over the ranks
+            loss, parts = self.ddp(encode, x, y, generator)
+        else:
+            loss, parts = self.loss_of_batch(encode, x, y, generator)
         self.opt.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
         if self.grad_clip > 0:
@@ -93,4 +119,8 @@ class Step:
             torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
         self.scaler.step(self.opt)
         self.scaler.update()
+        if self.ddp is not None:
+            from .distributed import mean_over_ranks
+
+            parts = mean_over_ranks(parts, self.device)
         return parts

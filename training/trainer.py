@@ -9,6 +9,12 @@ Every epoch writes `latest.pt` atomically, so a run killed at any moment resumes
 from its last complete epoch (`--resume`).  Randomness comes from generators
 seeded by (seed, epoch) and handed down, so a resumed run matches an
 uninterrupted one exactly.
+
+Under `torchrun --nproc_per_node N -m training train …` (training/distributed.py) the same run
+is data-parallel: each rank trains on its class-balanced share of every global batch through a
+DDP-wrapped step; rank 0 renders the data and builds the feature/prefix cache while the others
+wait, computes validation once and tells every rank its result, and alone writes the run folder
+(checkpoints, logs, plots, TensorBoard).  `--resume` loads latest.pt on every rank.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ from model.network import EmbeddingModel
 from model.preprocess import transform_for
 
 from .batches import FrozenFeatures, ImageBatches, PrefixTail
+from . import distributed as ddp
 from .checkpoints import Checkpoints, check_out, recorded_config, same_identity, write_config
 from .config import TrainConfig
 from .losses import build_loss
@@ -47,14 +54,17 @@ from .tensorboard import RunBoard
 log = logging.getLogger("training")
 
 
-def epoch_generators(seed: int, epoch: int, device: torch.device | str = "cpu"
+def epoch_generators(seed: int, epoch: int, device: torch.device | str = "cpu", rank: int | None = None
                      ) -> tuple[np.random.RandomState, torch.Generator, int]:
     """An epoch's generators, all from (seed, epoch): the sampler's numpy generator, a torch
     generator for the regularizers, and the seed torch's own generator gets for this epoch
     (augmentation transforms, dropout).  The sampler's stream is the one the global
-    `np.random.seed(s)` gave before generators were passed down, so runs keep their batches."""
+    `np.random.seed(s)` gave before generators were passed down, so runs keep their batches.
+    Under torchrun (`rank` given) the torch streams are seeded by (seed, epoch, rank): each rank
+    draws its own augmentations and tangent-plane partners, reproducibly on resume."""
     s = (seed * 100_003 + epoch) % (2**31)
-    torch_seed = int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
+    key = [seed, epoch] if rank is None else [seed, epoch, rank]
+    torch_seed = int(np.random.SeedSequence(key).generate_state(1)[0])
     # the regularizers draw on the model's device, so their generator lives there
     return np.random.RandomState(s), torch.Generator(device=device).manual_seed(torch_seed), s
 
@@ -75,11 +85,14 @@ class Run:
         self.cfg = cfg
         self.out = Path(cfg.out)
         self.on_epoch_end = on_epoch_end  # test hook: called with the epoch number
+        self.dist: ddp.Dist | None = None  # set under torchrun
+        self.main = True                   # this process writes the run folder (rank 0)
 
     # ------------------------------------------------------------ set-up
     def setup(self) -> None:
         cfg = self.cfg
-        self.splits = load_data(cfg.data_config(), progress=cfg.progress)
+        with ddp.rank_zero_first():  # rank 0 renders/verifies the data set while the others wait
+            self.splits = load_data(cfg.data_config(), progress=cfg.progress and self.main)
         train_classes = self.splits.train.classes
         if len(train_classes) < 2:
             raise UserError("training needs at least 2 train classes")
@@ -95,25 +108,33 @@ class Run:
                 setattr(self.model, name, head)
         self.spec = transform_for(self.backbone, self.dcfg)
         self.label_map = {c: i for i, c in enumerate(train_classes)}
-        self.device = dev = resolve_device(cfg.device)
+        self.device = dev = self.dist.device if self.dist else resolve_device(cfg.device)
         # the frozen part's outputs are computed (and cached) before anything moves: same bits on any device
         n_train = cfg.n_train_blocks(len(self.backbone.stages()))
         mode = cfg.resolved_mode()
-        if mode == "frozen":
-            self.source = FrozenFeatures(self.backbone, self.splits, self.spec, self.dcfg, cfg.cache_dir,
-                                         cfg.progress)
-        elif mode == "tail":
-            self.source = PrefixTail(self.backbone, n_train, self.splits, self.spec, self.dcfg, cfg.cache_dir,
-                                     cfg.progress, dev, cfg.warmup_epochs, cfg.freezes_bn())
-        else:
-            self.source = ImageBatches(self.backbone, self.splits, self.spec, self.dcfg, cfg.warmup_epochs,
-                                       cfg.progress, n_train, cfg.freezes_bn(), dev)
+        progress = cfg.progress and self.main
+        with ddp.rank_zero_first():  # one process builds the cache; the others then read it
+            if mode == "frozen":
+                self.source = FrozenFeatures(self.backbone, self.splits, self.spec, self.dcfg, cfg.cache_dir,
+                                             progress)
+            elif mode == "tail":
+                self.source = PrefixTail(self.backbone, n_train, self.splits, self.spec, self.dcfg, cfg.cache_dir,
+                                         progress, dev, cfg.warmup_epochs, cfg.freezes_bn())
+            else:
+                self.source = ImageBatches(self.backbone, self.splits, self.spec, self.dcfg, cfg.warmup_epochs,
+                                           progress, n_train, cfg.freezes_bn(), dev)
         for m in (self.model, self.loss, *[r.module for r in self.regs]):  # what a regularizer owns is its module
             m.to(dev)
         opt = build_optimizer(cfg, self.model, self.loss, self.regs, n_train)
         self.sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, cfg.epochs))
                       if cfg.schedule == "cosine" else torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0))
         self.step = Step(self.model, self.loss, self.regs, opt, cfg.grad_clip, dev, cfg.precision)
+        if self.dist:
+            # DDP registers the parameters that require grad when it is built: mark every stage that will
+            # ever train (the first epoch after the warm-up); a stage frozen in a warm-up epoch is then an
+            # unused parameter, whose gradient DDP leaves None (see training/distributed.py)
+            self.source.start_epoch(cfg.warmup_epochs, self.model)
+            self.step.distribute(self.dist, find_unused=True if n_train and cfg.warmup_epochs else None)
         self.checkpoints = Checkpoints(
             self.out, cfg, self.model, self.loss, loss_params, self.regs, opt, self.sched, self.label_map,
             data_record={"config": self.dcfg.data_fields(), "transform": self.spec.describe()},
@@ -123,17 +144,26 @@ class Run:
     # ------------------------------------------------------------ one epoch
     def train_epoch(self, epoch: int) -> dict:
         """One pass over the training classes; the mean of each loss part over its steps."""
-        rng, gen, torch_seed = epoch_generators(self.cfg.seed, epoch, self.device)
+        d = self.dist
+        rng, gen, torch_seed = epoch_generators(self.cfg.seed, epoch, self.device, d.rank if d else None)
         self.source.start_epoch(epoch, self.model)
-        batches = epoch_batches(self.source.labels, self.cfg.batch_size, self.cfg.m_per_class, self.step.paired,
-                                rng)
+        if d:  # this rank's share of each global batch, from (seed, epoch)
+            batches = ddp.rank_batches(self.source.labels, self.cfg.batch_size, self.cfg.m_per_class,
+                                       self.step.paired, self.cfg.seed, epoch, d)
+        else:
+            batches = epoch_batches(self.source.labels, self.cfg.batch_size, self.cfg.m_per_class,
+                                    self.step.paired, rng)
         sums: dict[str, float] = {}
         n = 0
         with torch_seeded(torch_seed):
-            for x, y, bad in tqdm(self.source.batches(batches), total=len(batches), desc=f"epoch {epoch + 1}",
-                                  leave=False, disable=not self.cfg.progress):
+            for (x, y, bad), want in zip(tqdm(self.source.batches(batches), total=len(batches),
+                                              desc=f"epoch {epoch + 1}", leave=False,
+                                              disable=not (self.cfg.progress and self.main)), map(len, batches)):
                 self.skipped += len(bad)
-                if x is None or len(y) < 2 or (self.step.paired and bad):
+                skip = x is None or len(y) < 2 or (self.step.paired and bad)
+                if d:  # the ranks gather equal shares: a step one rank cannot take, no rank takes
+                    skip = ddp.any_rank(skip or len(y) != want, self.device)
+                if skip:
                     continue  # (a paired batch that lost an image is no longer class-aligned)
                 ids = torch.tensor([self.label_map[int(v)] for v in y])
                 parts = self.step(self.source.encode, x, ids, gen)
@@ -146,19 +176,36 @@ class Run:
     # ------------------------------------------------------------ the run
     def fit(self) -> dict:
         cfg = self.cfg
-        resuming = check_out(cfg)  # before anything is written
+        cfg_device = resolve_device(cfg.device)
+        owns_group = not torch.distributed.is_initialized()
+        self.dist = ddp.init_from_env(cfg_device)  # None in a plain process
+        try:
+            return self._fit()
+        finally:
+            if self.dist and owns_group and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+
+    def _fit(self) -> dict:
+        cfg = self.cfg
+        self.main = self.dist is None or self.dist.rank == 0
+        if self.dist and self.dist.world > 1 and cfg.batch_size % (cfg.m_per_class * self.dist.world):
+            raise UserError(f"batch size {cfg.batch_size} must be a multiple of m_per_class × ranks = "
+                            f"{cfg.m_per_class} × {self.dist.world}")
+        resuming = check_out(cfg)  # before anything is written (every rank sees the same folder)
+        ddp.barrier()  # no rank writes before every rank has looked
         self.setup()
         sel, start = Selection(), 0
-        if resuming:
+        if resuming:  # every rank loads latest.pt
             start, sel.best, sel.best_epoch, sel.history = self.checkpoints.restore(
                 read_checkpoint(self.out / "latest.pt"))
             log.info("resumed %s at epoch %d (best val MAP@R %.4f)", self.out, start, sel.best)
-        self.out.mkdir(parents=True, exist_ok=True)
-        if not resuming:
-            (self.out / "metrics.json").unlink(missing_ok=True)  # a replaced run's results are not this run's
-            shutil.rmtree(self.out / "tb", ignore_errors=True)  # nor its TensorBoard events
-        write_config(self.out, cfg)
-        self.board = RunBoard(self.out, cfg.tensorboard)
+        if self.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            if not resuming:
+                (self.out / "metrics.json").unlink(missing_ok=True)  # a replaced run's results are not this run's
+                shutil.rmtree(self.out / "tb", ignore_errors=True)  # nor its TensorBoard events
+            write_config(self.out, cfg)
+        self.board = RunBoard(self.out, cfg.tensorboard and self.main)
         self.board.global_step = start * len(epoch_batches(self.source.labels, cfg.batch_size, cfg.m_per_class,
                                                            self.step.paired, np.random.RandomState(0)))
         t0 = time.time()
@@ -166,22 +213,30 @@ class Run:
             te = time.time()
             parts = self.train_epoch(epoch)
             self.sched.step()
-            val = val_metrics(self.model, self.source)
+            # validation once (rank 0); every rank gets its result, so all take the same "best" decision
+            val = ddp.broadcast(val_metrics(self.model, self.source) if self.main else None)
             improved = sel.record(epoch + 1, parts, val, time.time() - te)
             self.board.epoch(epoch + 1, val)
-            log.info("epoch %d/%d loss %.4f val MAP@R %.4f R@1 %.4f", epoch + 1, cfg.epochs,
-                     parts.get("loss", float("nan")), val["map@r"], val["recall@1"])
-            if improved:
-                self.checkpoints.save("best.pt", epoch + 1, sel.best, sel.best_epoch, sel.history,
-                                      metrics={"val": val})
-            self.checkpoints.save("latest.pt", epoch + 1, sel.best, sel.best_epoch, sel.history, with_opt=True)
-            write_text(self.out / "log.jsonl", "".join(json.dumps(h) + "\n" for h in sel.history))
+            if self.main:
+                log.info("epoch %d/%d loss %.4f val MAP@R %.4f R@1 %.4f", epoch + 1, cfg.epochs,
+                         parts.get("loss", float("nan")), val["map@r"], val["recall@1"])
+                if improved:
+                    self.checkpoints.save("best.pt", epoch + 1, sel.best, sel.best_epoch, sel.history,
+                                          metrics={"val": val})
+                self.checkpoints.save("latest.pt", epoch + 1, sel.best, sel.best_epoch, sel.history,
+                                      with_opt=True)
+                write_text(self.out / "log.jsonl", "".join(json.dumps(h) + "\n" for h in sel.history))
             if self.on_epoch_end:
                 self.on_epoch_end(epoch + 1)
         return self.finish(sel, time.time() - t0)
 
     def finish(self, sel: Selection, train_seconds: float) -> dict:
-        """Load the validation-selected checkpoint and evaluate it once on test."""
+        """Load the validation-selected checkpoint and evaluate it once on test (rank 0; every rank
+        returns its metrics)."""
+        metrics = self._finish(sel, train_seconds) if self.main else None
+        return ddp.broadcast(metrics)
+
+    def _finish(self, sel: Selection, train_seconds: float) -> dict:
         ck = read_checkpoint(self.out / "best.pt")
         self.model.load_state_dict(ck["state_dict"])
         self.loss.load_state_dict(ck["extra"]["loss_state"])

@@ -88,7 +88,8 @@ class ArcFaceParams:
 @LOSSES.register("arcface", ArcFaceParams, doc="ArcFace (Deng et al. 2019), one class weight (proxy) per class",
                  proxies=True)
 def arcface(C, d, p: ArcFaceParams):
-    return PMLProxyLoss(losses.ArcFaceLoss(C, d, margin=p.margin, scale=p.scale), "W", "dxC")
+    return PMLProxyLoss(losses.ArcFaceLoss(C, d, margin=p.margin, scale=p.scale), "W", "dxC",
+                         per_sample_mean=True)
 
 
 @dataclass
@@ -104,7 +105,7 @@ class SoftTripleParams:
 def soft_triple(C, d, p: SoftTripleParams):
     loss = losses.SoftTripleLoss(C, d, centers_per_class=p.centers_per_class, la=p.la,
                                  gamma=p.gamma, margin=p.margin)
-    return PMLProxyLoss(loss, "fc", "dxC", per_class=p.centers_per_class)
+    return PMLProxyLoss(loss, "fc", "dxC", per_class=p.centers_per_class, per_sample_mean=True)
 
 
 @dataclass
