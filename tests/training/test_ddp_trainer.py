@@ -1,0 +1,65 @@
+"""The trainer under a 2-process gloo group (what torchrun starts), in tail mode with a warm-up
+and the determinant regularizer: DDP is built once, the trained stage stays frozen through the
+warm-up epoch (its gradient stays None, as in one process) and then trains, identical on both
+ranks, as do the neck, proxies and flows; every rank gets rank 0's test metrics; only rank 0
+writes the run folder."""
+import os
+
+import torch
+
+from test_ddp import free_port
+from test_trainer import FONTS
+
+
+def _worker(rank, world, port, cfg, out):
+    from training.trainer import Run
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    snaps = []
+
+    def snap(epoch):
+        snaps.append({k: v.detach().clone() for k, v in run.model.state_dict().items()}
+                     | {f"loss.{k}": v.clone() for k, v in run.loss.state_dict().items()}
+                     | {f"reg.{k}": v.clone() for r in run.regs for k, v in r.module.state_dict().items()})
+
+    run = Run(cfg, on_epoch_end=snap)
+    metrics = run.fit()
+    torch.save({"snaps": snaps, "metrics": metrics, "ddp": run.step.ddp is not None},
+               os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_tail_warmup_and_determinant_under_two_ranks(tmp_path):
+    import torch.multiprocessing as mp
+
+    from training.config import TrainConfig
+
+    cfg = TrainConfig(dataset="kanji", data_root=str(tmp_path / "kanji"), num_classes=20, image_size=32,
+                      kanji_fonts=FONTS, backbone="small_cnn", weights="none", embed_dim=16, epochs=2,
+                      batch_size=16, m_per_class=4, out=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"),
+                      progress=False, lr=1e-3, mode="tail", train_blocks=1, warmup_epochs=1,
+                      regularizer=("determinant",), reg_param=("determinant.transforms=2", "determinant.hidden=16"))
+    mp.spawn(_worker, args=(2, free_port(), cfg, str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    assert r0["ddp"] and r1["ddp"]
+    assert r0["metrics"] == r1["metrics"]  # rank 0's test metrics, told to every rank
+    for a, b in zip(r0["snaps"], r1["snaps"]):  # identical replicas after every epoch
+        assert a.keys() == b.keys()
+        for k in a:  # (BatchNorm running statistics of a trained stage are each rank's own until DDP
+            if "running_" not in k:  # broadcasts rank 0's at the next forward; rank 0's are saved)
+                assert torch.equal(a[k], b[k]), k
+    from model.backbones import build_backbone
+
+    torch.manual_seed(cfg.seed)  # the trainer builds its backbone first under this seed
+    init = build_backbone("small_cnn", "none").state_dict()
+    tail = [k for k in init if k.startswith("trunk.features.3.") and init[k].dtype.is_floating_point
+            and "running" not in k]
+    assert len(tail) == 6
+    # the warm-up epoch left the trained stage as it was (gradient None, no AdamW step); epoch 2 moved it
+    assert all(torch.equal(r0["snaps"][0][f"backbone.{k}"], init[k]) for k in tail)
+    assert all(not torch.equal(r0["snaps"][1][f"backbone.{k}"], init[k]) for k in tail)
+    early = [k for k in init if k.startswith("trunk.features.0.") and "running" not in k]
+    assert all(torch.equal(r0["snaps"][1][f"backbone.{k}"], init[k]) for k in early)  # the prefix never trains
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
+        "best.pt", "config.toml", "curve.png", "latest.pt", "log.jsonl", "metrics.json"]
