@@ -1,6 +1,7 @@
-"""The README screenshot: the demo app, trained vs identity, on the test query where they disagree most.
+"""The README screenshots: the demo app, trained vs identity, on the test query where they disagree
+most (Search tab), and the Compare tab on the whole test split.
 
-  python bench/screenshot.py [--index artifacts/demo/index] [--out docs/app.png]
+  python bench/screenshot.py [--index artifacts/demo/index] [--out docs/app.png] [--compare docs/compare.png]
 """
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ sys.path.insert(0, str(ROOT))
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--index", default="artifacts/demo/index")
-    ap.add_argument("--out", default="docs/app.png")
+    ap.add_argument("--out", default="docs/app.png", help="Search-tab screenshot (default: %(default)s)")
+    ap.add_argument("--compare", default="docs/compare.png",
+                    help="Compare-tab screenshot, trained vs identity (default: %(default)s)")
     args = ap.parse_args()
     from playwright.sync_api import sync_playwright
 
@@ -44,9 +47,15 @@ def main():
         page.get_by_text("Query class:").wait_for(timeout=60000)
         page.wait_for_timeout(2500)
         page.screenshot(path=args.out, full_page=True)
+        page.goto(f"http://127.0.0.1:{port}/?q=0&strategy=identity&mode=cosine", wait_until="load")
+        page.get_by_text("Right: identity · cosine").first.wait_for(timeout=120000)
+        page.get_by_role("tab", name="Compare").click()
+        page.locator("#cmp-scatter circle[data-id]").first.wait_for(timeout=180000)
+        page.wait_for_timeout(4000)  # the two maps render after the scatter
+        page.screenshot(path=args.compare, full_page=True)
         b.close()
     demo.close()
-    print("wrote", args.out)
+    print("wrote", args.out, args.compare)
 
 
 if __name__ == "__main__":
