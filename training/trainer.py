@@ -233,6 +233,9 @@ class Run:
     def finish(self, sel: Selection, train_seconds: float) -> dict:
         """Load the validation-selected checkpoint and evaluate it once on test (rank 0; every rank
         returns its metrics)."""
+        if self.dist:  # each rank counted the images it skipped
+            total = ddp.mean_over_ranks({"n": float(self.skipped)}, self.device)["n"] * self.dist.world
+            self.skipped = int(round(total))
         metrics = self._finish(sel, train_seconds) if self.main else None
         return ddp.broadcast(metrics)
 
