@@ -1,0 +1,438 @@
+"""Paper 004's Table 1 on trained trunks: ArcFace, ProxyNCA and Triplet with a trained tail.
+
+  python bench/table1_trained.py [--losses arcface,proxy_nca,triplet] [--seeds 0,1,2] [--epochs 20]
+                                 [--runs runs/bench-table1] [--out bench/results/table1_trained]
+
+For each loss and seed: efficientnet_lite0 (ImageNet) on kanji with its last
+`--train-blocks` stages trained over the cached frozen prefix (BatchNorm statistics
+frozen: the default for pretrained weights), selected on validation classes.  Each
+selected checkpoint then gets the strategy evaluation of
+`python -m index evaluate --checkpoint CK --grid coarse` (in-process: the same
+split_features and run_evaluation calls), on test classes and validation classes.
+
+Reported (mean ± std over seeds, MAP@R and P@1 = R@1, test classes):
+  trained [cosine]     the usual evaluation (cosine of the embeddings Wφ)
+  trained [bilinear]   the paper's φᵀM*φ
+  identity [cosine], identity [bilinear]   M′ = I on the trained trunk features φ
+  best diagonal (r), best random (r)   the best restraint degree r > 0 on test, per run (the
+                       paper's † oracle); both restraints are bilinear-only (their M′ is
+                       indefinite or, for random, not PSD in general), random averaged over
+                       restraint seeds as `index evaluate` does
+  validation-selected  strategy, parameter and mode chosen by validation MAP@R, reported on test
+
+Also: the MAP@R-vs-r sweeps of both restraints (restraint_sweep.png), and, on the first
+seed's test features, how indefinite the diagonal-restraint M′ is (fraction of pairs and of
+items with φᵀM′φ < 0) with the MAP@R it gives ranked bilinearly and by the M′-"cosine" (the
+sweep's cosine: self-scores below 0 are clamped to a zero norm, as the search path does).
+Runs and strategy evaluations are reused when unchanged (train_or_reuse; a checkpoint hash).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from core.atomic import write_json, write_text  # noqa: E402
+from core.flags import apply_threads  # noqa: E402
+from core.logs import setup_logging  # noqa: E402
+from training.config import TrainConfig  # noqa: E402
+from training.trainer import train_or_reuse  # noqa: E402
+
+NAMES = {"arcface": "ArcFace", "proxy_nca": "ProxyNCA", "triplet": "Triplet"}
+METRICS = (("map@r", "MAP@R"), ("precision@1", "P@1"))
+VAL_ROW = "validation-selected (honest)"
+# frozen-neck numbers (README, "Training (issue 3)"), for reference only
+FROZEN = {"proxy_nca": (34.48, 0.04, 77.34, 0.29), "triplet": (34.67, 0.05, 76.72, 0.19)}
+
+
+def pm(vals, scale=100.0) -> str:
+    v = np.asarray(vals, dtype=float) * scale
+    return f"{v.mean():.2f} ± {v.std():.2f}"
+
+
+def rs_text(rs) -> str:
+    return "/".join(f"{r:g}" for r in rs)
+
+
+# ------------------------------------------------------------------ one run
+def strategy_eval(ck: Path, out: Path, cache_dir: str, grid: str, seeds: int) -> tuple[dict, float | None, bool]:
+    """`index evaluate --checkpoint ck --out out --grid GRID --no-progress` in-process,
+    reused when the checkpoint (hash), grid and seeds are unchanged."""
+    from core.hashing import sha256_file
+    from index.build import split_features
+    from index.strategy_eval import run_evaluation
+
+    stamp_val = json.dumps({"sha": sha256_file(ck), "grid": grid, "seeds": seeds}, sort_keys=True)
+    stamp = out / "stamp.json"
+    if stamp.is_file() and stamp.read_text().strip() == stamp_val and (out / "strategies.json").is_file():
+        print(f"    reusing strategy evaluation {out}", flush=True)
+        took = json.loads((out / "seconds.json").read_text())["seconds"] if (out / "seconds.json").is_file() else None
+        return json.loads((out / "strategies.json").read_text()), took, True
+    t0 = time.time()
+    f, y, W = split_features(ck, None, "test", cache_dir, False)
+    vf, vy, _ = split_features(ck, None, "val", cache_dir, False)
+    run_evaluation(f, y, W, out, val=(vf, vy), seeds=seeds, progress=False, grid_name=grid)
+    took = round(time.time() - t0, 1)
+    write_json(out / "seconds.json", {"seconds": took, "note": "features (test, val) + strategy sweep"})
+    write_text(stamp, stamp_val + "\n")
+    return json.loads((out / "strategies.json").read_text()), took, False  # as written (plain floats)
+
+
+def pick(rows, strategy, mode, **params):
+    from index.strategy_eval import find
+
+    return find(rows, strategy, mode, **params)
+
+
+def summarize_run(res: dict) -> dict:
+    test = res["test"]
+    out = {}
+    for key, (name, mode) in {"trained_cos": ("trained", "cosine"), "trained_bil": ("trained", "bilinear"),
+                              "identity_cos": ("identity", "cosine"),
+                              "identity_bil": ("identity", "bilinear")}.items():
+        r = pick(test, name, mode)
+        out[key] = {m: r[m] for m, _ in METRICS}
+    for name in ("diagonal", "random"):
+        rows = sorted([r for r in test if r["strategy"] == name and r["mode"] == "bilinear"],
+                      key=lambda r: r["params"]["r"])
+        out[f"{name}_sweep"] = [{"r": r["params"]["r"], "seeds": r["seeds"],
+                                 **{m: r[m] for m, _ in METRICS}, "map@r_std": r["map@r_std"],
+                                 "psd": r["M_psd"]} for r in rows]
+        refined = [r for r in rows if r["params"]["r"] > 0]  # r = 0 is M* itself
+        best = max(refined, key=lambda r: r["map@r"])
+        out[f"best_{name}"] = {"r": best["params"]["r"], "mode": "bilinear", **{m: best[m] for m, _ in METRICS}}
+    sel = next(t for t in res["table"] if t["row"] == VAL_ROW)
+    out["val_selected"] = {"choice": sel["choice"], **{m: sel[m] for m, _ in METRICS}}
+    orc = next((t for t in res["table"] if t["row"].startswith("best refined")), None)
+    if orc:
+        out["best_refined_any"] = {"choice": orc["choice"], **{m: orc[m] for m, _ in METRICS}}
+    return out
+
+
+def indefinite_table(ck: Path, cache_dir: str, r_values) -> list[dict]:
+    """Diagonal restraint (restraint seed 0) on one run's test features: how often φᵢᵀM′φⱼ < 0
+    (i ≠ j) and φᵢᵀM′φᵢ < 0, and MAP@R ranked bilinearly vs by the M′-cosine."""
+    from index.build import split_features
+    from index.search import Searcher
+    from index.store import in_memory_index
+    from index.sweep import GramSweep
+    import torch
+
+    f, y, W = split_features(ck, None, "test", cache_dir, False)
+    s = Searcher(in_memory_index(f, y, W, True), cache_size=2)  # features as indexed: L2-normalised
+    g = GramSweep(np.asarray(s.data.features), s.data.items.labels, s.data.W)
+    n = g.n
+    rows = []
+    for r in r_values:
+        rm = s.metric("diagonal", {"r": float(r), "seed": 0})
+        S = g.scores(rm.M, rm.op.kind, rm.op.diag_removed)
+        d = np.diagonal(S.numpy()).copy()  # S is consumed by the cosine evaluation below
+        neg_self = int((d < 0).sum())
+        neg_pairs = int((S < 0).sum().item()) - neg_self
+        bil = g.evaluate(S.clone(), "bilinear")
+        # hubs of the forced cosine: how many queries share one top-1 item (its self-score beside)
+        nrm = torch.sqrt(torch.clamp(torch.diagonal(S).double(), min=0.0))
+        inv_x = torch.where(nrm > 0, 1.0 / torch.clamp(nrm, min=1e-30), 0.0).float()  # as GramSweep.evaluate
+        inv_q = (1.0 / torch.clamp(nrm, min=1e-30)).float()
+        C = S * inv_x[None, :] * inv_q[:, None]
+        C.fill_diagonal_(-float("inf"))
+        top, counts = np.unique(C.argmax(1).numpy(), return_counts=True)
+        del C
+        hub = int(top[np.argmax(counts)])
+        cos = g.evaluate(S, "cosine")
+        rep = rm.report
+        rows.append({"r": float(r), "frac_pairs_neg": neg_pairs / (n * (n - 1)), "frac_self_neg": neg_self / n,
+                     "n_self_neg": neg_self, "psd": bool(rep["psd"]), "min_eigenvalue": rep["min_eigenvalue"],
+                     "trace_ratio": rep["trace"], "bilinear": {m: bil[m] for m, _ in METRICS},
+                     "cosine": {m: cos[m] for m, _ in METRICS}, "cosine_top1_distinct": int(len(top)),
+                     "cosine_top1_hub": int(counts.max()), "hub_self_score": float(d[hub]),
+                     "median_self_score": float(np.median(d))})
+        del S
+    tr0 = rows[0]["trace_ratio"] if rows and rows[0]["r"] == 0 else None
+    for row in rows:
+        row["trace_ratio"] = row["trace_ratio"] / tr0 if tr0 else float("nan")
+    return rows
+
+
+# ------------------------------------------------------------------ outputs
+def plot_sweeps(losses, per_loss, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    wide = len(losses) >= 3  # room for a one-line title and legend
+    fig, axes = plt.subplots(1, len(losses), figsize=(max(4.6 * len(losses), 6.0), 4.2 if wide else 5.0),
+                             squeeze=False, constrained_layout=True)
+    handles = None
+    for ax, loss in zip(axes[0], losses):
+        runs = per_loss[loss]
+        for name, color, marker in (("diagonal", "tab:blue", "o"), ("random", "tab:orange", "s")):
+            x = [p["r"] for p in runs[0][f"{name}_sweep"]]
+            ys = np.array([[p["map@r"] for p in run[f"{name}_sweep"]] for run in runs]) * 100
+            m, sd = ys.mean(0), ys.std(0)
+            ax.plot(x, m, marker=marker, color=color, label=f"{name} restraint [bilinear]")
+            ax.fill_between(x, m - sd, m + sd, color=color, alpha=0.2)
+        for key, color, ls, lab in (("trained_cos", "tab:red", "-.", "trained M* [cosine]"),
+                                    ("trained_bil", "k", "--", "trained M* [bilinear]"),
+                                    ("identity_cos", "tab:green", ":", "identity [cosine]")):
+            ax.axhline(np.mean([run[key]["map@r"] for run in runs]) * 100, color=color, ls=ls, lw=1.2, label=lab)
+        ax.set_title(f"{NAMES.get(loss, loss)}, trained tail ({len(runs)} seed{'s' if len(runs) > 1 else ''})", fontsize=10)
+        ax.set_xlabel("restraint degree r")
+        ax.set_ylabel("test MAP@R (%)")
+        ax.grid(alpha=0.3)
+        handles = ax.get_legend_handles_labels()
+    fig.legend(*handles, loc="outside lower center", ncol=5 if wide else 2, fontsize=8)
+    fig.suptitle("Kanji test classes: MAP@R vs restraint degree on the trained trunk"
+                 + (" " if wide else "\n") + "(mean ± std over seeds)", fontsize=11)
+    from core.atomic import write_with
+
+    write_with(out / "restraint_sweep.png", lambda t: fig.savefig(t, format="png", dpi=90))
+    plt.close(fig)
+
+
+def verdicts(losses, per_loss) -> list[str]:
+    lines = []
+    for loss in losses:
+        runs = per_loss[loss]
+        k = len(runs)
+        col = lambda key: np.array([r[key]["map@r"] for r in runs]) * 100  # noqa: E731
+        tc, tb, ic, bd, br, vs = (col(x) for x in ("trained_cos", "trained_bil", "identity_cos", "best_diagonal",
+                                                     "best_random", "val_selected"))
+        anyr = np.array([r["best_refined_any"]["map@r"] for r in runs if "best_refined_any" in r]) * 100
+        paper_best = max(ic.mean(), bd.mean(), br.mean())
+        chosen = [r["val_selected"]["choice"].split(" (val")[0] for r in runs]
+        n_refined = sum(not c.startswith("trained") for c in chosen)
+        diag = np.array([[p["map@r"] for p in r["diagonal_sweep"]] for r in runs]).mean(0) * 100
+        rgrid = [p["r"] for p in runs[0]["diagonal_sweep"]]
+        steps = np.diff(diag)
+        if np.all(steps >= 0):
+            trend = "rises monotonically"
+        elif np.all(steps <= 0):
+            trend = "falls monotonically"
+        else:
+            trend = f"is not monotone (peak at r = {rgrid[int(np.argmax(diag))]:g})"
+        improves = diag[-1] > diag[0] and diag[-1] >= diag.max() - 1e-9
+        d = lambda v: f"{v.mean() - tc.mean():+.2f}"  # noqa: E731
+        lines.append(
+            f"- **{NAMES.get(loss, loss)}** — identity or the paper's refined M′ ≥ trained [cosine]: "
+            f"**{'holds' if paper_best >= tc.mean() else 'does not hold'}**. Trained [cosine] {tc.mean():.2f}; "
+            f"identity [cosine] {ic.mean():.2f} ({d(ic)}; ≥ trained in {int((ic >= tc).sum())}/{k} seeds); "
+            f"best diagonal {bd.mean():.2f} ({d(bd)}) and best random {br.mean():.2f} ({d(br)}), both oracles "
+            f"on test, bilinear. Any refinement, oracle (shrink/spectral included): "
+            f"{anyr.mean():.2f} ({d(anyr)}, ≥ trained in {int((anyr >= tc).sum())}/{k} seeds). "
+            f"Validation picked {', '.join(chosen)} ({n_refined}/{k} a refinement): test {vs.mean():.2f} ({d(vs)}). "
+            f"Diagonal restraint (bilinear, mean over seeds) {trend}, {diag[0]:.2f} at r = {rgrid[0]:g} "
+            f"(= trained [bilinear]) to {diag[-1]:.2f} at r = {rgrid[-1]:g}: "
+            f"**{'it improves up to r = 1, as the paper reports' if improves else 'it does not improve up to r = 1'}**. "
+            f"Within the paper's own bilinear protocol (against trained [bilinear] {tb.mean():.2f}): identity "
+            f"{ic.mean():.2f} ({ic.mean() - tb.mean():+.2f}), best random {br.mean():.2f} "
+            f"({br.mean() - tb.mean():+.2f}), best diagonal {bd.mean():.2f} ({bd.mean() - tb.mean():+.2f})."
+            + (f" Trained tail vs the README's frozen neck (30 epochs): {tc.mean():.2f} vs {FROZEN[loss][0]:.2f} "
+               f"test MAP@R ({tc.mean() - FROZEN[loss][0]:+.2f})." if loss in FROZEN else ""))
+    return lines
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--losses", default="arcface,proxy_nca,triplet", help="metric losses (default: %(default)s)")
+    ap.add_argument("--seeds", default="0,1,2", help="training seeds (default: %(default)s)")
+    ap.add_argument("--epochs", type=int, default=20, help="training epochs per run (default: %(default)s)")
+    ap.add_argument("--train-blocks", type=int, default=2,
+                    help="trained stages at the end of the backbone (default: %(default)s)")
+    ap.add_argument("--runs", default="runs/bench-table1",
+                    help="run folders, reused when finished (default: %(default)s)")
+    ap.add_argument("--out", default="bench/results/table1_trained", help="results folder (default: %(default)s)")
+    ap.add_argument("--grid", choices=("coarse", "full"), default="coarse",
+                    help="strategy grid of the evaluation (default: %(default)s)")
+    ap.add_argument("--restraint-seeds", type=int, default=3,
+                    help="seeds per random-restraint setting, as index evaluate --seeds (default: %(default)s)")
+    ap.add_argument("--features-cache", default=None,
+                    help="trunk-feature cache of the trained checkpoints (default: RUNS/features)")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="torch, faiss and BLAS threads, training included (default: %(default)s; on 2 cores "
+                         "shared with other jobs 1 was ~4× faster)")
+    args = ap.parse_args()
+    setup_logging()
+    apply_threads(args.threads)
+    # numpy's OpenBLAS too (apply_threads sets torch and faiss only): with 2 BLAS threads on 2 busy
+    # cores, each 1280 × 1280 eigvalsh of the matrix reports took ~6–12 s instead of ~0.5 s
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=args.threads, user_api="blas")
+    t_start = time.time()
+    losses = args.losses.split(",")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    cache = args.features_cache or f"{args.runs}/features"
+    out = Path(args.out)
+    n = args.train_blocks
+
+    per_loss: dict[str, list[dict]] = {loss: [] for loss in losses}
+    anomalies = []
+    for s in seeds:  # seed-major: every method has a first seed early
+        for loss in losses:
+            run = f"{args.runs}/t1-{loss}-n{n}-s{s}"
+            cfg = TrainConfig(loss=loss, seed=s, train_blocks=n, epochs=args.epochs, out=run, progress=False,
+                              device="cpu", threads=args.threads)
+            t0 = time.time()
+            print(f"[{time.time() - t_start:6.0f} s] train {loss} seed {s} -> {run}", flush=True)
+            m, reused = train_or_reuse(cfg)
+            apply_threads(args.threads)
+            print(f"[{time.time() - t_start:6.0f} s]   {'reused' if reused else 'trained'} in {time.time() - t0:.0f} s: "
+                  f"selected epoch {m['selected_epoch']}/{m['epochs']}, val MAP@R {m['val']['map@r'] * 100:.2f}, "
+                  f"test MAP@R {m['test']['map@r'] * 100:.2f}", flush=True)
+            t1 = time.time()
+            res, eval_s, eval_reused = strategy_eval(Path(run) / "best.pt", Path(run) / f"strategies-{args.grid}", cache, args.grid,
+                                args.restraint_seeds)
+            summ = summarize_run(res)
+            summ.update(seed=s, run=run, selected_epoch=m["selected_epoch"], epochs=m["epochs"],
+                        train_seconds=m["train_seconds"], eval_seconds=eval_s, run_reused=reused,
+                        eval_reused=eval_reused, epoch_seconds=[h["seconds"] for h in (
+                            json.loads(line) for line in (Path(run) / "log.jsonl").read_text().splitlines())],
+                        val_map_r=m["val"]["map@r"], trainer_test={k: m["test"][k] for k in ("map@r", "recall@1")})
+            if abs(summ["trained_cos"]["map@r"] - m["test"]["map@r"]) > 1e-3:
+                anomalies.append(f"{run}: trained [cosine] from the strategy evaluation "
+                                 f"{summ['trained_cos']['map@r']:.4f} ≠ the trainer's test MAP@R {m['test']['map@r']:.4f}")
+            bad = [r for r in res["test"] if not np.isfinite(r["map@r"])]
+            if bad:
+                anomalies.append(f"{run}: non-finite MAP@R in {[(r['strategy'], r['params'], r['mode']) for r in bad]}")
+            per_loss[loss].append(summ)
+            print(f"[{time.time() - t_start:6.0f} s]   strategies in {time.time() - t1:.0f} s: trained[cos] "
+                  f"{summ['trained_cos']['map@r'] * 100:.2f}, identity[cos] {summ['identity_cos']['map@r'] * 100:.2f}, "
+                  f"best diag {summ['best_diagonal']['map@r'] * 100:.2f} (r={summ['best_diagonal']['r']:g}), "
+                  f"best random {summ['best_random']['map@r'] * 100:.2f} (r={summ['best_random']['r']:g}), "
+                  f"val-selected {summ['val_selected']['choice']} -> {summ['val_selected']['map@r'] * 100:.2f}",
+                  flush=True)
+
+    print(f"[{time.time() - t_start:6.0f} s] indefinite M′ analysis (seed {seeds[0]})", flush=True)
+    from index.refinements import coarse, grid
+
+    r_values = grid("diagonal")["r"] if args.grid == "full" else coarse(grid("diagonal")["r"])
+    indef = {}
+    for loss in losses:
+        ck = Path(f"{args.runs}/t1-{loss}-n{n}-s{seeds[0]}") / "best.pt"
+        from core.hashing import sha256_file
+
+        stamp = {"sha": sha256_file(ck), "r": list(r_values), "v": 3}
+        keep = ck.parent / "indefinite.json"
+        old = json.loads(keep.read_text()) if keep.is_file() else {}
+        if old.get("stamp") == stamp:
+            indef[loss] = old["rows"]
+        else:
+            indef[loss] = indefinite_table(ck, cache, r_values)
+            write_json(keep, {"stamp": stamp, "rows": indef[loss]})
+        print(f"[{time.time() - t_start:6.0f} s]   {loss} done", flush=True)
+
+    plot_sweeps(losses, per_loss, out)
+    wall = time.time() - t_start
+
+    # ---------------------------------------------------------------- results.md
+    all_runs = [r for loss in losses for r in per_loss[loss]]
+    cmd = "python " + " ".join(["bench/table1_trained.py"] + sys.argv[1:])
+    ev = [r["eval_seconds"] for r in all_runs if r["eval_seconds"] is not None]
+    L = ["# Paper 004, Table 1, on trained trunks (kanji test classes)", "",
+         f"`{cmd}`: efficientnet_lite0 (ImageNet), last "
+         f"{n} stages + neck trained ({args.epochs} epochs, BatchNorm statistics frozen, selected on "
+         f"validation MAP@R), seeds {', '.join(map(str, seeds))}; strategy evaluation as "
+         f"`python -m index evaluate --checkpoint CK --grid {args.grid}` (test and validation classes; random "
+         f"restraint averaged over {args.restraint_seeds} restraint seeds). Mean ± std over training seeds. "
+         f"Query = gallery, leave-one-out; trunk features L2-normalised. {args.threads} thread(s) for torch, "
+         f"faiss and BLAS, on 2 CPU cores shared with other jobs. Recorded time: training "
+         f"{sum(sum(r['epoch_seconds']) for r in all_runs) / 60:.1f} min (epochs of all {len(all_runs)} runs), "
+         f"strategy evaluations {sum(ev) / 60:.1f} min ({len(ev)} of {len(all_runs)} recorded); this invocation "
+         f"{wall / 60:.1f} min, reusing {sum(r['run_reused'] for r in all_runs)} trained runs and "
+         f"{sum(r['eval_reused'] for r in all_runs)} strategy evaluations.", "",
+         "Diagonal and random restraint are bilinear-only (`index list`): their M′ is indefinite in general. "
+         "\"best diagonal/random\" is the best r > 0 **on test** per run (the paper's † oracle, not an honest "
+         "number); the r of each seed is given. \"validation-selected\" chooses strategy, parameter and mode on "
+         "validation classes and reports test.", ""]
+    for m, title in METRICS:
+        L += [f"## {title}", "",
+              "| method | trained [cosine] | trained [bilinear] | identity [cosine] | identity [bilinear] | "
+              "best diagonal [bilinear] (r) | best random [bilinear] (r) | validation-selected |",
+              "|---|---|---|---|---|---|---|---|"]
+        for loss in losses:
+            runs = per_loss[loss]
+            col = lambda k: pm([r[k][m] for r in runs])  # noqa: E731
+            L.append(f"| {NAMES.get(loss, loss)} | {col('trained_cos')} | {col('trained_bil')} | "
+                     f"{col('identity_cos')} | {col('identity_bil')} | "
+                     f"{col('best_diagonal')} (r = {rs_text([r['best_diagonal']['r'] for r in runs])}) | "
+                     f"{col('best_random')} (r = {rs_text([r['best_random']['r'] for r in runs])}) | "
+                     f"{col('val_selected')} |")
+        L.append("")
+    same = all(r["identity_cos"] == r["identity_bil"] for r in all_runs)
+    L += [f"identity [bilinear] {'equals' if same else 'differs from'} identity [cosine] in every run"
+          f"{' (φ is L2-normalised, so the two rank alike)' if same else ''}.", "",
+          "Validation-selected choices per seed:", ""]
+    for loss in losses:
+        L.append(f"- {NAMES.get(loss, loss)}: " + "; ".join(
+            f"seed {r['seed']}: {r['val_selected']['choice']} → test MAP@R {r['val_selected']['map@r'] * 100:.2f}"
+            for r in per_loss[loss]))
+    L += ["", "Best refinement of any kind on test (oracle, `index evaluate`'s † row), per seed:", ""]
+    for loss in losses:
+        L.append(f"- {NAMES.get(loss, loss)}: " + "; ".join(
+            f"{r['best_refined_any']['choice']} {r['best_refined_any']['map@r'] * 100:.2f}"
+            for r in per_loss[loss] if "best_refined_any" in r))
+    L += ["", "Training runs (times from each run's log.jsonl, so a resumed run counts every epoch; strategy "
+          "evaluation = test and validation features plus the sweep, where recorded):", "",
+          "| method | selected epoch | val MAP@R | test MAP@R (trainer) | median epoch s | training s/run | "
+          "strategy eval s/run | frozen-neck test MAP@R (README) |", "|---|---|---|---|---|---|---|---|"]
+    for loss in losses:
+        runs = per_loss[loss]
+        fr = FROZEN.get(loss)
+        ev = [r["eval_seconds"] for r in runs if r["eval_seconds"] is not None]
+        L.append(f"| {NAMES.get(loss, loss)} | {rs_text([r['selected_epoch'] for r in runs])} of {runs[0]['epochs']} | "
+                 f"{pm([r['val_map_r'] for r in runs])} | {pm([r['trainer_test']['map@r'] for r in runs])} | "
+                 f"{np.median([e for r in runs for e in r['epoch_seconds']]):.1f} | "
+                 f"{np.mean([sum(r['epoch_seconds']) for r in runs]):.0f} | "
+                 f"{f'{np.mean(ev):.0f}' if ev else 'not recorded'}"
+                 f"{f' ({len(ev)} of {len(runs)} recorded)' if ev and len(ev) < len(runs) else ''} | "
+                 f"{f'{fr[0]:.2f} ± {fr[1]:.2f}' if fr else 'not in README'} |")
+    L += ["", "![MAP@R vs restraint degree](restraint_sweep.png)", "",
+          f"## Indefinite M′ under diagonal restraint (seed {seeds[0]}, restraint seed 0, test features)", "",
+          "Fractions over the test split's pairs i ≠ j and items i; tr ratio = tr(M′)/tr(M*). \"cosine\" is "
+          "φᵢᵀM′φⱼ/(‖φᵢ‖_M′‖φⱼ‖_M′) with ‖φ‖_M′ = √max(φᵀM′φ, 0), the sweep's and search path's cosine "
+          "forced onto an indefinite M′: items with φᵀM′φ < 0 get a zero norm and score 0 as gallery items "
+          "(`index evaluate` skips cosine for such M′; `index search` falls back to bilinear).", ""]
+    for loss in losses:
+        L += [f"**{NAMES.get(loss, loss)}**", "",
+              "| r | tr ratio | PSD | min eigenvalue | pairs φᵢᵀM′φⱼ < 0 | items φᵢᵀM′φᵢ < 0 | MAP@R bilinear | "
+              "MAP@R cosine | P@1 bilinear | P@1 cosine | cosine: largest top-1 hub (its φᵀM′φ; median) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for row in indef[loss]:
+            L.append(f"| {row['r']:g} | {row['trace_ratio']:.3f} | {'yes' if row['psd'] else 'no'} | "
+                     f"{row['min_eigenvalue']:.3g} | {row['frac_pairs_neg'] * 100:.2f} % | "
+                     f"{row['frac_self_neg'] * 100:.2f} % ({row['n_self_neg']}) | "
+                     f"{row['bilinear']['map@r'] * 100:.2f} | {row['cosine']['map@r'] * 100:.2f} | "
+                     f"{row['bilinear']['precision@1'] * 100:.2f} | {row['cosine']['precision@1'] * 100:.2f} | "
+                     f"{row['cosine_top1_hub']} queries ({row['hub_self_score']:.2g}; {row['median_self_score']:.2g}) |")
+        L.append("")
+    L += ["At r = 0 (M′ = M*, PSD) the negative pair scores are only embeddings at obtuse angles. The hub "
+          "column counts the queries whose top-1 item, under the forced cosine, is the single most frequent "
+          "one: once a few items have φᵀM′φ just above 0, their tiny M′-norm inflates every score they take "
+          "part in, and they become everybody's nearest neighbour.", ""]
+    L += ["## Verdict", "",
+          "Claim: identity or a refined M′ ≥ trained [cosine] on unseen classes (computed from the mean "
+          "MAP@R rows above; the refined rows are test oracles). And: does diagonal restraint improve up to "
+          "r = 1 as the paper reports (on the frozen trunk it fell monotonically, README)?", ""]
+    L += verdicts(losses, per_loss)
+    if anomalies:
+        L += ["", "Anomalies:", ""] + [f"- {a}" for a in anomalies]
+    md = "\n".join(L) + "\n"
+    write_json(out / "results.json", {"losses": losses, "seeds": seeds, "epochs": args.epochs, "train_blocks": n,
+                                      "grid": args.grid, "restraint_seeds": args.restraint_seeds,
+                                      "wall_seconds": round(wall, 1), "runs": per_loss, "indefinite": indef,
+                                      "anomalies": anomalies})
+    write_text(out / "results.md", md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
