@@ -54,3 +54,8 @@ def apply_threads(n: int) -> None:
             faiss.omp_set_num_threads(n)
         except ImportError:
             pass
+        # numpy's BLAS too (the eigenvalue checks of `index evaluate`): left alone it spins up its
+        # own threads on cores the command was told not to use
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(n)
