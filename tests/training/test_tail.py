@@ -15,21 +15,13 @@ from training.config import TrainConfig
 from training.samplers import epoch_batches
 from training.trainer import Run, epoch_generators, train
 
-FONTS = ("ipag", "ipam", "seto", "kouzan-sousyo", "ume-gothic", "ukai")
+from test_trainer import kanji_root  # noqa: F401  (the tiny kanji set, rendered once per module)
+from test_trainer import tiny as _tiny
 
 
-@pytest.fixture(scope="module")
-def kanji_root(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("kanji"))
-
-
-def tiny(tmp_path, kanji_root, **kw):
-    base = dict(dataset="kanji", data_root=kanji_root, num_classes=20, image_size=32, kanji_fonts=FONTS,
-                backbone="small_cnn", weights="none", embed_dim=16, epochs=2, batch_size=16,
-                m_per_class=4, out=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"),
-                progress=False, lr=1e-3, device="cpu")
-    base.update(kw)
-    return TrainConfig(**base)
+def tiny(tmp_path, kanji_root, **kw):  # noqa: F811
+    """test_trainer's tiny kanji run, 2 epochs on the CPU."""
+    return _tiny(tmp_path, kanji_root, **({"epochs": 2, "device": "cpu"} | kw))
 
 
 def test_train_blocks_alone_means_tail_and_bad_counts_are_refused():
