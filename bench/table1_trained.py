@@ -132,7 +132,7 @@ def indefinite_table(ck: Path, cache_dir: str, r_values) -> list[dict]:
     rows = []
     for r in r_values:
         rm = s.metric("diagonal", {"r": float(r), "seed": 0})
-        S = g.scores(rm.M, rm.op.kind, rm.op.diag_removed)
+        S = g.scores(rm.M, rm.op)
         d = np.diagonal(S.numpy()).copy()  # S is consumed by the cosine evaluation below
         neg_self = int((d < 0).sum())
         neg_pairs = int((S < 0).sum().item()) - neg_self

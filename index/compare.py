@@ -35,18 +35,11 @@ class QuerySweep(GramSweep):
     """The batched sweep, kept per query: each item's MAP@R under one setting."""
 
     def per_query_ap(self, S: torch.Tensor, mode: str) -> np.ndarray:
-        """MAP@R of every item (NaN where it has no other item of its class); S is consumed."""
-        if mode == "cosine":  # as the search path: rows by 1/‖x‖ (0 where ‖x‖ = 0), queries by 1/max(‖q‖, ε)
-            norm = torch.sqrt(torch.clamp(torch.diagonal(S).double(), min=0.0))
-            inv = 1.0 / torch.clamp(norm, min=1e-30)
-            S.mul_(torch.where(norm > 0, inv, 0.0).float()[None, :]).mul_(inv.float()[:, None])
-        S.fill_diagonal_(-float("inf"))
+        """MAP@R of every item (NaN where it has no other item of its class); S is not modified."""
         ap = np.full(self.n, np.nan)
         k = int(self.R.max(initial=0))  # R ≤ n − 1: every needed rank exists
-        for s in range(0, len(self.valid), self.chunk):
-            rows = self.valid[s: s + self.chunk]
-            nbr = self.labels[torch.topk(S[torch.from_numpy(rows)], k, dim=1, sorted=True).indices.numpy()]
-            ap[rows] = per_query_metrics(nbr, self.labels[rows], self.R[rows], ks=(1,))["map@r"]
+        for rows, idx in self.ranked(S, mode, k):
+            ap[rows] = per_query_metrics(self.labels[idx], self.labels[rows], self.R[rows], ks=(1,))["map@r"]
         return ap
 
 
@@ -182,7 +175,7 @@ class Comparer:
                 self._sweep = QuerySweep(np.array(self.data.features, dtype=np.float32), y, self.data.W)  # a writable copy for torch
             if mode == "cosine" and not rm.report["psd"]:
                 self.searcher.query_view(strategy, params, mode)  # raises the search path's refusal
-            return self._sweep.per_query_ap(self._sweep.scores(rm.M, rm.op.kind, rm.op.diag_removed), mode)
+            return self._sweep.per_query_ap(self._sweep.scores(rm.M, rm.op), mode)
         transform, index, _ = self.searcher.query_view(strategy, params, mode)
         q = self.searcher.prepare_queries(np.asarray(self.data.features, dtype=np.float32))
         res = evaluate_ranking(index, transform(q), y, y, same_set=True, ks=(1,), return_per_query=True)

@@ -31,13 +31,14 @@ def check_symmetric(M: np.ndarray, d: int | None = None, what: str = "metric mat
     return (M + M.T) / 2
 
 
-def matrix_report(M: np.ndarray) -> dict:
-    """Trace, norms, the principle ratios, and positive semi-definiteness."""
+def matrix_report(M: np.ndarray, eigenvalues: np.ndarray | None = None) -> dict:
+    """Trace, norms, the principle ratios, and positive semi-definiteness (`eigenvalues`:
+    M's, where already computed)."""
     M = np.asarray(M, dtype=np.float64)
     tr = float(np.trace(M))
     fro = float(np.linalg.norm(M))
     off = M - np.diag(np.diag(M))
-    ev = np.linalg.eigvalsh(M)
+    ev = np.linalg.eigvalsh(M) if eigenvalues is None else np.asarray(eigenvalues, dtype=np.float64)
     lam_max = float(np.abs(ev).max()) if ev.size else 0.0
     return {
         "trace": tr,

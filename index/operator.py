@@ -7,22 +7,45 @@ declares its kind in its registry entry (`operator=`):
   identity          q                        (M′ = I)
   lowrank           Wᵀ(Wq)                   (M′ = M*, rank k ≪ d)
   lowrank-diag      Wᵀ(Wq) − D q             (D = the zeroed diagonal entries of M*)
+  spectral          c q + U(Λ(Uᵀq))          (M′ = cI + UΛUᵀ, rank(U) ≪ d: spectral powers,
+                                              shrinkage; found from M′'s eigendecomposition)
   dense             M′q                      (anything else)
-The structured forms are exact (float32 round-off aside).
+The structured forms are exact (float32 round-off aside).  The batched sweep
+(index/sweep.py) uses the same structure for Φ M′ Φᵀ.
 """
 from __future__ import annotations
 
 import numpy as np
 
+# eigenvalues within this (relative to the largest |λ|) of the shared value c count as c
+SPECTRAL_TOL = 1e-9
+
+
+def identity_plus_low_rank(lam: np.ndarray, U: np.ndarray, tol: float = SPECTRAL_TOL):
+    """(c, Λ_r − c, U_r) with M′ = cI + U_r(Λ_r − c)U_rᵀ, c the most common eigenvalue
+    (the median: it holds more than half of them when the rest is low rank), or None when
+    the low-rank part would hold half of the spectrum or more."""
+    d = len(lam)
+    c = float(np.median(lam))
+    scale = max(float(np.abs(lam).max()), 1e-300)
+    rest = np.abs(lam - c) > tol * scale
+    if 2 * int(rest.sum()) >= d:
+        return None
+    return c, lam[rest] - c, U[:, rest]
+
 
 class MetricOperator:
     def __init__(self, M: np.ndarray, W: np.ndarray | None = None, diag_removed: np.ndarray | None = None,
-                 kind: str = "dense"):
+                 kind: str = "dense", spectral: tuple | None = None, eigenvalues: np.ndarray | None = None):
         self.kind = kind
         self.M32 = np.ascontiguousarray(M, dtype=np.float32)
         self.W32 = None if W is None else np.ascontiguousarray(W, dtype=np.float32)
         self.WT32 = None if W is None else np.ascontiguousarray(W.T, dtype=np.float32)
         self.diag_removed = None if diag_removed is None else diag_removed.astype(np.float32)
+        # spectral: (c, λ_r − c, U_r) in float32; eigenvalues (float64) spare matrix_report an eigvalsh
+        self.spectral = None if spectral is None else (
+            float(spectral[0]), spectral[1].astype(np.float32), np.ascontiguousarray(spectral[2], dtype=np.float32))
+        self.eigenvalues = eigenvalues
 
     @classmethod
     def build(cls, kind: str, M: np.ndarray, W: np.ndarray, M_star: np.ndarray) -> "MetricOperator":
@@ -39,6 +62,12 @@ class MetricOperator:
             off_equal = np.array_equal(M - np.diag(np.diag(M)), M_star - np.diag(np.diag(M_star)))
             if off_equal:
                 return cls(M, W=W, diag_removed=np.diag(M_star) - np.diag(M), kind="lowrank-diag")
+        if kind == "spectral":
+            lam, U = np.linalg.eigh(np.asarray(M, dtype=np.float64))
+            parts = identity_plus_low_rank(lam, U)
+            if parts is not None:
+                return cls(M, kind="spectral", spectral=parts, eigenvalues=lam)
+            return cls(M, kind="dense", eigenvalues=lam)
         return cls(M, kind="dense")
 
     def apply(self, Q: np.ndarray) -> np.ndarray:
@@ -50,4 +79,8 @@ class MetricOperator:
             return (Q @ self.WT32) @ self.W32
         if self.kind == "lowrank-diag":
             return (Q @ self.WT32) @ self.W32 - Q * self.diag_removed
+        if self.kind == "spectral":
+            c, lam, U = self.spectral
+            out = ((Q @ U) * lam) @ U.T
+            return out + c * Q if c else out
         return Q @ self.M32

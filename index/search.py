@@ -39,7 +39,7 @@ class RefinedMetric:
     @property
     def report(self) -> dict:
         if self._report is None:
-            self._report = matrix_report(self.M)
+            self._report = matrix_report(self.M, self.op.eigenvalues)
         return self._report
 
 

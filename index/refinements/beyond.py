@@ -1,6 +1,7 @@
 """Refinements beyond the paper: shrinkage towards the identity, and spectral powers."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,7 +21,7 @@ class ShrinkParams:
             raise UserError(f"shrink alpha must be in [0, 1], got {self.alpha}")
 
 
-@REFINEMENTS.register("shrink", ShrinkParams, grid={"alpha": (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)},
+@REFINEMENTS.register("shrink", ShrinkParams, operator="spectral", grid={"alpha": (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)},
                       trained_at={"alpha": 0.0})
 def shrink(M: np.ndarray, p: ShrinkParams) -> np.ndarray:
     """Shrinkage: M′ = (1 − α)·M*/tr(M*) + α·I/d (both terms have unit trace)."""
@@ -29,6 +30,19 @@ def shrink(M: np.ndarray, p: ShrinkParams) -> np.ndarray:
     if tr <= 0:
         raise UserError("shrink needs tr(M*) > 0")
     return (1.0 - p.alpha) * M / tr + p.alpha * np.eye(d) / d
+
+
+_EIGH: dict = {}  # digest of M* → its eigendecomposition: a sweep over p decomposes M* once
+
+
+def _eigh(M: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    key = (M.shape, hashlib.blake2b(np.ascontiguousarray(M).tobytes(), digest_size=16).digest())
+    hit = _EIGH.get(key)
+    if hit is None:
+        hit = np.linalg.eigh(M)
+        _EIGH.clear()  # one M* at a time
+        _EIGH[key] = hit
+    return hit
 
 
 @dataclass
@@ -40,11 +54,11 @@ class SpectralParams:
             raise UserError(f"spectral power p must be in [0, 4], got {self.p}")
 
 
-@REFINEMENTS.register("spectral", SpectralParams, grid={"p": (0.0, 0.25, 0.5, 0.75, 1.0, 1.5)},
+@REFINEMENTS.register("spectral", SpectralParams, operator="spectral", grid={"p": (0.0, 0.25, 0.5, 0.75, 1.0, 1.5)},
                       trained_at={"p": 1.0})
 def spectral(M: np.ndarray, p: SpectralParams) -> np.ndarray:
     """Spectral power: M* = UΛUᵀ → UΛᵖUᵀ; p = 1 is M*, p = 0 the projector onto its range."""
-    lam, U = np.linalg.eigh(M)
+    lam, U = _eigh(M)
     lam = np.clip(lam, 0.0, None)  # M* = WᵀW is PSD; clip round-off negatives
     keep = lam > 1e-10 * max(float(lam.max()), 1e-300)
     powered = np.where(keep, np.power(np.where(keep, lam, 1.0), p.p), 0.0)

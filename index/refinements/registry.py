@@ -10,7 +10,8 @@ every label come from it:
   file the user supplies, e.g. (".npy",): an upload in the app); `label` (value ↦ text in labels).
   A `seed` field makes the strategy random: it is reproducible and swept over seeds.
 - meta `operator`: how M′q is applied cheaply (index/operator.py): "identity" (M′ = I),
-  "lowrank" (M′ = M* = WᵀW), "lowrank-diag" (M* with diagonal entries zeroed), "dense".
+  "lowrank" (M′ = M* = WᵀW), "lowrank-diag" (M* with diagonal entries zeroed), "spectral"
+  (M′ = cI + a low-rank part, found from its eigendecomposition), "dense".
 - meta `grid`: {param: values} that `python -m index evaluate` sweeps (every combination);
   without it the strategy is swept once at its defaults.  meta `modes`: the modes swept.
 - meta `trained_at`: {param: value} at which M′ ranks exactly like M* (a positive multiple
