@@ -23,12 +23,12 @@ def add_shared_args(parser: argparse.ArgumentParser, *names: str, defaults: dict
         if name == "progress":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
         elif name == "threads":
-            parser.add_argument(flag, type=_at_least(0, flag), default=default, help=text)
+            parser.add_argument(flag, type=at_least(0, flag), default=default, help=text)
         else:
             parser.add_argument(flag, default=default, metavar="FILE" if name == "json" else None, help=text)
 
 
-def _at_least(lo: int, flag: str):
+def at_least(lo: int, flag: str):
     def parse(s: str) -> int:
         try:
             v = int(s)

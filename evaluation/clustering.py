@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import faiss
 import numpy as np
-from sklearn.metrics import normalized_mutual_info_score
-from sklearn.metrics.cluster import pair_confusion_matrix
 
 
 def kmeans_labels(x: np.ndarray, k: int, niter: int = 20, seed: int = 1234) -> np.ndarray:
@@ -21,6 +19,8 @@ def kmeans_labels(x: np.ndarray, k: int, niter: int = 20, seed: int = 1234) -> n
 
 def pairwise_f1(labels: np.ndarray, clusters: np.ndarray) -> float:
     """F-measure over same-cluster/same-class pairs (Song et al. 2016), as in the CGML paper."""
+    from sklearn.metrics.cluster import pair_confusion_matrix  # here: scikit-learn takes seconds to import
+
     (tn, fp), (fn, tp) = pair_confusion_matrix(labels, clusters)
     if tp == 0:
         return 0.0
@@ -30,6 +30,8 @@ def pairwise_f1(labels: np.ndarray, clusters: np.ndarray) -> float:
 
 
 def clustering_scores(x: np.ndarray, labels: np.ndarray, seed: int = 1234) -> dict:
+    from sklearn.metrics import normalized_mutual_info_score
+
     k = len(np.unique(labels))
     clusters = kmeans_labels(x, k, seed=seed)
     return {

@@ -15,7 +15,7 @@ from core.atomic import check_file_target, write_json
 from core.cli import command_parser
 from core.config import add_config_args, parse_with_config_file
 from core.errors import UserError
-from core.flags import add_shared_args, apply_threads
+from core.flags import add_shared_args, apply_threads, at_least
 from core.logs import setup_logging
 from core.registry import convert
 from data import DATASETS, DataConfig
@@ -514,10 +514,12 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
         e.add_argument("--strategies", type=_strategy_list, default=None, metavar="NAME,...",
                        help="only these strategies (default: every one that needs no file: "
                             f"{', '.join(n for n in REFINEMENTS.names() if not file_params(n))})")
-        e.add_argument("--grid", choices=GRIDS, default="full",
-                       help="each strategy's parameter grid (`index list`), or every other value of it "
-                            "(default: %(default)s)")
-        e.add_argument("--seeds", type=int, default=3, help="seeds per random strategy setting (default: %(default)s)")
+        e.add_argument("--grid", choices=GRIDS, default="coarse",
+                       help="every other value of each strategy's parameter grid, or the whole grid "
+                            "(`index list`); full with --seeds 3 is the README's protocol, about 3× "
+                            "the time (default: %(default)s)")
+        e.add_argument("--seeds", type=at_least(1, "--seeds"), default=1,
+                       help="seeds per random strategy setting, averaged (default: %(default)s)")
         e.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True,
                        help="L2-normalise φ(x), as indexes do by default (default: %(default)s)")
         add_shared_args(e, "json", "threads", "progress", "cache_dir", "device")

@@ -60,31 +60,52 @@ def sweep_configs(seeds: int = 3, strategies: tuple[str, ...] | None = None,
 
 
 def evaluate_configs(features, labels, W, configs, normalize=True, progress=True, desc="strategies") -> list[dict]:
-    """Each setting's metrics, query = gallery.  Up to sweep.MAX_N items all settings share one
-    batched score computation (index/sweep.py, equal to the search path); above, each setting
-    is searched through the search path."""
-    s = Searcher(in_memory_index(features, labels, W, normalize), cache_size=4)
-    q = np.asarray(s.data.features)
-    y = s.data.items.labels
-    batched = GramSweep(q, y, s.data.W) if len(y) <= MAX_N else None
-    rows, last = [], (None, None)
-    for name, params, mode in tqdm(configs, desc=desc, disable=not progress):
-        rm = s.metric(name, params)
+    """Each setting's metrics on one split, query = gallery, in the order of `configs`."""
+    return evaluate_splits({"split": (features, labels)}, W, configs, normalize, progress, desc)["split"]
+
+
+def evaluate_splits(splits: dict, W, configs, normalize=True, progress=True, desc="strategies") -> dict:
+    """{split: each setting's metrics, query = gallery, in the order of `configs`} for
+    splits = {name: (features, labels)}.  Each M′ is built once (its eigendecomposition and
+    matrix report do not depend on the split) and scored on every split.  Up to sweep.MAX_N
+    items a split shares one batched score computation across settings (index/sweep.py,
+    equal to the search path); above, each setting is searched through the search path."""
+    parts = {}
+    for name, (features, labels) in splits.items():
+        s = Searcher(in_memory_index(features, labels, W, normalize), cache_size=1)
+        q = np.asarray(s.data.features)
+        y = s.data.items.labels
+        parts[name] = (s, q, y, GramSweep(q, y, s.data.W) if len(y) <= MAX_N else None)
+    maker = next(iter(parts.values()))[0]  # M′ depends only on W: any split's searcher builds it
+    # one seed's settings in a row: diagonal restraint's draws are nested in r (index/sweep.py)
+    order = sorted(range(len(configs)), key=lambda i: (configs[i][0], configs[i][1].get("seed", -1)))
+    rows = {name: {} for name in splits}
+    like_trained = {name: {} for name in splits}
+    rm, rm_key = None, None
+    for i in tqdm(order, desc=desc, disable=not progress):
+        strategy, params, mode = configs[i]
+        key = (strategy, json.dumps(params, sort_keys=True))
+        if key != rm_key:
+            rm, rm_key, scored = maker.metric(strategy, params), key, {}
         rep = rm.report
         if mode == "cosine" and not rep["psd"]:
             continue
-        if batched is not None:
-            key = (name, json.dumps(params, sort_keys=True))
-            if last[0] != key:  # the modes of one setting share its score matrix
-                last = (key, batched.scores(rm.M, rm.op.kind, rm.op.diag_removed))
-            res = batched.evaluate(last[1].clone(), mode)
-        else:
-            transform, index, _ = s.query_view(name, params, mode)
-            res = evaluate_ranking(index, transform(q), y, y, same_set=True, ks=DEFAULT_KS)
-        rows.append({"strategy": name, "params": dict(params), "mode": mode,
-                     **{m: res[m] for m in METRICS}, "n_queries": res["n_queries"],
-                     **{f"M_{k}": v for k, v in rep.items()}})
-    return rows
+        for name, (s, q, y, batched) in parts.items():
+            if ranks_like_trained(strategy, params) and mode in like_trained[name]:
+                res = like_trained[name][mode]  # M′ is a positive multiple of M*: the same ranking
+            elif batched is not None:
+                if name not in scored:  # the modes of one setting share its score matrix
+                    scored[name] = batched.scores(rm.M, rm.op)
+                res = batched.evaluate(scored[name], mode)
+            else:
+                transform, index, _ = s.query_view(strategy, params, mode)
+                res = evaluate_ranking(index, transform(q), y, y, same_set=True, ks=DEFAULT_KS)
+            if ranks_like_trained(strategy, params):
+                like_trained[name].setdefault(mode, res)
+            rows[name][i] = {"strategy": strategy, "params": dict(params), "mode": mode,
+                             **{m: res[m] for m in METRICS}, "n_queries": res["n_queries"],
+                             **{f"M_{k}": v for k, v in rep.items()}}
+    return {name: [r[i] for i in sorted(r)] for name, r in rows.items()}
 
 
 def _group_key(row) -> tuple:
@@ -224,17 +245,19 @@ def split_counts(labels) -> dict:
     return {"classes": int(len(counts)), "images": int(counts.sum()), "queries": int(counts[counts > 1].sum())}
 
 
-def run_evaluation(test_feats, test_labels, W, out, val=None, normalize=True, seeds=3, progress=True,
-                   strategies: tuple[str, ...] | None = None, grid_name: str = "full", split: str = "test") -> dict:
+def run_evaluation(test_feats, test_labels, W, out, val=None, normalize=True, seeds=1, progress=True,
+                   strategies: tuple[str, ...] | None = None, grid_name: str = "coarse", split: str = "test") -> dict:
     out = Path(out)
     configs = sweep_configs(seeds, strategies, grid_name)
-    test_rows = evaluate_configs(test_feats, test_labels, W, configs, normalize, progress, f"{split} strategies")
+    given = {split: (test_feats, test_labels)} | ({} if val is None else {"val": val})
+    desc = f"{split}{' + val' if val is not None else ''} strategies"
+    res = evaluate_splits(given, W, configs, normalize, progress, desc)
+    test_rows = res[split]
     test_agg = aggregate(test_rows)
     val_agg = None
     counts = {split: split_counts(test_labels)}
     if val is not None:
-        val_rows = evaluate_configs(val[0], val[1], W, configs, normalize, progress, "val strategies")
-        val_agg = aggregate(val_rows)
+        val_agg = aggregate(res["val"])
         counts["val"] = split_counts(val[1])
     table = summary_table(test_agg, val_agg)
     result = {"test": test_agg, "val": val_agg, "table": table, "test_runs": test_rows, "split": split,
@@ -251,8 +274,8 @@ def counts_line(counts: dict) -> str:
     return " · ".join(f"{name}: {c['classes']:,} classes, {c['queries']:,} queries" for name, c in counts.items())
 
 
-def select_strategy(val_feats, val_labels, W, normalize=True, seeds=3, progress=True,
-                    strategies: tuple[str, ...] | None = None, grid_name: str = "full") -> dict:
+def select_strategy(val_feats, val_labels, W, normalize=True, seeds=1, progress=True,
+                    strategies: tuple[str, ...] | None = None, grid_name: str = "coarse") -> dict:
     rows = aggregate(evaluate_configs(val_feats, val_labels, W, sweep_configs(seeds, strategies, grid_name),
                                       normalize, progress, "val strategies"))
     best = max(rows, key=lambda r: r["map@r"])

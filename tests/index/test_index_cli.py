@@ -72,3 +72,34 @@ def test_build_reads_a_config_file_and_flags_override_it(features, capsys):
         main(["build", "--config", str(bad)])
     with pytest.raises(UserError, match="give --out"):
         main(["build", "--features", str(t / "F.npy"), "--labels", str(t / "L.npy")])
+
+
+def test_evaluate_default_run_is_narrow_and_flags_narrow_it_further(tiny_run, tmp_path, capsys):
+    """The default run: coarse grid, one seed, test + val; --strategies/--grid/--seeds/--splits
+    change exactly what is evaluated; bad values are refused before anything is written."""
+    from index.refinements import coarse, grid
+
+    cfg, _ = tiny_run
+    ck = str(tiny_run[0].out) + "/best.pt"
+    assert main(["evaluate", "--checkpoint", ck, "--out", str(tmp_path / "a"), "--no-progress",
+                 "--cache-dir", str(tmp_path / "c")]) == 0
+    res = json.loads((tmp_path / "a" / "strategies.json").read_text())
+    assert res["grid"] == "coarse" and res["val"] is not None
+    random_rows = [r for r in res["test_runs"] if r["strategy"] == "random"]
+    assert len(random_rows) == len(coarse(grid("random")["r"]))  # one seed per r
+    assert {r["params"]["seed"] for r in random_rows} == {0}
+
+    assert main(["evaluate", "--checkpoint", ck, "--out", str(tmp_path / "b"), "--no-progress",
+                 "--cache-dir", str(tmp_path / "c"), "--strategies", "trained,identity,random", "--grid", "full",
+                 "--seeds", "2", "--splits", "test"]) == 0
+    res = json.loads((tmp_path / "b" / "strategies.json").read_text())
+    assert res["val"] is None and res["grid"] == "full"
+    assert {r["strategy"] for r in res["test_runs"]} == {"trained", "identity", "random"}
+    assert len([r for r in res["test_runs"] if r["strategy"] == "random"]) == 2 * len(grid("random")["r"])
+
+    for bad in (["--seeds", "0"], ["--grid", "fine"], ["--strategies", "nope"], ["--splits", "test,train"]):
+        with pytest.raises(SystemExit) as e:
+            main(["evaluate", "--checkpoint", ck, "--out", str(tmp_path / "z"), *bad])
+        assert e.value.code == 2, bad
+        assert not (tmp_path / "z").exists()
+        assert "error:" in capsys.readouterr().err

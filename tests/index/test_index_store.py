@@ -166,7 +166,7 @@ def test_strategy_evaluation_outputs(tmp_path):
     y = np.repeat(np.arange(10), 5)
     X = np.abs(centers[y] + 0.5 * rng.normal(size=(50, 16)))
     W = rng.normal(size=(4, 16))
-    res = run_evaluation(X, y, W, tmp_path, val=(X[:25], y[:25]), seeds=2, progress=False)
+    res = run_evaluation(X, y, W, tmp_path, val=(X[:25], y[:25]), seeds=2, progress=False, grid_name="full")
     for f in ("strategies.json", "table.md", "restraint_sweep.png", "principles.png"):
         assert (tmp_path / f).is_file()
     rows = {r["row"] for r in res["table"]}
