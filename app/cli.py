@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import argparse
-
-from core.flags import add_shared_args
 import logging
 import os
+import threading
 from pathlib import Path
+
+from core.flags import add_shared_args
 
 DEMO_INDEX = "artifacts/demo/index"
 DEMO_ANALYSIS = "artifacts/demo/strategies"
@@ -47,6 +48,8 @@ def launch(args, block: bool = True):
 
     serving_threads(args.threads or None)
     svc = RetrievalService(args.index, args.checkpoint, analysis, verify=not args.no_verify, device=args.device)
+    # first searches under each default strategy as fast as later ones (seconds of work, in the background)
+    threading.Thread(target=svc.warm, name="warm-strategies", daemon=True).start()
     demo = build_ui(svc)
     demo.queue(default_concurrency_limit=args.concurrency, max_size=64)
     demo.launch(server_name=args.host, server_port=args.port, share=False, inbrowser=False,

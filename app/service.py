@@ -78,6 +78,17 @@ class RetrievalService:
         self._maps: dict = {}
         self._pca = None
         self._thumbs: dict[int, Image.Image] = {}
+        self._heatmaps: dict = {}
+
+    def warm(self) -> None:
+        """Build every file-free strategy's M′ at its default parameters (with the cosine parts
+        where M′ is PSD), so that the first search under each is as fast as the next.  The app
+        runs this in the background after it starts."""
+        for name in self.strategy_choices(with_files=False):
+            try:
+                self.searcher.query_view(name, {}, self.searcher.resolve_mode(name, {}, "cosine")[0])
+            except UserError:
+                pass  # a strategy that refuses this index's M*: its own search says why
 
     @staticmethod
     def strategy_choices(with_files: bool = True) -> list[str]:
@@ -243,25 +254,38 @@ class RetrievalService:
 
     def heatmap(self, spec: Spec, max_side: int = 256) -> Image.Image:
         """|M′| entries block-averaged down to at most max_side², symmetric colour scale."""
-        M = self.searcher.metric(spec.strategy, spec.params).M
+        rm = self.searcher.metric(spec.strategy, spec.params)
+        key = (strategy_key(spec.strategy, rm.params), spec.label())
+        with self._lock:
+            hit = self._heatmaps.get(key)
+        if hit is not None:
+            return hit
+        M = rm.M
         d = M.shape[0]
         b = max(1, int(np.ceil(d / max_side)))
         pad = (-d) % b
         Mp = np.pad(M, ((0, pad), (0, pad)))
         small = Mp.reshape(Mp.shape[0] // b, b, Mp.shape[1] // b, b).mean(axis=(1, 3))
-        return _plot_matrix(small, f"{spec.label()}  (d = {d}{f', {b}×{b} blocks' if b > 1 else ''})")
+        img = _plot_matrix(small, f"{spec.label()}  (d = {d}{f', {b}×{b} blocks' if b > 1 else ''})")
+        with self._lock:  # drawn once per M′ (matplotlib takes ~100 ms a figure)
+            self._heatmaps[key] = img
+            while len(self._heatmaps) > 16:
+                self._heatmaps.pop(next(iter(self._heatmaps)))
+        return img
 
     def gallery_map(self, q: Query | None = None) -> Image.Image:
         """2-D map of the gallery (UMAP if installed, else PCA), coloured by class; the query marked."""
         with self._lock:
             if self._pca is None:
-                self._pca = _fit_2d(np.asarray(self.data.features, dtype=np.float32))
-        proj, xy, method = self._pca
-        qxy = None
-        if q is not None:
-            qf = self.searcher.prepare_queries(q.feats)
-            qxy = proj(qf)[0] if proj is not None else None
-        return _plot_map(xy, self.data.items.labels, qxy, method)
+                proj, xy, method = _fit_2d(np.asarray(self.data.features, dtype=np.float32))
+                # the scatter is drawn once; each query only stars its point on a copy (PIL, ~1 ms)
+                self._pca = (proj, *_plot_map(xy, self.data.items.labels, method))
+        proj, base, to_pixel = self._pca
+        img = base.copy()
+        if q is not None and proj is not None:
+            x, y = to_pixel(proj(self.searcher.prepare_queries(q.feats))[0])
+            _draw_star(img, x, y)
+        return img
 
     def analysis(self) -> dict:
         """The strategy-evaluation outputs written by `python -m index evaluate`, if present."""
@@ -319,21 +343,31 @@ def _fit_2d(X: np.ndarray):
         return (lambda q: pca.transform(q)), pca.transform(X), "PCA"
 
 
-def _plot_map(xy, labels, qxy, method) -> Image.Image:
+def _plot_map(xy, labels, method):
+    """The gallery scatter as an image, and data (x, y) ↦ its pixel (x, y)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 4))
+    fig, ax = plt.subplots(figsize=(5, 4), dpi=90)  # the saved image's dpi: display pixels = image pixels
     _, codes = np.unique(labels, return_inverse=True)
     ax.scatter(xy[:, 0], xy[:, 1], c=codes % 20, cmap="tab20", s=4, alpha=0.6, linewidths=0)
-    if qxy is not None:
-        ax.scatter([qxy[0]], [qxy[1]], marker="*", s=260, c="black", edgecolors="yellow", linewidths=1.2,
-                   label="query")
-        ax.legend(loc="best", fontsize=8)
-    ax.set_title(f"gallery, {method} of trunk features (colour = class)", fontsize=9)
+    ax.set_title(f"gallery, {method} of trunk features (colour = class; ★ = the query)", fontsize=9)
     ax.set_xticks([])
     ax.set_yticks([])
     fig.tight_layout()
-    return _fig_to_pil(fig)
+    fig.canvas.draw()  # fixes the layout, so the transform below is the saved image's
+    transform, height = ax.transData.transform, fig.get_figheight() * fig.dpi
+
+    def to_pixel(p):
+        dx, dy = transform((float(p[0]), float(p[1])))
+        return dx, height - dy  # image rows run downwards
+    return _fig_to_pil(fig), to_pixel
+
+
+def _draw_star(img: Image.Image, x: float, y: float, r: float = 11.0) -> None:
+    """A black five-pointed star with a yellow rim at pixel (x, y)."""
+    pts = [(x + (r if i % 2 == 0 else r * 0.42) * np.sin(np.pi * i / 5),
+            y - (r if i % 2 == 0 else r * 0.42) * np.cos(np.pi * i / 5)) for i in range(10)]
+    ImageDraw.Draw(img).polygon(pts, fill=(0, 0, 0), outline=(255, 215, 0), width=2)

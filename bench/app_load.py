@@ -2,17 +2,22 @@
 
   python bench/app_load.py [--index artifacts/demo/index] [--clients 4] [--queries 50]
 
-Starts the app on a free loopback port in this process, runs the clients in
-threads (each its own gradio_client.Client), and reports errors and the p50 /
-p95 latency per query.  Queries cycle through gallery images and strategies.
+Starts the app (`python -m app`) on a free loopback port in its own process, waits until it
+answers and has warmed its default strategies (--settle seconds), runs each client in its own
+process (a gradio_client.Client), and reports errors and the p50 / p95 latency per query.
+Queries cycle through gallery images and strategies; random and diagonal restraint get a new
+seed on every query (a new M′ each time).
 """
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import socket
+import subprocess
 import sys
-import threading
 import time
+import urllib.request
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -26,50 +31,74 @@ STRATS = [("trained", "cosine"), ("identity", "cosine"), ("diagonal", "bilinear"
           ("shrink", "cosine"), ("spectral", "cosine")]
 
 
+def client(job) -> tuple[list[float], list[str]]:
+    """One client: `queries` searches in a row, cycling images and strategies; (latencies, errors)."""
+    from gradio_client import Client, handle_file
+
+    url, images, ci, queries = job
+    c = Client(url, verbose=False)
+    lat, errors = [], []
+    for q in range(queries):
+        strat, mode = STRATS[(ci + q) % len(STRATS)]
+        t = time.perf_counter()
+        try:
+            r = c.predict(handle_file(images[(ci * queries + q) % len(images)]), strat, 0.5, q, 0.5, 0.5,
+                          mode, 10, api_name="/search")
+            assert len(r["results"]) == 10
+            lat.append(time.perf_counter() - t)
+        except Exception as e:  # noqa: BLE001 - counted, reported
+            errors.append(repr(e))
+    return lat, errors
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--index", default="artifacts/demo/index")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--queries", type=int, default=50)
+    ap.add_argument("--concurrency", type=int, default=2, help="the app's --concurrency (default: %(default)s)")
+    ap.add_argument("--settle", type=float, default=10.0,
+                    help="seconds to wait after the app answers, while it warms its strategies (default: %(default)s)")
     ap.add_argument("--out", default="bench/results/app_load.json")
     args = ap.parse_args()
-    from gradio_client import Client, handle_file
-
-    from app.cli import build_parser, launch
+    from index.store import read_index
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    demo, svc = launch(build_parser().parse_args(["--index", args.index, "--port", str(port)]), block=False)
+    # the app in its own process, as users run it: the clients' HTTP work does not share its GIL
+    server = subprocess.Popen([sys.executable, "-m", "app", "--index", args.index, "--port", str(port),
+                               "--concurrency", str(args.concurrency)], cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}/"
-    images = [str(svc.root / svc.data.items.paths[i]) for i in range(0, len(svc.data.items), 97)][:200]
-    lat, errors, lock = [], [], threading.Lock()
-
-    def client(ci):
-        c = Client(url, verbose=False)
-        for q in range(args.queries):
-            strat, mode = STRATS[(ci + q) % len(STRATS)]
-            t = time.perf_counter()
-            try:
-                r = c.predict(handle_file(images[(ci * args.queries + q) % len(images)]), strat, 0.5, q, 0.5, 0.5,
-                              mode, 10, api_name="/search")
-                assert len(r["results"]) == 10
-                with lock:
-                    lat.append(time.perf_counter() - t)
-            except Exception as e:  # noqa: BLE001 - counted, reported
-                with lock:
-                    errors.append(repr(e))
-
+    deadline = time.time() + 300
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=5).read(1)
+            break
+        except OSError:
+            if server.poll() is not None or time.time() > deadline:
+                server.kill()
+                raise SystemExit(f"the app did not start:\n{server.stderr.read()[-2000:]}")
+            time.sleep(0.5)
+    time.sleep(args.settle)
+    data = read_index(args.index, verify=False)
+    root = Path(data.root)
+    images = [str(root / data.items.paths[i]) for i in range(0, len(data.items), 97)][:200]
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(args.clients)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
+    # each client in its own process, as separate users are: client threads would share one GIL
+    # with each other's HTTP and SSE handling and measure the bench as much as the app
+    with ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn")) as pool:
+        runs = list(pool.map(client, [(url, images, ci, args.queries) for ci in range(args.clients)]))
+    lat = [x for r in runs for x in r[0]]
+    errors = [e for r in runs for e in r[1]]
     wall = time.perf_counter() - t0
-    demo.close()
+    server.terminate()
+    server.wait(timeout=30)
     res = {"clients": args.clients, "queries_per_client": args.queries, "ok": len(lat), "errors": len(errors),
            "p50_ms": 1e3 * float(np.percentile(lat, 50)), "p95_ms": 1e3 * float(np.percentile(lat, 95)),
            "throughput_qps": len(lat) / wall, "error_samples": errors[:5],
-           "gallery": int(svc.data.manifest["count"])}
+           "gallery": int(data.manifest["count"]), "concurrency": args.concurrency}
     write_json(args.out, res)
     print(res)
 

@@ -172,7 +172,7 @@ class Comparer:
         y = self.data.items.labels
         if self.searcher.exact and len(y) <= MAX_N:
             if self._sweep is None:
-                self._sweep = QuerySweep(np.array(self.data.features, dtype=np.float32), y, self.data.W)  # a writable copy for torch
+                self._sweep = QuerySweep(np.array(self.data.features, dtype=np.float32), y, self.data.W)
             if mode == "cosine" and not rm.report["psd"]:
                 self.searcher.query_view(strategy, params, mode)  # raises the search path's refusal
             return self._sweep.per_query_ap(self._sweep.scores(rm.M, rm.op), mode)

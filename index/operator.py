@@ -28,6 +28,8 @@ def identity_plus_low_rank(lam: np.ndarray, U: np.ndarray, tol: float = SPECTRAL
     d = len(lam)
     c = float(np.median(lam))
     scale = max(float(np.abs(lam).max()), 1e-300)
+    if abs(c) <= tol * scale:
+        c = 0.0  # round-off of a zero eigenvalue: no identity part (which would cost Φ Φᵀ in a sweep)
     rest = np.abs(lam - c) > tol * scale
     if 2 * int(rest.sum()) >= d:
         return None
@@ -53,11 +55,13 @@ class MetricOperator:
         entry's `operator`); the low-rank forms only where they are cheaper than dense."""
         d = M.shape[0]
         if kind == "identity":
-            return cls(M, kind="identity")
+            return cls(M, kind="identity", eigenvalues=np.ones(d))
         k = W.shape[0]
         lowrank_cheaper = 2 * k < d
         if kind == "lowrank" and lowrank_cheaper:
-            return cls(M, W=W, kind="lowrank")
+            # M* = WᵀW: its eigenvalues are W's squared singular values, and d − k zeros
+            sv = np.linalg.svd(np.asarray(W, dtype=np.float64), compute_uv=False)
+            return cls(M, W=W, kind="lowrank", eigenvalues=np.sort(np.concatenate([sv ** 2, np.zeros(d - len(sv))])))
         if kind == "lowrank-diag" and lowrank_cheaper:
             off_equal = np.array_equal(M - np.diag(np.diag(M)), M_star - np.diag(np.diag(M_star)))
             if off_equal:
@@ -84,3 +88,12 @@ class MetricOperator:
             out = ((Q @ U) * lam) @ U.T
             return out + c * Q if c else out
         return Q @ self.M32
+
+    def m_norms(self, X: np.ndarray, chunk: int = 8192) -> np.ndarray:
+        """‖x‖_M′ = sqrt(xᵀM′x) per row (PSD M′), through the structured apply: for the low-rank
+        and spectral forms this costs N·d·k instead of N·d²."""
+        out = np.empty(len(X), dtype=np.float64)
+        for s in range(0, len(X), chunk):
+            x = np.asarray(X[s: s + chunk], dtype=np.float32)
+            out[s: s + len(x)] = np.einsum("ij,ij->i", self.apply(x).astype(np.float64), x.astype(np.float64))
+        return np.sqrt(np.maximum(out, 0.0))

@@ -19,7 +19,7 @@ import numpy as np
 from core.arrays import check_matrix, check_rankable, l2_normalize
 from core.errors import UserError
 
-from .metric import matrix_report, m_norms
+from .metric import matrix_report
 from .operator import MetricOperator
 from .refinements import MODES, operator_kind, refine, strategy_key, strategy_label, strategy_params
 from .store import IndexData
@@ -39,7 +39,7 @@ class RefinedMetric:
     @property
     def report(self) -> dict:
         if self._report is None:
-            self._report = matrix_report(self.M, self.op.eigenvalues)
+            self._report = matrix_report(self.M, self.op.eigenvalues)  # no eigvalsh when the operator has M′'s
         return self._report
 
 
@@ -55,7 +55,7 @@ class SearchResult:
 
 
 class Searcher:
-    def __init__(self, data: IndexData, cache_size: int = 8, rerank_factor: int = 10):
+    def __init__(self, data: IndexData, cache_size: int = 8, rerank_factor: int = 10, per_strategy: int = 2):
         self.data = data
         self.normalize = bool(data.manifest["normalize"])
         self.exact = data.manifest["factory"] == "Flat"
@@ -63,6 +63,10 @@ class Searcher:
         self._cache: OrderedDict = OrderedDict()
         self._raw: dict = {}
         self._cache_size = cache_size
+        # a strategy's settings evict each other first: a seed or slider sweep over one strategy
+        # does not push out the others' (a cosine M′ holds an eigendecomposition and a scaled copy
+        # of the database, seconds to rebuild)
+        self._per_strategy = per_strategy
         self._lock = threading.Lock()
         self._M_star = data.M_star
         if not self.exact and hasattr(data.faiss_index, "hnsw"):
@@ -85,6 +89,9 @@ class Searcher:
         M = refine(strategy, self._M_star, p)
         rm = RefinedMetric(strategy, p, M, MetricOperator.build(operator_kind(strategy), M, self.data.W, self._M_star))
         with self._lock:
+            same = [k for k in self._cache if k[0] == strategy]
+            for k in same[: max(0, len(same) - self._per_strategy + 1)]:  # oldest first
+                del self._cache[k]
             self._cache[key] = rm
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
@@ -100,7 +107,7 @@ class Searcher:
                             f"{rm.report['min_eigenvalue']:.3g}). Use --mode bilinear.")
         with rm.lock:
             if rm.norms is None:
-                rm.norms = m_norms(self.data.features, rm.M)
+                rm.norms = rm.op.m_norms(self.data.features)
             if rm.cosine_index is None and self.exact:
                 inv = np.where(rm.norms > 0, 1.0 / np.maximum(rm.norms, 1e-30), 0.0).astype(np.float32)
                 idx = faiss.IndexFlatIP(self.data.dim)

@@ -131,6 +131,35 @@ def test_strategy_choices_come_from_the_registry(svc):
 
 def test_pictures_render(svc):
     q = svc.query_from_item(int(svc.data.items.ids[0]))
-    assert svc.heatmap(Spec("diagonal", {"r": 0.5}, "bilinear")).size[0] > 100
-    assert svc.gallery_map(q).size[0] > 100
+    spec = Spec("diagonal", {"r": 0.5}, "bilinear")
+    assert svc.heatmap(spec).size[0] > 100
+    assert svc.heatmap(spec) is svc.heatmap(spec)  # drawn once per M′
     assert len(svc.examples(4)) == 4
+
+
+def test_gallery_map_stars_the_query_where_its_point_is(svc):
+    """The scatter is drawn once; the query's star lands on its projected point."""
+    q = svc.query_from_item(int(svc.data.items.ids[3]))
+    plain, starred = np.asarray(svc.gallery_map()), np.asarray(svc.gallery_map(q))
+    proj, base, to_pixel = svc._pca
+    assert plain.shape == starred.shape == np.asarray(base).shape and plain.shape[1] > 100
+    x, y = (int(round(v)) for v in to_pixel(proj(svc.searcher.prepare_queries(q.feats))[0]))
+    assert tuple(starred[y, x]) == (0, 0, 0)  # the star's black centre
+    changed = np.argwhere((plain != starred).any(axis=2))
+    assert len(changed) and np.abs(changed - [y, x]).max() <= 12  # only around it
+
+
+def test_warm_builds_every_default_strategy_before_the_first_search(tiny_index):
+    """The app warms these in the background at start: afterwards a search under any
+    file-free strategy at its defaults builds nothing (same M′ object, cosine parts ready)."""
+    s = RetrievalService(tiny_index)
+    s.warm()
+    names = s.strategy_choices(with_files=False)
+    built = {n: s.searcher.metric(n, {}) for n in names}
+    assert len(names) >= 6
+    for n, rm in built.items():
+        assert (rm.norms is not None) == bool(rm.report["psd"]), n  # cosine parts exactly where cosine exists
+    q = s.query_from_item(int(s.data.items.ids[0]))
+    for n in names:
+        s.panel(q, Spec(n, {}, "cosine"), k=3)
+        assert s.searcher.metric(n, {}) is built[n], n

@@ -150,3 +150,43 @@ def test_metric_cache_churn_and_concurrency(tmp_path):
     [t.join() for t in threads]
     assert errors == []
     assert len(s._cache) <= 3
+
+
+def test_a_seed_sweep_does_not_evict_other_strategies(tmp_path):
+    """A strategy's settings evict each other first: after many random seeds the cosine
+    metrics built before are still the same objects (not rebuilt), and random holds 2 slots."""
+    data, _, _ = make_index(tmp_path)
+    s = Searcher(data, cache_size=8, per_strategy=2)
+    q = np.abs(np.random.default_rng(2).normal(size=(1, D))).astype(np.float32)
+    kept = {}
+    for name, params in (("trained", {}), ("identity", {}), ("shrink", {"alpha": 0.5}), ("spectral", {"p": 0.5})):
+        s.search(q, name, params, mode="cosine", k=3)
+        kept[name] = s.metric(name, params)
+    for seed in range(20):
+        s.search(q, "random", {"r": 0.5, "seed": seed}, k=3)
+    assert all(s.metric(n, p) is kept[n] for n, p in (("trained", {}), ("identity", {}), ("shrink", {"alpha": 0.5}),
+                                                     ("spectral", {"p": 0.5})))
+    assert [k[0] for k in s._cache].count("random") == 2
+    assert len(s._cache) <= 8
+
+
+@pytest.mark.parametrize("name, params", [("trained", {}), ("identity", {}), ("shrink", {"alpha": 0.4}),
+                                          ("spectral", {"p": 0.5}), ("random", {"r": 0.0, "seed": 1})])
+def test_operator_m_norms_equal_the_dense_ones(tmp_path, name, params):
+    data, feats, _ = make_index(tmp_path)
+    rm = Searcher(data).metric(name, params)
+    X = np.asarray(data.features)
+    assert np.allclose(rm.op.m_norms(X), m_norms(X, rm.M), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["trained", "identity"])
+def test_operator_eigenvalues_give_the_same_matrix_report(tmp_path, name):
+    """trained's eigenvalues come from W's singular values, identity's are ones: the report
+    (PSD, rank, min eigenvalue) equals the one from an eigvalsh of M′."""
+    data, _, _ = make_index(tmp_path)
+    rm = Searcher(data).metric(name, {})
+    assert rm.op.eigenvalues is not None
+    fast, ref = rm.report, matrix_report(rm.M)
+    assert fast["psd"] == ref["psd"] and fast["rank"] == ref["rank"]
+    assert fast["min_eigenvalue"] == pytest.approx(ref["min_eigenvalue"], abs=1e-9)
+    assert np.allclose(np.sort(rm.op.eigenvalues), np.linalg.eigvalsh(rm.M), atol=1e-9)

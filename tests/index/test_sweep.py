@@ -98,6 +98,9 @@ def test_spectral_operator_applies_m_prime_exactly(split, name, params):
     rm = s.metric(name, params)
     assert rm.op.kind == "spectral"
     assert rm.op.spectral[2].shape[1] <= W.shape[0]  # the low-rank part lives in M*'s range
+    # the identity part: α/d for shrinkage, exactly 0 otherwise (no Φ Φᵀ term in a sweep)
+    c = params.get("alpha", 0.0) / X.shape[1] if name == "shrink" else 0.0
+    assert rm.op.spectral[0] == pytest.approx(c, rel=1e-9, abs=0)
     q = np.asarray(s.data.features[:7], dtype=np.float64)
     assert np.allclose(rm.op.apply(q), q @ refine(name, s.data.M_star, params), atol=1e-5)
     assert np.allclose(np.sort(rm.op.eigenvalues), np.linalg.eigvalsh(rm.M), atol=1e-10)
