@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import socket
 import subprocess
 import sys
@@ -38,6 +39,7 @@ def client(job) -> tuple[list[float], list[str]]:
     url, images, ci, queries = job
     c = Client(url, verbose=False)
     lat, errors = [], []
+    cpu0 = time.process_time()
     for q in range(queries):
         strat, mode = STRATS[(ci + q) % len(STRATS)]
         t = time.perf_counter()
@@ -48,7 +50,13 @@ def client(job) -> tuple[list[float], list[str]]:
             lat.append(time.perf_counter() - t)
         except Exception as e:  # noqa: BLE001 - counted, reported
             errors.append(repr(e))
-    return lat, errors
+    return lat, errors, time.process_time() - cpu0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main():
@@ -85,6 +93,7 @@ def main():
     data = read_index(args.index, verify=False)
     root = Path(data.root)
     images = [str(root / data.items.paths[i]) for i in range(0, len(data.items), 97)][:200]
+    server_cpu0 = cpu_seconds(server.pid)
     t0 = time.perf_counter()
     # each client in its own process, as separate users are: client threads would share one GIL
     # with each other's HTTP and SSE handling and measure the bench as much as the app
@@ -92,12 +101,17 @@ def main():
         runs = list(pool.map(client, [(url, images, ci, args.queries) for ci in range(args.clients)]))
     lat = [x for r in runs for x in r[0]]
     errors = [e for r in runs for e in r[1]]
+    server_cpu = cpu_seconds(server.pid) - server_cpu0
+    client_cpu = sum(r[2] for r in runs)
     wall = time.perf_counter() - t0
     server.terminate()
     server.wait(timeout=30)
     res = {"clients": args.clients, "queries_per_client": args.queries, "ok": len(lat), "errors": len(errors),
            "p50_ms": 1e3 * float(np.percentile(lat, 50)), "p95_ms": 1e3 * float(np.percentile(lat, 95)),
            "throughput_qps": len(lat) / wall, "error_samples": errors[:5],
+           # where the 2 cores went, per query: the app's process (Gradio + our handler) and the clients'
+           "server_cpu_ms_per_query": 1e3 * server_cpu / max(len(lat), 1),
+           "client_cpu_ms_per_query": 1e3 * client_cpu / max(len(lat), 1),
            "gallery": int(data.manifest["count"]), "concurrency": args.concurrency}
     write_json(args.out, res)
     print(res)

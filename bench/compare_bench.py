@@ -118,6 +118,11 @@ def main():
 
     res["concurrent_search"] = json.loads((out / "app_load.json").read_text())
     write_json(out / "compare_bench.json", res)
+    write_text(out / "compare_bench.md", markdown(res))
+    print(markdown(res))
+
+
+def markdown(res: dict) -> str:
     c, b, cs = res["compare_tab"], res["search_breakdown"], res["concurrent_search"]
     md = ["| Compare tab, new strategy | s | cached s |", "|---|---|---|"]
     md += [f"| {r['strategy']} | {r['seconds']:.2f} | {r['cached_seconds']:.2f} |" for r in c["new_strategy"]]
@@ -126,9 +131,9 @@ def main():
     md += [f"| {k} | {v['median_ms']:.1f} | {v['max_ms']:.1f} |" for k, v in b.items()]
     md += [f"\n/search, {cs['clients']} concurrent clients × {cs['queries_per_client']}: p50 {cs['p50_ms']:.0f} ms, "
            f"p95 {cs['p95_ms']:.0f} ms, {cs['throughput_qps']:.1f} queries/s, {cs['errors']} errors "
-           f"(load average at start {res['load_average_at_start'][0]:.1f} on {res['cpus']} CPUs)"]
-    write_text(out / "compare_bench.md", "\n".join(md) + "\n")
-    print("\n".join(md))
+           f"(load average at start {res['load_average_at_start'][0]:.1f} on {res['cpus']} CPUs); CPU per query: "
+           f"the app's process {cs['server_cpu_ms_per_query']:.0f} ms, the clients' {cs['client_cpu_ms_per_query']:.0f} ms"]
+    return "\n".join(md) + "\n"
 
 
 if __name__ == "__main__":
