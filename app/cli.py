@@ -52,9 +52,15 @@ def launch(args, block: bool = True):
     threading.Thread(target=svc.warm, name="warm-strategies", daemon=True).start()
     demo = build_ui(svc)
     demo.queue(default_concurrency_limit=args.concurrency, max_size=64)
+    max_kb = max(1, int(args.max_upload_mb * 1024))
     demo.launch(server_name=args.host, server_port=args.port, share=False, inbrowser=False,
-                max_file_size=f"{max(1, int(args.max_upload_mb * 1024))}kb", show_error=True, prevent_thread_lock=not block,
+                max_file_size=f"{max_kb}kb", show_error=True, prevent_thread_lock=True,
                 theme=offline_theme(), css=CSS, js=KEYS_JS, quiet=not args.verbose, allowed_paths=[], ssr_mode=False)
+    from .rest import add_rest_routes
+
+    add_rest_routes(demo.app, svc, max_kb * 1024)  # POST /api/search, on the same server
+    if block:
+        demo.block_thread()
     return demo, svc
 
 

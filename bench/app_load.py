@@ -1,10 +1,11 @@
-"""Issue-6 load: N concurrent gradio_client clients × Q queries against the app on loopback.
+"""Load: N concurrent clients × Q queries against the app on loopback (issues 6 and 14).
 
-  python bench/app_load.py [--index artifacts/demo/index] [--clients 4] [--queries 50]
+  python bench/app_load.py [--index artifacts/demo/index] [--clients 4] [--queries 50] [--client gradio|http]
 
 Starts the app (`python -m app`) on a free loopback port in its own process, waits until it
 answers and has warmed its default strategies (--settle seconds), runs each client in its own
-process (a gradio_client.Client), and reports errors and the p50 / p95 latency per query.
+process (a gradio_client.Client on Gradio's /search, or plain HTTP POSTs to /api/search), and
+reports errors and the p50 / p95 latency per query.
 Queries cycle through gallery images and strategies; random and diagonal restraint get a new
 seed on every query (a new M′ each time).
 """
@@ -36,16 +37,30 @@ def client(job) -> tuple[list[float], list[str]]:
     """One client: `queries` searches in a row, cycling images and strategies; (latencies, errors)."""
     from gradio_client import Client, handle_file
 
-    url, images, ci, queries = job
-    c = Client(url, verbose=False)
+    url, images, ci, queries, kind = job
+    if kind == "gradio":
+        c = Client(url, verbose=False)
+
+        def search(path, strat, mode, q):
+            return c.predict(handle_file(path), strat, 0.5, q, 0.5, 0.5, mode, 10, api_name="/search")
+    else:  # one multipart POST to /api/search (app/rest.py)
+        import httpx
+
+        h = httpx.Client(timeout=120)
+
+        def search(path, strat, mode, q):
+            r = h.post(url + "api/search", files={"image": Path(path).read_bytes()},
+                       data={"strategy": strat, "mode": mode, "k": "10", "r": "0.5", "seed": str(q),
+                             "alpha": "0.5", "p": "0.5"})
+            r.raise_for_status()
+            return r.json()
     lat, errors = [], []
     cpu0 = time.process_time()
     for q in range(queries):
         strat, mode = STRATS[(ci + q) % len(STRATS)]
         t = time.perf_counter()
         try:
-            r = c.predict(handle_file(images[(ci * queries + q) % len(images)]), strat, 0.5, q, 0.5, 0.5,
-                          mode, 10, api_name="/search")
+            r = search(images[(ci * queries + q) % len(images)], strat, mode, q)
             assert len(r["results"]) == 10
             lat.append(time.perf_counter() - t)
         except Exception as e:  # noqa: BLE001 - counted, reported
@@ -65,6 +80,8 @@ def main():
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--queries", type=int, default=50)
     ap.add_argument("--concurrency", type=int, default=2, help="the app's --concurrency (default: %(default)s)")
+    ap.add_argument("--client", choices=("gradio", "http"), default="gradio",
+                    help="gradio: gradio_client on Gradio's /search; http: one POST to /api/search (default: %(default)s)")
     ap.add_argument("--settle", type=float, default=10.0,
                     help="seconds to wait after the app answers, while it warms its strategies (default: %(default)s)")
     ap.add_argument("--out", default="bench/results/app_load.json")
@@ -98,7 +115,7 @@ def main():
     # each client in its own process, as separate users are: client threads would share one GIL
     # with each other's HTTP and SSE handling and measure the bench as much as the app
     with ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn")) as pool:
-        runs = list(pool.map(client, [(url, images, ci, args.queries) for ci in range(args.clients)]))
+        runs = list(pool.map(client, [(url, images, ci, args.queries, args.client) for ci in range(args.clients)]))
     lat = [x for r in runs for x in r[0]]
     errors = [e for r in runs for e in r[1]]
     server_cpu = cpu_seconds(server.pid) - server_cpu0
@@ -112,7 +129,8 @@ def main():
            # where the 2 cores went, per query: the app's process (Gradio + our handler) and the clients'
            "server_cpu_ms_per_query": 1e3 * server_cpu / max(len(lat), 1),
            "client_cpu_ms_per_query": 1e3 * client_cpu / max(len(lat), 1),
-           "gallery": int(data.manifest["count"]), "concurrency": args.concurrency}
+           "gallery": int(data.manifest["count"]), "concurrency": args.concurrency,
+           "client": args.client}
     write_json(args.out, res)
     print(res)
 

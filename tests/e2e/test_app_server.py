@@ -96,6 +96,45 @@ def test_api_search_matches_cli(server, tmp_path):
     assert len(again["results"]) == 3
 
 
+def test_rest_search_matches_cli_and_refuses_bad_input(server, tmp_path):
+    """POST /api/search (one multipart request) answers with the CLI's results; bad input is a
+    4xx with a one-line error, and the app keeps serving."""
+    import httpx
+
+    url, svc, _ = server
+    img = svc.root / svc.data.items.paths[7]
+    api = url + "api/search"
+    fields = {"strategy": "random", "r": "0.4", "seed": "2", "mode": "bilinear", "k": "6"}
+    r = httpx.post(api, files={"image": img.read_bytes()}, data=fields, timeout=60)
+    assert r.status_code == 200, r.text
+    out = tmp_path / "cli.json"
+    c = run_module("index", "search", "--index", str(svc.index_dir), "--image", str(img), "--strategy", "random",
+                   "--r", "0.4", "--seed", "2", "--k", "6", "--mode", "bilinear", "--json", str(out), cwd=tmp_path)
+    assert c.returncode == 0, c.stderr
+    assert_same_results(r.json()["results"], json.loads(out.read_text())["queries"][0]["results"])
+    assert r.json()["metric"] == "random(r=0.4, seed=2) · bilinear"
+    # defaults: trained, cosine, k = 10 (capped by the index size)
+    d = httpx.post(api, files={"image": img.read_bytes()}, timeout=60).json()
+    assert d["metric"] == "trained · cosine" and len(d["results"]) == min(10, svc.data.manifest["count"])
+
+    bad_png = b"\x89PNG\r\n\x1a\n truncated"
+    cases = [({}, {"strategy": "trained"}, 400, "no image"),
+             ({"image": bad_png}, {}, 400, "not a usable image"),
+             ({"image": img.read_bytes()}, {"strategy": "nope"}, 400, "unknown strategy"),
+             ({"image": img.read_bytes()}, {"strategy": "custom"}, 400, "unknown strategy"),  # needs a file
+             ({"image": img.read_bytes()}, {"strategy": "random", "r": "abc"}, 400, "r"),
+             ({"image": img.read_bytes()}, {"mode": "sideways"}, 400, "mode"),
+             ({"image": img.read_bytes()}, {"k": "0"}, 400, "k must"),
+             ({"image": img.read_bytes()}, {"k": "ten"}, 400, "k must"),
+             ({"image": b"\0" * (11 * 1024 * 1024)}, {}, 413, "too large")]  # the app's default cap: 10 MB
+    for files, data, status, msg in cases:
+        e = httpx.post(api, files=files or None, data=data, timeout=60)
+        assert e.status_code == status, (data, e.status_code, e.text)
+        assert msg in e.json()["error"] and "\n" not in e.json()["error"], e.json()
+    assert httpx.get(api, timeout=30).status_code == 405
+    assert httpx.post(api, files={"image": img.read_bytes()}, data={"k": "3"}, timeout=60).status_code == 200
+
+
 def test_serves_no_arbitrary_files(server):
     url, svc, _ = server
     gallery_file = (svc.root / svc.data.items.paths[0]).resolve()

@@ -1,0 +1,69 @@
+"""`POST /api/search`: the search API as one plain HTTP request, beside Gradio's.
+
+Gradio's own API (`/search`, for `gradio_client`) takes an upload, a queue join and
+an event stream per query: about 55 ms of the app's CPU and more in the client
+(bench/app_load.py measures both).  This endpoint is one multipart POST answered
+with the same JSON (`metric`, `note`, `results` with RESULT_FIELDS), for curl and
+for clients that are not Python:
+
+  curl -F image=@q.png -F strategy=random -F r=0.4 -F seed=2 -F mode=bilinear -F k=6 \\
+       http://127.0.0.1:7860/api/search
+
+Fields: `image` (required), `strategy` (default trained), `mode` (default cosine),
+`k` (default 10), and the strategy's own parameters by name (file parameters cannot
+be given).  Bad input is a 4xx with {"error": "..."}; uploads over the app's
+--max-upload-mb are refused before they are decoded.
+"""
+from __future__ import annotations
+
+from fastapi import Request  # module level: FastAPI resolves the handler's annotations here
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from core.errors import UserError
+from index.search import RESULT_FIELDS
+
+from .service import RetrievalService
+from .ui import spec_from
+
+
+def add_rest_routes(app, svc: RetrievalService, max_bytes: int) -> None:
+    def error(status: int, msg: str):
+        return JSONResponse({"error": msg}, status_code=status)
+
+    async def search(request: Request):
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > max_bytes + 65536:  # + the form's own fields
+            return error(413, f"upload too large: {int(size):,} bytes (the limit is {max_bytes:,})")
+        try:
+            form = await request.form(max_files=1, max_fields=32)
+        except Exception as e:  # noqa: BLE001 - a malformed multipart body is the client's error
+            return error(400, f"not a multipart form: {e}")
+        image = form.get("image")
+        if image is None or isinstance(image, str):
+            return error(400, "no image: send the query image as the multipart file field `image`")
+        data = await image.read(max_bytes + 1)
+        if len(data) > max_bytes:
+            return error(413, f"upload too large (the limit is {max_bytes:,} bytes)")
+        fields = {k: v for k, v in form.items() if isinstance(v, str)}
+
+        def work() -> dict:
+            strategy = fields.pop("strategy", "trained")
+            mode = fields.pop("mode", "cosine")
+            k = fields.pop("k", "10")
+            if strategy not in svc.strategy_choices(with_files=False):
+                raise UserError(f"unknown strategy {strategy!r}; choose from "
+                                f"{', '.join(svc.strategy_choices(with_files=False))}")
+            if not k.strip().isdigit():
+                raise UserError(f"k must be a whole number, got {k!r}")
+            q = svc.query_from_upload(data)
+            panel = svc.panel(q, spec_from(strategy, mode, fields), int(k))
+            return {"metric": panel.title, "note": panel.note,
+                    "results": [{f: x[f] for f in RESULT_FIELDS} for x in panel.results]}
+
+        try:
+            return JSONResponse(await run_in_threadpool(work))
+        except UserError as e:
+            return error(400, str(e))
+
+    app.add_api_route("/api/search", search, methods=["POST"], include_in_schema=False)
