@@ -7,7 +7,7 @@ answers and has warmed its default strategies (--settle seconds), runs each clie
 process (a gradio_client.Client on Gradio's /search, or plain HTTP POSTs to /api/search), and
 reports errors and the p50 / p95 latency per query.
 Queries cycle through gallery images and strategies; random and diagonal restraint get a new
-seed on every query (a new M′ each time).
+seed on every query (a new M′ each time) unless --no-new-seeds.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def client(job) -> tuple[list[float], list[str]]:
     """One client: `queries` searches in a row, cycling images and strategies; (latencies, errors)."""
     from gradio_client import Client, handle_file
 
-    url, images, ci, queries, kind = job
+    url, images, ci, queries, kind, new_seeds = job
     if kind == "gradio":
         c = Client(url, verbose=False)
 
@@ -60,7 +60,7 @@ def client(job) -> tuple[list[float], list[str]]:
         strat, mode = STRATS[(ci + q) % len(STRATS)]
         t = time.perf_counter()
         try:
-            r = search(images[(ci * queries + q) % len(images)], strat, mode, q)
+            r = search(images[(ci * queries + q) % len(images)], strat, mode, q if new_seeds else 0)
             assert len(r["results"]) == 10
             lat.append(time.perf_counter() - t)
         except Exception as e:  # noqa: BLE001 - counted, reported
@@ -82,6 +82,9 @@ def main():
     ap.add_argument("--concurrency", type=int, default=2, help="the app's --concurrency (default: %(default)s)")
     ap.add_argument("--client", choices=("gradio", "http"), default="gradio",
                     help="gradio: gradio_client on Gradio's /search; http: one POST to /api/search (default: %(default)s)")
+    ap.add_argument("--new-seeds", action=argparse.BooleanOptionalAction, default=True,
+                    help="a new seed, hence a new M′, for random and diagonal restraint on every query; "
+                         "--no-new-seeds: seed 0 throughout, every M′ built once (default: %(default)s)")
     ap.add_argument("--settle", type=float, default=10.0,
                     help="seconds to wait after the app answers, while it warms its strategies (default: %(default)s)")
     ap.add_argument("--out", default="bench/results/app_load.json")
@@ -115,7 +118,8 @@ def main():
     # each client in its own process, as separate users are: client threads would share one GIL
     # with each other's HTTP and SSE handling and measure the bench as much as the app
     with ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn")) as pool:
-        runs = list(pool.map(client, [(url, images, ci, args.queries, args.client) for ci in range(args.clients)]))
+        runs = list(pool.map(client, [(url, images, ci, args.queries, args.client, args.new_seeds)
+                              for ci in range(args.clients)]))
     lat = [x for r in runs for x in r[0]]
     errors = [e for r in runs for e in r[1]]
     server_cpu = cpu_seconds(server.pid) - server_cpu0
@@ -130,7 +134,7 @@ def main():
            "server_cpu_ms_per_query": 1e3 * server_cpu / max(len(lat), 1),
            "client_cpu_ms_per_query": 1e3 * client_cpu / max(len(lat), 1),
            "gallery": int(data.manifest["count"]), "concurrency": args.concurrency,
-           "client": args.client}
+           "client": args.client, "new_seeds": args.new_seeds}
     write_json(args.out, res)
     print(res)
 
