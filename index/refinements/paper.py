@@ -10,6 +10,7 @@ the rule: O(d²) instead of a loop of d² draws.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,8 +81,8 @@ def diagonal(M: np.ndarray, p: RestraintParams) -> np.ndarray:
 def random_restraint(M: np.ndarray, p: RestraintParams) -> np.ndarray:
     """Random restraint: zero random symmetric off-diagonal pairs until ‖M′_off‖_F ≤ (1 − r)·‖M*_off‖_F."""
     out = M.copy()
-    iu, ju = np.triu_indices(M.shape[0], k=1)
-    vals = M[iu, ju]
+    upper, lower = _pair_indices(M.shape[0])
+    vals = np.take(M, upper)             # the upper triangle, row by row (as np.triu_indices)
     nz = np.nonzero(vals != 0)[0]
     order = np.random.default_rng(p.seed).permutation(nz)
     sq = 2.0 * vals[order] ** 2          # each pair holds two entries
@@ -91,9 +92,20 @@ def random_restraint(M: np.ndarray, p: RestraintParams) -> np.ndarray:
     else:
         n = _cut(sq, total, (1.0 - p.r) ** 2 * total)
     sel = order[:n]
-    out[iu[sel], ju[sel]] = 0.0
-    out[ju[sel], iu[sel]] = 0.0
+    flat = out.reshape(-1)               # a view: zero both entries of each drawn pair
+    flat[upper[sel]] = 0.0
+    flat[lower[sel]] = 0.0
     return out
+
+
+@functools.lru_cache(maxsize=2)
+def _pair_indices(d: int) -> tuple[np.ndarray, np.ndarray]:
+    """Flat positions of the off-diagonal pairs (i < j): (i·d + j, j·d + i), in np.triu_indices'
+    order.  Cached: the app draws a new random restraint per seed, and these are d² / 2 each."""
+    iu, ju = np.triu_indices(d, k=1)
+    upper, lower = iu * d + ju, ju * d + iu
+    upper.flags.writeable = lower.flags.writeable = False
+    return upper, lower
 
 
 @dataclass
