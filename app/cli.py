@@ -44,9 +44,11 @@ def launch(args, block: bool = True):
         hint = " Run `make demo` (or `python -m demo --no-ui`) to build it." if args.index == DEMO_INDEX else ""
         raise UserError(f"index directory not found: {args.index}.{hint}")
     analysis = args.analysis or (DEMO_ANALYSIS if args.index == DEMO_INDEX else None)
+    from core.flags import apply_threads
     from index.threads import serving_threads
 
-    serving_threads(args.threads or None)
+    apply_threads(args.threads)  # torch and FAISS, as on every command
+    serving_threads(args.threads or None)  # then numpy's BLAS back to one thread
     svc = RetrievalService(args.index, args.checkpoint, analysis, verify=not args.no_verify, device=args.device)
     # first searches under each default strategy as fast as later ones (seconds of work, in the background)
     threading.Thread(target=svc.warm, name="warm-strategies", daemon=True).start()

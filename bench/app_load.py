@@ -85,6 +85,7 @@ def main():
     ap.add_argument("--new-seeds", action=argparse.BooleanOptionalAction, default=True,
                     help="a new seed, hence a new M′, for random and diagonal restraint on every query; "
                          "--no-new-seeds: seed 0 throughout, every M′ built once (default: %(default)s)")
+    ap.add_argument("--app-threads", type=int, default=0, help="the app's --threads (default: %(default)s)")
     ap.add_argument("--settle", type=float, default=10.0,
                     help="seconds to wait after the app answers, while it warms its strategies (default: %(default)s)")
     ap.add_argument("--out", default="bench/results/app_load.json")
@@ -96,7 +97,7 @@ def main():
         port = s.getsockname()[1]
     # the app in its own process, as users run it: the clients' HTTP work does not share its GIL
     server = subprocess.Popen([sys.executable, "-m", "app", "--index", args.index, "--port", str(port),
-                               "--concurrency", str(args.concurrency)], cwd=ROOT,
+                               "--concurrency", str(args.concurrency), "--threads", str(args.app_threads)], cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}/"
     deadline = time.time() + 300
@@ -134,7 +135,8 @@ def main():
            "server_cpu_ms_per_query": 1e3 * server_cpu / max(len(lat), 1),
            "client_cpu_ms_per_query": 1e3 * client_cpu / max(len(lat), 1),
            "gallery": int(data.manifest["count"]), "concurrency": args.concurrency,
-           "client": args.client, "new_seeds": args.new_seeds}
+           "client": args.client, "new_seeds": args.new_seeds,
+           "app_threads": args.app_threads}
     write_json(args.out, res)
     print(res)
 
