@@ -83,9 +83,11 @@ def main():
         ratio = {"tail2_epoch_s": t, "finetune_epoch_s": f, "ratio": t / f}
         lines += ["", f"Median epoch (training + validation): tail N = 2 {t:.1f} s, full fine-tune {f:.1f} s: "
                       f"the tail epoch takes **{t / f:.2f}×** the fine-tune epoch."]
-    write_json(out / "results.json", {"seeds": seeds, "rows": rows, "epoch_ratio": ratio})
+    # a subset of the rows gets its own files: it must not replace the whole table
+    stem = "results" if set(wanted) >= {r[1] for r in ROWS} else "results_" + "_".join(wanted)
+    write_json(out / f"{stem}.json", {"seeds": seeds, "rows": rows, "epoch_ratio": ratio})
     md = "\n".join(lines) + "\n"
-    write_text(out / "results.md", md)
+    write_text(out / f"{stem}.md", md)
     print(md)
 
 
