@@ -68,7 +68,7 @@ def main():
             for k in KEYS:
                 r[k].append(m["test"][k])
             log = [json.loads(line) for line in (Path(out) / "log.jsonl").read_text().splitlines()]
-            epoch_s.setdefault(key, []).extend(h["seconds"] for h in log)
+            epoch_s.setdefault(key, []).extend(h["seconds"] for h in log if h["epoch"] > 0)  # 0: the probe
             print(key, s, {k: round(r[k][-1] * 100, 2) for k in KEYS}, flush=True)
         rows.append(r)
 

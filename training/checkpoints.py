@@ -46,7 +46,10 @@ def same_identity(recorded: dict, cfg: TrainConfig) -> bool:
     """Same result-deciding settings.  A setting the recorded run predates (e.g. --train-blocks) is
     taken at its default, which is what that run did: older runs stay reusable and resumable."""
     old = {k: v for k, v in recorded.items() if k not in RUNTIME_FIELDS}
+    old.setdefault("probe_epochs", 0)  # runs before --probe-epochs had no probe
     old = {k: v for k, v in TrainConfig().identity().items() if k not in old} | old
+    if old["probe_epochs"] < 0:  # a config file may say -1 ("the mode's default")
+        old["probe_epochs"] = TrainConfig(mode=old["mode"], train_blocks=old["train_blocks"]).resolved_probe_epochs()
     return json.loads(json.dumps(old)) == json.loads(json.dumps(cfg.identity()))
 
 

@@ -48,6 +48,10 @@ class TrainConfig(DataConfig):
     warmup_epochs: int = field(default=0, metadata={
         "help": "tail/finetune: first epochs with the backbone frozen (the neck and proxies settle first: "
                 "a gradual unfreeze)"})
+    probe_epochs: int = field(default=-1, metadata={
+        "help": "tail/finetune: epochs that train the neck and the loss alone, on cached frozen-trunk "
+                "features, before the trunk trains (linear probing, then fine-tuning: settled proxies keep "
+                "the first steps from distorting the pretrained trunk); -1: 30 for finetune, 0 for tail"})
     grad_clip: float = field(default=10.0, metadata={"help": "gradient-norm clip (0 = off)"})
     schedule: Literal["cosine", "none"] = field(default="cosine", metadata={"help": "learning-rate schedule"})
     seed: int = field(default=0, metadata={"help": "training seed: same seed, same metrics"})
@@ -75,7 +79,17 @@ class TrainConfig(DataConfig):
         d = dataclasses.asdict(self)
         for k in RUNTIME_FIELDS:
             d.pop(k, None)
+        d["probe_epochs"] = self.resolved_probe_epochs()  # "auto" is what it means for this mode
         return d
+
+    def resolved_probe_epochs(self) -> int:
+        """The probe's epochs: none in frozen mode (the whole run is one); -1 means the mode's default."""
+        mode = self.resolved_mode()
+        if mode == "frozen":
+            return 0
+        if self.probe_epochs < 0:
+            return 30 if mode == "finetune" else 0
+        return self.probe_epochs
 
     def resolved_mode(self) -> str:
         """`--train-blocks N` alone (mode left at frozen) means tail."""
@@ -127,6 +141,7 @@ class TrainConfig(DataConfig):
             (self.proxy_lr_mult > 0, f"--proxy-lr-mult must be > 0, got {self.proxy_lr_mult}"),
             (self.weight_decay >= 0, f"--weight-decay must be ≥ 0, got {self.weight_decay}"),
             (self.warmup_epochs >= 0, f"--warmup-epochs must be ≥ 0, got {self.warmup_epochs}"),
+            (self.probe_epochs >= -1, f"--probe-epochs must be ≥ 0 (or -1: the mode's default), got {self.probe_epochs}"),
             (self.grad_clip >= 0, f"--grad-clip must be ≥ 0 (0 = off), got {self.grad_clip}"),
             (self.seed >= 0, f"--seed must be ≥ 0, got {self.seed}"),
             (self.threads >= 0, f"--threads must be ≥ 0 (0 = default), got {self.threads}"),

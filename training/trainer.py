@@ -89,7 +89,7 @@ class Run:
         self.main = True                   # this process writes the run folder (rank 0)
 
     # ------------------------------------------------------------ set-up
-    def setup(self) -> None:
+    def setup(self, resuming: bool = False) -> None:
         cfg = self.cfg
         with ddp.rank_zero_first():  # rank 0 renders/verifies the data set while the others wait
             self.splits = load_data(cfg.data_config(), progress=cfg.progress and self.main)
@@ -123,8 +123,13 @@ class Run:
             else:
                 self.source = ImageBatches(self.backbone, self.splits, self.spec, self.dcfg, cfg.warmup_epochs,
                                            progress, n_train, cfg.freezes_bn(), dev)
+            n_probe = 0 if resuming else cfg.resolved_probe_epochs()  # a resumed run has had its probe
+            probe_source = (FrozenFeatures(self.backbone, self.splits, self.spec, self.dcfg, cfg.cache_dir, progress)
+                            if n_probe else None)
         for m in (self.model, self.loss, *[r.module for r in self.regs]):  # what a regularizer owns is its module
             m.to(dev)
+        # before DDP wraps the step: every rank probes alike, and DDP then starts them from rank 0's state
+        self.probe_entry = self.probe(probe_source, n_probe) if n_probe else None
         opt = build_optimizer(cfg, self.model, self.loss, self.regs, n_train)
         self.sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, cfg.epochs))
                       if cfg.schedule == "cosine" else torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0))
@@ -140,6 +145,37 @@ class Run:
             data_record={"config": self.dcfg.data_fields(), "transform": self.spec.describe()},
             split_record={k: s.classes for k, s in self.splits.subsets().items()})
         self.skipped = 0
+
+    # ------------------------------------------------------------ the probe
+    def probe(self, source: FrozenFeatures, epochs: int) -> dict:
+        """Linear probing before fine-tuning (LP-FT, Kumar et al., ICLR 2022): the neck, the loss and the
+        regularizers train alone on cached frozen-trunk features, exactly as a frozen-neck run of
+        `epochs` epochs would, with its own optimizer and cosine schedule.  The trunk then starts training under a settled neck and settled proxies,
+        instead of under the large, random gradients of a fresh loss.  Returns the log entry
+        (epoch 0: the starting point, not a selection candidate)."""
+        cfg, t0 = self.cfg, time.time()
+        opt = build_optimizer(cfg, self.model, self.loss, self.regs, 0)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs)
+        step = Step(self.model, self.loss, self.regs, opt, cfg.grad_clip, self.device, cfg.precision)
+        for k in tqdm(range(epochs), desc="probe", leave=False, disable=not (cfg.progress and self.main)):
+            # a frozen-neck run's streams: the probe is that run, exactly (tests/training/test_probe.py)
+            rng, gen, torch_seed = epoch_generators(cfg.seed, k, self.device)
+            source.start_epoch(k, self.model)
+            batches = epoch_batches(source.labels, cfg.batch_size, cfg.m_per_class, step.paired, rng)
+            sums, n = {}, 0
+            with torch_seeded(torch_seed):
+                for x, y, _ in source.batches(batches):
+                    parts = step(source.encode, x, torch.tensor([self.label_map[int(v)] for v in y]), gen)
+                    n += 1
+                    for key, v in parts.items():
+                        sums[key] = sums.get(key, 0.0) + v
+            sched.step()
+        val = val_metrics(self.model, source)
+        if self.main:
+            log.info("probe: %d epochs on frozen-trunk features, val MAP@R %.4f", epochs, val["map@r"])
+        return {"epoch": 0, "probe_epochs": epochs, **{f"train_{k}": v / max(n, 1) for k, v in sums.items()},
+                "val_map@r": val["map@r"], "val_recall@1": val["recall@1"], "val_r_precision": val["r_precision"],
+                "seconds": round(time.time() - t0, 3)}
 
     # ------------------------------------------------------------ one epoch
     def train_epoch(self, epoch: int) -> dict:
@@ -193,8 +229,10 @@ class Run:
                             f"{cfg.m_per_class} × {self.dist.world}")
         resuming = check_out(cfg)  # before anything is written (every rank sees the same folder)
         ddp.barrier()  # no rank writes before every rank has looked
-        self.setup()
+        self.setup(resuming)
         sel, start = Selection(), 0
+        if self.probe_entry:
+            sel.history.append(self.probe_entry)
         if resuming:  # every rank loads latest.pt
             start, sel.best, sel.best_epoch, sel.history = self.checkpoints.restore(
                 read_checkpoint(self.out / "latest.pt"))
@@ -228,7 +266,8 @@ class Run:
                 write_text(self.out / "log.jsonl", "".join(json.dumps(h) + "\n" for h in sel.history))
             if self.on_epoch_end:
                 self.on_epoch_end(epoch + 1)
-        return self.finish(sel, time.time() - t0)
+        # the probe is part of the run's cost
+        return self.finish(sel, time.time() - t0 + (self.probe_entry["seconds"] if self.probe_entry else 0.0))
 
     def finish(self, sel: Selection, train_seconds: float) -> dict:
         """Load the validation-selected checkpoint and evaluate it once on test (rank 0; every rank

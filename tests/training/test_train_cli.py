@@ -38,6 +38,7 @@ def user_run(tmp_path):
     (("--weight-decay", "-0.1"), "--weight-decay must be ≥ 0"),
     (("--grad-clip", "-1"), "--grad-clip must be ≥ 0"),
     (("--warmup-epochs", "-1"), "--warmup-epochs must be ≥ 0"),
+    (("--probe-epochs", "-2"), "--probe-epochs must be ≥ 0 (or -1: the mode's default), got -2"),
     (("--reg-weight", "0.1"), "--reg-weight has 1 values for 0 regularizer(s)"),
     (("--regularizer", "nir,nir"), "regularizer listed twice"),
     (("--loss", "triplet", "--regularizer", "nir"), "regularizer 'nir' acts on class proxies; loss 'triplet' has none"),

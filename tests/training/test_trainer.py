@@ -101,7 +101,8 @@ def test_trainer_caches_features_under_a_key_of_transform_and_weights(tmp_path, 
 def test_finetune_with_warmup_and_corrupt_image(tmp_path, kanji_root):
     from data import load_data
 
-    cfg = tiny(tmp_path, kanji_root, mode="finetune", epochs=2, warmup_epochs=1, batch_size=8)
+    cfg = tiny(tmp_path, kanji_root, mode="finetune", epochs=2, warmup_epochs=1, batch_size=8,
+               probe_epochs=0)
     splits = load_data(cfg.data_config(), progress=False)
     # corrupt one training image in a private copy of the data set
     import shutil
