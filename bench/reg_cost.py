@@ -36,7 +36,7 @@ PAIRS = [("proxy_anchor", "nir", 1.2), ("proxy_anchor", "determinant", 1.5), ("t
 def make_run(mode, loss, reg, batch, tmp):
     cfg = TrainConfig(loss=loss, mode=mode, regularizer=(reg,) if reg else (), batch_size=batch,
                       out=str(tmp / f"{mode}-{loss}-{reg}"), progress=False, epochs=1, device="cpu",
-                      train_blocks=2 if mode == "tail" else 0)
+                      train_blocks=2 if mode == "tail" else 0, probe_epochs=0)  # step time only: no probe
     r = Run(cfg)
     r.setup()
     return r

@@ -33,7 +33,7 @@ ROWS = [("frozen neck", "frozen", dict(), 30),
         ("trained tail, N = 1 (head conv)", "tail1", dict(train_blocks=1), 30),
         ("trained tail, N = 2 (+ blocks6)", "tail2", dict(train_blocks=2), 20),
         ("trained tail, N = 3 (+ blocks5)", "tail3", dict(train_blocks=3), 10),
-        ("full fine-tune (augmented)", "finetune", dict(mode="finetune"), 3)]
+        ("full fine-tune (augmented; 30-epoch probe first)", "finetune", dict(mode="finetune"), 3)]
 
 
 def fmt(vals):
@@ -102,7 +102,8 @@ def epoch_ratio(out: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         runs = {}
         for key, kw in (("tail2", dict(train_blocks=2)), ("finetune", dict(mode="finetune"))):
-            r = Run(TrainConfig(out=f"{tmp}/{key}", loss="proxy_anchor", progress=False, device="cpu", **kw))
+            r = Run(TrainConfig(out=f"{tmp}/{key}", loss="proxy_anchor", progress=False, device="cpu", probe_epochs=0,
+                                **kw))  # epoch time only: no probe
             r.setup()
             r.board = RunBoard(Path(tmp), enabled=False)  # fit() makes it; the epochs are timed alone here
             runs[key] = r

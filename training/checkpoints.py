@@ -49,7 +49,8 @@ def same_identity(recorded: dict, cfg: TrainConfig) -> bool:
     old.setdefault("probe_epochs", 0)  # runs before --probe-epochs had no probe
     old = {k: v for k, v in TrainConfig().identity().items() if k not in old} | old
     if old["probe_epochs"] < 0:  # a config file may say -1 ("the mode's default")
-        old["probe_epochs"] = TrainConfig(mode=old["mode"], train_blocks=old["train_blocks"]).resolved_probe_epochs()
+        old["probe_epochs"] = TrainConfig(**{k: old[k] for k in ("mode", "train_blocks", "backbone", "weights")}
+                                          ).resolved_probe_epochs()
     return json.loads(json.dumps(old)) == json.loads(json.dumps(cfg.identity()))
 
 

@@ -51,7 +51,8 @@ class TrainConfig(DataConfig):
     probe_epochs: int = field(default=-1, metadata={
         "help": "tail/finetune: epochs that train the neck and the loss alone, on cached frozen-trunk "
                 "features, before the trunk trains (linear probing, then fine-tuning: settled proxies keep "
-                "the first steps from distorting the pretrained trunk); -1: 30 for finetune, 0 for tail"})
+                "the first steps from distorting the pretrained trunk); -1: 30 for finetune from pretrained "
+                "weights, else 0"})
     grad_clip: float = field(default=10.0, metadata={"help": "gradient-norm clip (0 = off)"})
     schedule: Literal["cosine", "none"] = field(default="cosine", metadata={"help": "learning-rate schedule"})
     seed: int = field(default=0, metadata={"help": "training seed: same seed, same metrics"})
@@ -87,8 +88,8 @@ class TrainConfig(DataConfig):
         mode = self.resolved_mode()
         if mode == "frozen":
             return 0
-        if self.probe_epochs < 0:
-            return 30 if mode == "finetune" else 0
+        if self.probe_epochs < 0:  # there is nothing to preserve in random weights
+            return 30 if mode == "finetune" and self.pretrained() else 0
         return self.probe_epochs
 
     def resolved_mode(self) -> str:
@@ -104,13 +105,13 @@ class TrainConfig(DataConfig):
             return self.train_blocks or n_stages
         return self.train_blocks or 1
 
-    def freezes_bn(self) -> bool:
-        if self.bn_freeze == "auto":
-            from model.backbones import BACKBONES
+    def pretrained(self) -> bool:
+        from model.backbones import BACKBONES
 
-            weights = self.weights or BACKBONES.get(self.backbone).meta.get("default_weights", "imagenet")
-            return weights != "none"
-        return self.bn_freeze == "on"
+        return (self.weights or BACKBONES.get(self.backbone).meta.get("default_weights", "imagenet")) != "none"
+
+    def freezes_bn(self) -> bool:
+        return self.pretrained() if self.bn_freeze == "auto" else self.bn_freeze == "on"
 
     def data_config(self) -> DataConfig:
         return DataConfig.from_dict(dataclasses.asdict(self))

@@ -1,5 +1,5 @@
 """Linear probing before fine-tuning (`--probe-epochs`): the probe is a frozen-neck run, exactly;
-a resumed run does not probe again; "auto" means 30 epochs for finetune and none for tail, and
+a resumed run does not probe again; "auto" means 30 epochs for finetune from pretrained weights and none otherwise, and
 runs recorded before the flag existed (no probe) are not mistaken for probed ones."""
 import dataclasses
 import json
@@ -59,6 +59,7 @@ def test_the_probe_is_logged_as_epoch_0_not_selected_and_not_repeated_on_resume(
 
 def test_auto_probe_epochs_and_old_runs():
     assert TrainConfig(mode="finetune").identity()["probe_epochs"] == 30
+    assert TrainConfig(mode="finetune", weights="none").identity()["probe_epochs"] == 0  # from scratch
     assert TrainConfig(train_blocks=2).identity()["probe_epochs"] == 0
     assert TrainConfig(train_blocks=2, probe_epochs=5).identity()["probe_epochs"] == 5
     assert TrainConfig(probe_epochs=5).identity()["probe_epochs"] == 0  # frozen: the whole run is the probe
