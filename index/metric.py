@@ -52,10 +52,3 @@ def matrix_report(M: np.ndarray, eigenvalues: np.ndarray | None = None) -> dict:
     }
 
 
-def m_norms(X: np.ndarray, M: np.ndarray) -> np.ndarray:
-    """‖x‖_M = sqrt(xᵀ M x) per row (PSD M), in chunks to bound memory."""
-    out = np.empty(len(X), dtype=np.float64)
-    for s in range(0, len(X), 8192):
-        x = np.asarray(X[s: s + 8192], dtype=np.float64)
-        out[s: s + len(x)] = np.einsum("ij,ij->i", x @ M, x)
-    return np.sqrt(np.maximum(out, 0.0))

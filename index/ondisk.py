@@ -65,8 +65,8 @@ from core.arrays import l2_normalize, load_npy
 from core.atomic import atomic_dir
 from core.errors import UserError
 
-from .metric import check_symmetric, m_norms, matrix_report
-from .operator import MetricOperator
+from .metric import check_symmetric, matrix_report
+from .operator import MetricOperator, apply_norms
 from .refinements import operator_kind, refine, strategy_params
 from .store import Items
 
@@ -111,7 +111,7 @@ class QueryMetric:
 
     def norms(self, X: np.ndarray) -> np.ndarray | None:
         """‖x‖_M′ of the given rows (cosine), None in bilinear mode."""
-        return m_norms(X, self.M) if self.mode == "cosine" else None
+        return apply_norms(self.apply, X) if self.mode == "cosine" else None
 
     def candidate_count(self, k: int, n_items: int, rerank_factor: int) -> int:
         # cosine candidates come from the raw inner product, blind to 1/‖x‖_M′: fetch more

@@ -90,10 +90,14 @@ class MetricOperator:
         return Q @ self.M32
 
     def m_norms(self, X: np.ndarray, chunk: int = 8192) -> np.ndarray:
-        """‖x‖_M′ = sqrt(xᵀM′x) per row (PSD M′), through the structured apply: for the low-rank
-        and spectral forms this costs N·d·k instead of N·d²."""
-        out = np.empty(len(X), dtype=np.float64)
-        for s in range(0, len(X), chunk):
-            x = np.asarray(X[s: s + chunk], dtype=np.float32)
-            out[s: s + len(x)] = np.einsum("ij,ij->i", self.apply(x).astype(np.float64), x.astype(np.float64))
-        return np.sqrt(np.maximum(out, 0.0))
+        return apply_norms(self.apply, X, chunk)
+
+
+def apply_norms(apply, X: np.ndarray, chunk: int = 8192) -> np.ndarray:
+    """‖x‖_M′ = sqrt(xᵀM′x) per row (PSD M′) through an operator's `apply` (rows x ↦ x M′): for
+    the low-rank and spectral forms this costs N·d·k instead of N·d²."""
+    out = np.empty(len(X), dtype=np.float64)
+    for s in range(0, len(X), chunk):
+        x = np.asarray(X[s: s + chunk], dtype=np.float32)
+        out[s: s + len(x)] = np.einsum("ij,ij->i", apply(x).astype(np.float64), x.astype(np.float64))
+    return np.sqrt(np.maximum(out, 0.0))

@@ -99,8 +99,8 @@ class GramSweep:
             c, lam, U = op.spectral
             P = self.phi @ U
             S = symmetric_product(P * lam, P, out=self._buffer("_work"))
-            if c:
-                S += np.float32(c) * self.gram()
+            if c:  # S += c G in place (no N² temporary)
+                torch.from_numpy(S).add_(torch.from_numpy(self.gram()), alpha=float(c))
         else:
             S = symmetric_product(self.phi @ np.ascontiguousarray(M, dtype=np.float32), self.phi,
                                   out=self._buffer("_work"))

@@ -3,10 +3,12 @@ import numpy as np
 import pytest
 
 from core.errors import UserError
-from index.metric import matrix_report, m_norms
+from index.metric import matrix_report
 from index.refinements import REFINEMENTS, refine
 from index.search import Searcher
 from index.store import Items, read_index, write_index
+
+from dense_reference import m_norms  # noqa: E402  (tests/index, on the test path)
 
 D, K_EMB, N = 24, 6, 300
 

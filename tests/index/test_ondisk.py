@@ -8,7 +8,7 @@ import pytest
 
 from core.errors import UserError
 from index.cli import main
-from index.metric import m_norms
+from dense_reference import m_norms
 from index.ondisk import OnDiskIVF, build_ondisk_ivf, build_for_index
 from index.refinements import refine
 from index.store import Items, write_index
