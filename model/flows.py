@@ -80,16 +80,37 @@ def build_flow(spec: FlowSpec) -> Flow:
     return flow
 
 
+def _checkered_parity(lazy) -> int | None:
+    """0 or 1 when a coupling module's mask is the checkered one (dims of that parity pass through)
+    and the feature count is even, else None.  Cached on the module: its mask never changes."""
+    if not hasattr(lazy, "_dml_parity"):
+        mask = getattr(lazy, "mask", None)
+        parity = None
+        if mask is not None and mask.dim() == 1 and len(mask) % 2 == 0:
+            for p in (0, 1):
+                if torch.equal(mask.cpu(), torch.arange(len(mask)) % 2 == p):
+                    parity = p
+        lazy._dml_parity = parity
+    return lazy._dml_parity
+
+
 def flow_forward(flow: Flow, x: torch.Tensor, context: torch.Tensor | None = None, plus_one: bool = False):
     """(y, log|det ∂y/∂x| per sample, per-layer "+1" term per sample or None)."""
     transform = flow(context).transform if context is not None else flow().transform
     parts = transform.transforms if hasattr(transform, "transforms") else [transform]
+    lazies = getattr(flow.transform, "transforms", [flow.transform])
     ladj = x.new_zeros(x.shape[:-1])
     plus = x.new_zeros(x.shape[:-1]) if plus_one else None
     y = x
-    for t in parts:
+    for t, lazy in zip(parts, lazies, strict=True):
         if isinstance(t, CouplingTransform):
-            y_a, y_b = t.split(y)
+            # a checkered split is two strided views and its merge one interleave: the same values as
+            # zuko's gather and scatter, at a fraction of the ops (the determinant's two 12-layer flows)
+            parity = _checkered_parity(lazy)
+            if parity is None:
+                y_a, y_b = t.split(y)
+            else:
+                y_a, y_b = y[..., parity::2], y[..., 1 - parity::2]
             inner = t.meta(y_a)
             z_b = inner(y_b)
             base = getattr(inner, "base", inner)
@@ -97,7 +118,10 @@ def flow_forward(flow: Flow, x: torch.Tensor, context: torch.Tensor | None = Non
             ladj = ladj + elem.sum(-1)
             if plus_one:
                 plus = plus + torch.nn.functional.softplus(elem).sum(-1) + y_a.shape[-1] * math.log(2.0)
-            y = t.merge(y_a, z_b, y.shape)
+            if parity is None:
+                y = t.merge(y_a, z_b, y.shape)
+            else:
+                y = torch.stack((y_a, z_b) if parity == 0 else (z_b, y_a), dim=-1).flatten(-2)
         else:
             y, l = t.call_and_ladj(y)
             ladj = ladj + l

@@ -118,7 +118,7 @@ class Step:
         if self.grad_clip > 0:
             self.scaler.unscale_(self.opt)
             params = [p for g in self.opt.param_groups for p in g["params"] if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+            torch.nn.utils.clip_grad_norm_(params, self.grad_clip, foreach=True)  # one norm op, not one per tensor
         self.scaler.step(self.opt)
         self.scaler.update()
         if self.ddp is not None:
