@@ -1,10 +1,11 @@
 """Load: N concurrent clients × Q queries against the app on loopback (issues 6 and 14).
 
-  python bench/app_load.py [--index artifacts/demo/index] [--clients 4] [--queries 50] [--client gradio|http]
+  python bench/app_load.py [--index artifacts/demo/index] [--clients 4] [--queries 50] [--client gradio|gradio-rest|http]
 
 Starts the app (`python -m app`) on a free loopback port in its own process, waits until it
 answers and has warmed its default strategies (--settle seconds), runs each client in its own
-process (a gradio_client.Client on Gradio's /search, or plain HTTP POSTs to /api/search), and
+process (a gradio_client.Client on Gradio's /search, the same endpoint through Gradio's HTTP
+API with httpx, or plain HTTP POSTs to /api/search), and
 reports errors and the p50 / p95 latency per query.
 Queries cycle through gallery images and strategies; random and diagonal restraint get a new
 seed on every query (a new M′ each time) unless --no-new-seeds.
@@ -43,6 +44,25 @@ def client(job) -> tuple[list[float], list[str]]:
 
         def search(path, strat, mode, q):
             return c.predict(handle_file(path), strat, 0.5, q, 0.5, 0.5, mode, 10, api_name="/search")
+    elif kind == "gradio-rest":  # Gradio's own HTTP API, as curl uses it: the UI's handler and queue
+        import json
+
+        import httpx
+
+        h = httpx.Client(timeout=120)
+
+        def search(path, strat, mode, q):
+            up = h.post(url + "gradio_api/upload", files={"files": (Path(path).name, Path(path).read_bytes())})
+            up.raise_for_status()
+            image = {"path": up.json()[0], "meta": {"_type": "gradio.FileData"}}
+            ev = h.post(url + "gradio_api/call/search", json={"data": [image, strat, 0.5, q, 0.5, 0.5, mode, 10]})
+            ev.raise_for_status()
+            body = h.get(url + "gradio_api/call/search/" + ev.json()["event_id"]).text
+            events = body.split("event: ")
+            done = [e for e in events if e.startswith("complete")]
+            if not done:
+                raise RuntimeError(body[-300:])
+            return json.loads(done[0].split("data: ", 1)[1])[0]
     else:  # one multipart POST to /api/search (app/rest.py)
         import httpx
 
@@ -80,8 +100,10 @@ def main():
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--queries", type=int, default=50)
     ap.add_argument("--concurrency", type=int, default=2, help="the app's --concurrency (default: %(default)s)")
-    ap.add_argument("--client", choices=("gradio", "http"), default="gradio",
-                    help="gradio: gradio_client on Gradio's /search; http: one POST to /api/search (default: %(default)s)")
+    ap.add_argument("--client", choices=("gradio", "gradio-rest", "http"), default="gradio",
+                    help="gradio: gradio_client on Gradio's /search; gradio-rest: the same endpoint through Gradio's "
+                         "HTTP API (upload, call, event stream: what curl does) with a light client; http: one POST "
+                         "to our /api/search (default: %(default)s)")
     ap.add_argument("--new-seeds", action=argparse.BooleanOptionalAction, default=True,
                     help="a new seed, hence a new M′, for random and diagonal restraint on every query; "
                          "--no-new-seeds: seed 0 throughout, every M′ built once (default: %(default)s)")

@@ -1,11 +1,12 @@
 """Paper 004's Table 1 on trained trunks: ArcFace, ProxyNCA and Triplet with a trained tail.
 
-  python bench/table1_trained.py [--losses arcface,proxy_nca,triplet] [--seeds 0,1,2] [--epochs 20]
+  python bench/table1_trained.py [--losses arcface,proxy_nca,triplet] [--seeds 0,1,2] [--epochs 20] [--finetune]
                                  [--runs runs/bench-table1] [--out bench/results/table1_trained]
 
 For each loss and seed: efficientnet_lite0 (ImageNet) on kanji with its last
 `--train-blocks` stages trained over the cached frozen prefix (BatchNorm statistics
-frozen: the default for pretrained weights), selected on validation classes.  Each
+frozen: the default for pretrained weights), selected on validation classes; with --finetune,
+every stage on augmented images instead (after the default probe).  Each
 selected checkpoint then gets the strategy evaluation of
 `python -m index evaluate --checkpoint CK --grid coarse` (in-process: the same
 split_features and run_evaluation calls), on test classes and validation classes.
@@ -247,6 +248,9 @@ def main():
     ap.add_argument("--epochs", type=int, default=20, help="training epochs per run (default: %(default)s)")
     ap.add_argument("--train-blocks", type=int, default=2,
                     help="trained stages at the end of the backbone (default: %(default)s)")
+    ap.add_argument("--finetune", action="store_true",
+                    help="train the whole trunk instead of a tail (--mode finetune: augmented images, the "
+                         "default 30-epoch probe first; --train-blocks is then unused)")
     ap.add_argument("--runs", default="runs/bench-table1",
                     help="run folders, reused when finished (default: %(default)s)")
     ap.add_argument("--out", default="bench/results/table1_trained", help="results folder (default: %(default)s)")
@@ -274,13 +278,17 @@ def main():
     out = Path(args.out)
     n = args.train_blocks
 
+    def run_dir(loss: str, seed: int) -> str:
+        return f"{args.runs}/t1-{loss}-{'finetune' if args.finetune else f'n{n}'}-s{seed}"
+
     per_loss: dict[str, list[dict]] = {loss: [] for loss in losses}
     anomalies = []
     for s in seeds:  # seed-major: every method has a first seed early
         for loss in losses:
-            run = f"{args.runs}/t1-{loss}-n{n}-s{s}"
-            cfg = TrainConfig(loss=loss, seed=s, train_blocks=n, epochs=args.epochs, out=run, progress=False,
-                              device="cpu", threads=args.threads)
+            run = run_dir(loss, s)
+            trunk = dict(mode="finetune") if args.finetune else dict(train_blocks=n)
+            cfg = TrainConfig(loss=loss, seed=s, epochs=args.epochs, out=run, progress=False,
+                              device="cpu", threads=args.threads, **trunk)
             t0 = time.time()
             print(f"[{time.time() - t_start:6.0f} s] train {loss} seed {s} -> {run}", flush=True)
             m, reused = train_or_reuse(cfg)
@@ -317,7 +325,7 @@ def main():
     r_values = grid("diagonal")["r"] if args.grid == "full" else coarse(grid("diagonal")["r"])
     indef = {}
     for loss in losses:
-        ck = Path(f"{args.runs}/t1-{loss}-n{n}-s{seeds[0]}") / "best.pt"
+        ck = Path(run_dir(loss, seeds[0])) / "best.pt"
         from core.hashing import sha256_file
 
         stamp = {"sha": sha256_file(ck), "r": list(r_values), "v": 3}
@@ -338,8 +346,10 @@ def main():
     cmd = "python " + " ".join(["bench/table1_trained.py"] + sys.argv[1:])
     ev = [r["eval_seconds"] for r in all_runs if r["eval_seconds"] is not None]
     L = ["# Paper 004, Table 1, on trained trunks (kanji test classes)", "",
-         f"`{cmd}`: efficientnet_lite0 (ImageNet), last "
-         f"{n} stages + neck trained ({args.epochs} epochs, BatchNorm statistics frozen, selected on "
+         f"`{cmd}`: efficientnet_lite0 (ImageNet), "
+         + ("every stage + neck fine-tuned on augmented images after a 30-epoch probe" if args.finetune
+            else f"last {n} stages + neck trained") +
+         f" ({args.epochs} epochs, BatchNorm statistics frozen, selected on "
          f"validation MAP@R), seeds {', '.join(map(str, seeds))}; strategy evaluation as "
          f"`python -m index evaluate --checkpoint CK --grid {args.grid}` (test and validation classes; random "
          f"restraint averaged over {args.restraint_seeds} restraint seeds). Mean ± std over training seeds. "
@@ -426,7 +436,7 @@ def main():
     if anomalies:
         L += ["", "Anomalies:", ""] + [f"- {a}" for a in anomalies]
     md = "\n".join(L) + "\n"
-    write_json(out / "results.json", {"losses": losses, "seeds": seeds, "epochs": args.epochs, "train_blocks": n,
+    write_json(out / "results.json", {"losses": losses, "seeds": seeds, "epochs": args.epochs, "train_blocks": n, "finetune": args.finetune,
                                       "grid": args.grid, "restraint_seeds": args.restraint_seeds,
                                       "wall_seconds": round(wall, 1), "runs": per_loss, "indefinite": indef,
                                       "anomalies": anomalies})
