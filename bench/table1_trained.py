@@ -163,7 +163,7 @@ def indefinite_table(ck: Path, cache_dir: str, r_values) -> list[dict]:
 
 
 # ------------------------------------------------------------------ outputs
-def plot_sweeps(losses, per_loss, out: Path) -> None:
+def plot_sweeps(losses, per_loss, out: Path, trunk: str = "trained tail") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -185,7 +185,7 @@ def plot_sweeps(losses, per_loss, out: Path) -> None:
                                     ("trained_bil", "k", "--", "trained M* [bilinear]"),
                                     ("identity_cos", "tab:green", ":", "identity [cosine]")):
             ax.axhline(np.mean([run[key]["map@r"] for run in runs]) * 100, color=color, ls=ls, lw=1.2, label=lab)
-        ax.set_title(f"{NAMES.get(loss, loss)}, trained tail ({len(runs)} seed{'s' if len(runs) > 1 else ''})", fontsize=10)
+        ax.set_title(f"{NAMES.get(loss, loss)}, {trunk} ({len(runs)} seed{'s' if len(runs) > 1 else ''})", fontsize=10)
         ax.set_xlabel("restraint degree r")
         ax.set_ylabel("test MAP@R (%)")
         ax.grid(alpha=0.3)
@@ -199,7 +199,7 @@ def plot_sweeps(losses, per_loss, out: Path) -> None:
     plt.close(fig)
 
 
-def verdicts(losses, per_loss) -> list[str]:
+def verdicts(losses, per_loss, trunk: str = "trained tail") -> list[str]:
     lines = []
     for loss in losses:
         runs = per_loss[loss]
@@ -236,7 +236,7 @@ def verdicts(losses, per_loss) -> list[str]:
             f"Within the paper's own bilinear protocol (against trained [bilinear] {tb.mean():.2f}): identity "
             f"{ic.mean():.2f} ({ic.mean() - tb.mean():+.2f}), best random {br.mean():.2f} "
             f"({br.mean() - tb.mean():+.2f}), best diagonal {bd.mean():.2f} ({bd.mean() - tb.mean():+.2f})."
-            + (f" Trained tail vs the README's frozen neck (30 epochs): {tc.mean():.2f} vs {FROZEN[loss][0]:.2f} "
+            + (f" {trunk.capitalize()} vs the README's frozen neck (30 epochs): {tc.mean():.2f} vs {FROZEN[loss][0]:.2f} "
                f"test MAP@R ({tc.mean() - FROZEN[loss][0]:+.2f})." if loss in FROZEN else ""))
     return lines
 
@@ -278,6 +278,8 @@ def main():
     out = Path(args.out)
     n = args.train_blocks
 
+    trunk = "fine-tuned trunk" if args.finetune else "trained tail"
+
     def run_dir(loss: str, seed: int) -> str:
         return f"{args.runs}/t1-{loss}-{'finetune' if args.finetune else f'n{n}'}-s{seed}"
 
@@ -286,9 +288,9 @@ def main():
     for s in seeds:  # seed-major: every method has a first seed early
         for loss in losses:
             run = run_dir(loss, s)
-            trunk = dict(mode="finetune") if args.finetune else dict(train_blocks=n)
+            trunk_kw = dict(mode="finetune") if args.finetune else dict(train_blocks=n)
             cfg = TrainConfig(loss=loss, seed=s, epochs=args.epochs, out=run, progress=False,
-                              device="cpu", threads=args.threads, **trunk)
+                              device="cpu", threads=args.threads, **trunk_kw)
             t0 = time.time()
             print(f"[{time.time() - t_start:6.0f} s] train {loss} seed {s} -> {run}", flush=True)
             m, reused = train_or_reuse(cfg)
@@ -338,7 +340,7 @@ def main():
             write_json(keep, {"stamp": stamp, "rows": indef[loss]})
         print(f"[{time.time() - t_start:6.0f} s]   {loss} done", flush=True)
 
-    plot_sweeps(losses, per_loss, out)
+    plot_sweeps(losses, per_loss, out, trunk)
     wall = time.time() - t_start
 
     # ---------------------------------------------------------------- results.md
@@ -432,7 +434,7 @@ def main():
           "Claim: identity or a refined M′ ≥ trained [cosine] on unseen classes (computed from the mean "
           "MAP@R rows above; the refined rows are test oracles). And: does diagonal restraint improve up to "
           "r = 1 as the paper reports (on the frozen trunk it fell monotonically, README)?", ""]
-    L += verdicts(losses, per_loss)
+    L += verdicts(losses, per_loss, trunk)
     if anomalies:
         L += ["", "Anomalies:", ""] + [f"- {a}" for a in anomalies]
     md = "\n".join(L) + "\n"
