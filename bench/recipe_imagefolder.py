@@ -56,22 +56,14 @@ def build_folder(dst: Path, classes: int, seed: int = 0) -> Path:
 
 
 def raw_trunk(data_root: str, cache_dir: str) -> dict:
-    import torch
-
+    """The demo's raw-trunk baseline (same feature cache), on this folder's test classes."""
     from data import DataConfig, load_data
     from data.config import resolve
-    from evaluation import evaluate
-    from model.backbones import build_backbone
-    from model.features import backbone_features
-    from model.preprocess import transform_for
+    from demo.pipeline import pretrained_baselines
 
     dcfg = DataConfig(dataset="imagefolder", data_root=data_root)
     splits = load_data(dcfg, progress=False)
-    dcfg = resolve(dcfg, splits)
-    torch.manual_seed(0)
-    bb = build_backbone("efficientnet_lite0", weights="imagenet").eval()
-    f, y, _ = backbone_features(bb, splits, splits.test, transform_for(bb, dcfg), dcfg, cache_dir, False)
-    return evaluate(f, y)
+    return pretrained_baselines(resolve(dcfg, splits), splits, cache_dir)["efficientnet_lite0 trunk, ImageNet, no training"]
 
 
 def main():

@@ -87,6 +87,7 @@ class Run:
         self.on_epoch_end = on_epoch_end  # test hook: called with the epoch number
         self.dist: ddp.Dist | None = None  # set under torchrun
         self.main = True                   # this process writes the run folder (rank 0)
+        self.skipped = 0                   # unreadable images skipped by training batches
 
     # ------------------------------------------------------------ set-up
     def setup(self, resuming: bool = False) -> None:
@@ -144,66 +145,61 @@ class Run:
             self.out, cfg, self.model, self.loss, loss_params, self.regs, opt, self.sched, self.label_map,
             data_record={"config": self.dcfg.data_fields(), "transform": self.spec.describe()},
             split_record={k: s.classes for k, s in self.splits.subsets().items()})
-        self.skipped = 0
 
     # ------------------------------------------------------------ the probe
     def probe(self, source: FrozenFeatures, epochs: int) -> dict:
         """Linear probing before fine-tuning (LP-FT, Kumar et al., ICLR 2022): the neck, the loss and the
         regularizers train alone on cached frozen-trunk features, exactly as a frozen-neck run of
-        `epochs` epochs would, with its own optimizer and cosine schedule.  The trunk then starts training under a settled neck and settled proxies,
-        instead of under the large, random gradients of a fresh loss.  Returns the log entry
+        `epochs` epochs would (the same epoch loop), with its own optimizer and cosine schedule.  The
+        trunk then starts training under a settled neck and settled proxies, instead of under the
+        large, random gradients of a fresh loss.  Returns the log entry
         (epoch 0: the starting point, not a selection candidate)."""
         cfg, t0 = self.cfg, time.time()
         opt = build_optimizer(cfg, self.model, self.loss, self.regs, 0)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs)
         step = Step(self.model, self.loss, self.regs, opt, cfg.grad_clip, self.device, cfg.precision)
-        for k in tqdm(range(epochs), desc="probe", leave=False, disable=not (cfg.progress and self.main)):
-            # a frozen-neck run's streams: the probe is that run, exactly (tests/training/test_probe.py)
-            rng, gen, torch_seed = epoch_generators(cfg.seed, k, self.device)
-            source.start_epoch(k, self.model)
-            batches = epoch_batches(source.labels, cfg.batch_size, cfg.m_per_class, step.paired, rng)
-            sums, n = {}, 0
-            with torch_seeded(torch_seed):
-                for x, y, _ in source.batches(batches):
-                    parts = step(source.encode, x, torch.tensor([self.label_map[int(v)] for v in y]), gen)
-                    n += 1
-                    for key, v in parts.items():
-                        sums[key] = sums.get(key, 0.0) + v
+        parts: dict = {}
+        for k in range(epochs):  # a frozen-neck run's epochs, exactly (tests/training/test_probe.py)
+            parts = self.run_epoch(source, step, k, desc="probe epoch")
             sched.step()
         val = val_metrics(self.model, source)
         if self.main:
             log.info("probe: %d epochs on frozen-trunk features, val MAP@R %.4f", epochs, val["map@r"])
-        return {"epoch": 0, "probe_epochs": epochs, **{f"train_{k}": v / max(n, 1) for k, v in sums.items()},
+        return {"epoch": 0, "probe_epochs": epochs, **{f"train_{k}": v for k, v in parts.items()},
                 "val_map@r": val["map@r"], "val_recall@1": val["recall@1"], "val_r_precision": val["r_precision"],
                 "seconds": round(time.time() - t0, 3)}
 
     # ------------------------------------------------------------ one epoch
     def train_epoch(self, epoch: int) -> dict:
         """One pass over the training classes; the mean of each loss part over its steps."""
-        d = self.dist
+        return self.run_epoch(self.source, self.step, epoch, self.dist, self.board)
+
+    def run_epoch(self, source, step: Step, epoch: int, d=None, board=None, desc: str = "epoch") -> dict:
+        """One epoch of `step` over `source`'s batches (the run's, or the probe's), under torchrun
+        when `d` is given; the mean of each loss part over its steps."""
         rng, gen, torch_seed = epoch_generators(self.cfg.seed, epoch, self.device, d.rank if d else None)
-        self.source.start_epoch(epoch, self.model)
+        source.start_epoch(epoch, self.model)
         if d:  # this rank's share of each global batch, from (seed, epoch)
-            batches = ddp.rank_batches(self.source.labels, self.cfg.batch_size, self.cfg.m_per_class,
-                                       self.step.paired, self.cfg.seed, epoch, d)
+            batches = ddp.rank_batches(source.labels, self.cfg.batch_size, self.cfg.m_per_class,
+                                       step.paired, self.cfg.seed, epoch, d)
         else:
-            batches = epoch_batches(self.source.labels, self.cfg.batch_size, self.cfg.m_per_class,
-                                    self.step.paired, rng)
+            batches = epoch_batches(source.labels, self.cfg.batch_size, self.cfg.m_per_class, step.paired, rng)
         sums: dict[str, float] = {}
         n = 0
         with torch_seeded(torch_seed):
-            for (x, y, bad), want in zip(tqdm(self.source.batches(batches), total=len(batches),
-                                              desc=f"epoch {epoch + 1}", leave=False,
+            for (x, y, bad), want in zip(tqdm(source.batches(batches), total=len(batches),
+                                              desc=f"{desc} {epoch + 1}", leave=False,
                                               disable=not (self.cfg.progress and self.main)), map(len, batches)):
                 self.skipped += len(bad)
-                skip = x is None or len(y) < 2 or (self.step.paired and bad)
+                skip = x is None or len(y) < 2 or (step.paired and bad)
                 if d:  # the ranks gather equal shares: a step one rank cannot take, no rank takes
                     skip = ddp.any_rank(skip or len(y) != want, self.device)
                 if skip:
                     continue  # (a paired batch that lost an image is no longer class-aligned)
                 ids = torch.tensor([self.label_map[int(v)] for v in y])
-                parts = self.step(self.source.encode, x, ids, gen)
-                self.board.step(parts, self.step.opt)
+                parts = step(source.encode, x, ids, gen)
+                if board is not None:
+                    board.step(parts, step.opt)
                 n += 1
                 for k, v in parts.items():
                     sums[k] = sums.get(k, 0.0) + v
