@@ -7,10 +7,11 @@ import os
 import threading
 from pathlib import Path
 
-from core.flags import add_shared_args
+from core.flags import add_shared_args, at_least
 
 DEMO_INDEX = "artifacts/demo/index"
 DEMO_ANALYSIS = "artifacts/demo/strategies"
+DEFAULT_CONCURRENCY = 2
 
 
 def build_parser():
@@ -22,12 +23,23 @@ def build_parser():
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, loopback only)")
     p.add_argument("--port", type=int, default=7860, help="port to serve on (default: %(default)s)")
     p.add_argument("--max-upload-mb", type=float, default=10.0, help="upload size cap (default: %(default)s)")
-    p.add_argument("--concurrency", type=int, default=2, help="searches served at once (queue) (default: %(default)s)")
+    p.add_argument("--concurrency", type=at_least(1, "--concurrency"), default=DEFAULT_CONCURRENCY,
+                   help="searches served at once (queue) (default: %(default)s)")
     p.add_argument("--no-verify", action="store_true", help="skip index checksum verification at start")
-    # the app serves single queries: the CPU unless asked (a GPU helps batches, not one image)
-    add_shared_args(p, "threads", "device", defaults={"device": "cpu"})
+    # the app serves single queries: the CPU unless asked (a GPU helps batches, not one image);
+    # each of the --concurrency searches in flight gets its share of the cores: a one-image
+    # forward pass and a one-query search gain little from more threads, and threads that
+    # outnumber the cores spin against each other (bench/app_load.py --app-threads)
+    add_shared_args(p, "threads", "device", defaults={"device": "cpu", "threads": None},
+                    shown={"threads": f"cores ÷ --concurrency, at least 1; here {serving_thread_count(DEFAULT_CONCURRENCY)} "
+                                      "at the default concurrency"})
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
+
+
+def serving_thread_count(concurrency: int) -> int:
+    """Threads per search when `concurrency` searches run at once on this machine's cores."""
+    return max(1, (os.cpu_count() or 1) // max(1, concurrency))
 
 
 def launch(args, block: bool = True):
@@ -47,8 +59,9 @@ def launch(args, block: bool = True):
     from core.flags import apply_threads
     from index.threads import serving_threads
 
-    apply_threads(args.threads)  # torch and FAISS, as on every command
-    serving_threads(args.threads or None)  # then numpy's BLAS back to one thread
+    threads = serving_thread_count(args.concurrency) if args.threads is None else args.threads
+    apply_threads(threads)  # torch and FAISS, as on every command
+    serving_threads(threads or None)  # then numpy's BLAS back to one thread
     svc = RetrievalService(args.index, args.checkpoint, analysis, verify=not args.no_verify, device=args.device)
     # first searches under each default strategy as fast as later ones (seconds of work, in the background)
     threading.Thread(target=svc.warm, name="warm-strategies", daemon=True).start()

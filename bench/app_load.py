@@ -50,12 +50,14 @@ def client(job) -> tuple[list[float], list[str]]:
         import httpx
 
         h = httpx.Client(timeout=120)
+        session = f"bench-{ci}-{os.getpid()}"  # one session per client, as a browser tab or gradio_client has
 
         def search(path, strat, mode, q):
             up = h.post(url + "gradio_api/upload", files={"files": (Path(path).name, Path(path).read_bytes())})
             up.raise_for_status()
             image = {"path": up.json()[0], "meta": {"_type": "gradio.FileData"}}
-            ev = h.post(url + "gradio_api/call/search", json={"data": [image, strat, 0.5, q, 0.5, 0.5, mode, 10]})
+            ev = h.post(url + "gradio_api/call/search", json={"data": [image, strat, 0.5, q, 0.5, 0.5, mode, 10],
+                                                                "session_hash": session})
             ev.raise_for_status()
             body = h.get(url + "gradio_api/call/search/" + ev.json()["event_id"]).text
             events = body.split("event: ")
@@ -82,7 +84,7 @@ def client(job) -> tuple[list[float], list[str]]:
         try:
             r = search(images[(ci * queries + q) % len(images)], strat, mode, q if new_seeds else 0)
             assert len(r["results"]) == 10
-            lat.append(time.perf_counter() - t)
+            lat.append((strat, time.perf_counter() - t))
         except Exception as e:  # noqa: BLE001 - counted, reported
             errors.append(repr(e))
     return lat, errors, time.process_time() - cpu0
@@ -107,7 +109,8 @@ def main():
     ap.add_argument("--new-seeds", action=argparse.BooleanOptionalAction, default=True,
                     help="a new seed, hence a new M′, for random and diagonal restraint on every query; "
                          "--no-new-seeds: seed 0 throughout, every M′ built once (default: %(default)s)")
-    ap.add_argument("--app-threads", type=int, default=0, help="the app's --threads (default: %(default)s)")
+    ap.add_argument("--app-threads", type=int, default=None,
+                    help="the app's --threads (default: the app's own default, cores ÷ --concurrency)")
     ap.add_argument("--settle", type=float, default=10.0,
                     help="seconds to wait after the app answers, while it warms its strategies (default: %(default)s)")
     ap.add_argument("--out", default="bench/results/app_load.json")
@@ -119,7 +122,8 @@ def main():
         port = s.getsockname()[1]
     # the app in its own process, as users run it: the clients' HTTP work does not share its GIL
     server = subprocess.Popen([sys.executable, "-m", "app", "--index", args.index, "--port", str(port),
-                               "--concurrency", str(args.concurrency), "--threads", str(args.app_threads)], cwd=ROOT,
+                               "--concurrency", str(args.concurrency),
+                               *([] if args.app_threads is None else ["--threads", str(args.app_threads)])], cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}/"
     deadline = time.time() + 300
@@ -143,7 +147,11 @@ def main():
     with ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn")) as pool:
         runs = list(pool.map(client, [(url, images, ci, args.queries, args.client, args.new_seeds)
                               for ci in range(args.clients)]))
-    lat = [x for r in runs for x in r[0]]
+    by_strategy = {}
+    for r in runs:
+        for strat, x in r[0]:
+            by_strategy.setdefault(strat, []).append(x)
+    lat = [x for r in runs for _, x in r[0]]
     errors = [e for r in runs for e in r[1]]
     server_cpu = cpu_seconds(server.pid) - server_cpu0
     client_cpu = sum(r[2] for r in runs)
@@ -153,6 +161,9 @@ def main():
     res = {"clients": args.clients, "queries_per_client": args.queries, "ok": len(lat), "errors": len(errors),
            "p50_ms": 1e3 * float(np.percentile(lat, 50)), "p95_ms": 1e3 * float(np.percentile(lat, 95)),
            "throughput_qps": len(lat) / wall, "error_samples": errors[:5],
+           # which queries make the tail: random and diagonal restraint build a new M′ (--new-seeds)
+           "p50_p95_ms_by_strategy": {s: [round(1e3 * float(np.percentile(v, q)), 1) for q in (50, 95)]
+                                      for s, v in by_strategy.items()},
            # where the 2 cores went, per query: the app's process (Gradio + our handler) and the clients'
            "server_cpu_ms_per_query": 1e3 * server_cpu / max(len(lat), 1),
            "client_cpu_ms_per_query": 1e3 * client_cpu / max(len(lat), 1),

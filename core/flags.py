@@ -14,12 +14,15 @@ HELP = {
 DEFAULTS = {"threads": 0, "progress": True, "cache_dir": "cache/features", "device": "auto", "json": None}
 
 
-def add_shared_args(parser: argparse.ArgumentParser, *names: str, defaults: dict | None = None) -> None:
-    """Add the named shared flags (`threads`, `progress`, `cache_dir`, `device`, `json`)."""
+def add_shared_args(parser: argparse.ArgumentParser, *names: str, defaults: dict | None = None,
+                    shown: dict | None = None) -> None:
+    """Add the named shared flags (`threads`, `progress`, `cache_dir`, `device`, `json`).  A command
+    may give one another default (`defaults`), and `shown` the text --help gives for a default
+    the command resolves later (None until then)."""
     for name in names:
         default = (defaults or {}).get(name, DEFAULTS[name])
         flag = "--" + name.replace("_", "-")
-        text = HELP[name].replace("%", "%%") + " (default: %(default)s)"
+        text = HELP[name].replace("%", "%%") + f" (default: {(shown or {}).get(name, '%(default)s')})"
         if name == "progress":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
         elif name == "threads":

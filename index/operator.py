@@ -40,7 +40,8 @@ class MetricOperator:
     def __init__(self, M: np.ndarray, W: np.ndarray | None = None, diag_removed: np.ndarray | None = None,
                  kind: str = "dense", spectral: tuple | None = None, eigenvalues: np.ndarray | None = None):
         self.kind = kind
-        self.M32 = np.ascontiguousarray(M, dtype=np.float32)
+        # float32 M′ only where it is applied densely (structured kinds never read it)
+        self.M32 = np.ascontiguousarray(M, dtype=np.float32) if kind == "dense" else None
         self.W32 = None if W is None else np.ascontiguousarray(W, dtype=np.float32)
         self.WT32 = None if W is None else np.ascontiguousarray(W.T, dtype=np.float32)
         self.diag_removed = None if diag_removed is None else diag_removed.astype(np.float32)
@@ -63,8 +64,9 @@ class MetricOperator:
             sv = np.linalg.svd(np.asarray(W, dtype=np.float64), compute_uv=False)
             return cls(M, W=W, kind="lowrank", eigenvalues=np.sort(np.concatenate([sv ** 2, np.zeros(d - len(sv))])))
         if kind == "lowrank-diag" and lowrank_cheaper:
-            off_equal = np.array_equal(M - np.diag(np.diag(M)), M_star - np.diag(np.diag(M_star)))
-            if off_equal:
+            diff = M - M_star  # one d × d temporary: is M′ − M* diagonal?
+            np.fill_diagonal(diff, 0.0)
+            if not diff.any():
                 return cls(M, W=W, diag_removed=np.diag(M_star) - np.diag(M), kind="lowrank-diag")
         if kind == "spectral":
             lam, U = np.linalg.eigh(np.asarray(M, dtype=np.float64))

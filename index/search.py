@@ -21,7 +21,7 @@ from core.errors import UserError
 
 from .metric import matrix_report
 from .operator import MetricOperator
-from .refinements import MODES, operator_kind, refine, strategy_key, strategy_label, strategy_params
+from .refinements import MODES, operator_kind, refine, strategy_key, strategy_label, strategy_params, symmetrized
 from .store import IndexData
 
 
@@ -68,7 +68,7 @@ class Searcher:
         # of the database, seconds to rebuild)
         self._per_strategy = per_strategy
         self._lock = threading.Lock()
-        self._M_star = data.M_star
+        self._M_star = symmetrized(data.M_star)  # exactly: refine need not average each M′ with M′ᵀ
         if not self.exact and hasattr(data.faiss_index, "hnsw"):
             data.faiss_index.hnsw.efSearch = max(data.faiss_index.hnsw.efSearch, 128)
 
@@ -86,7 +86,7 @@ class Searcher:
                 self._cache.move_to_end(key)
                 self._raw[raw_key] = self._cache[key]
                 return self._cache[key]
-        M = refine(strategy, self._M_star, p)
+        M = refine(strategy, self._M_star, p, symmetric=True)
         rm = RefinedMetric(strategy, p, M, MetricOperator.build(operator_kind(strategy), M, self.data.W, self._M_star))
         with self._lock:
             same = [k for k in self._cache if k[0] == strategy]

@@ -22,7 +22,7 @@ class ShrinkParams:
 
 
 @REFINEMENTS.register("shrink", ShrinkParams, operator="spectral", grid={"alpha": (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)},
-                      trained_at={"alpha": 0.0})
+                      trained_at={"alpha": 0.0}, exact_symmetry=True)
 def shrink(M: np.ndarray, p: ShrinkParams) -> np.ndarray:
     """Shrinkage: M′ = (1 − α)·M*/tr(M*) + α·I/d (both terms have unit trace)."""
     d = M.shape[0]

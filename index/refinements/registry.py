@@ -16,6 +16,9 @@ every label come from it:
   without it the strategy is swept once at its defaults.  meta `modes`: the modes swept.
 - meta `trained_at`: {param: value} at which M′ ranks exactly like M* (a positive multiple
   of it; `{}`: always).  Such rows are not refinements.
+- meta `exact_symmetry`: True when the builder maps an exactly symmetric M* to an exactly
+  symmetric M′ (it only copies or zeroes entries in pairs): `refine` then skips averaging M′
+  with M′ᵀ, which costs as much as a new random restraint's zeroing.
 A strategy with a file parameter is never swept: there is no file to sweep it with.
 """
 from __future__ import annotations
@@ -39,12 +42,24 @@ def strategy_params(name: str, given: dict | None = None):
     return REFINEMENTS.params(name, given or {}, ignore_unknown=True)
 
 
-def refine(name: str, M_star: np.ndarray, params=None) -> np.ndarray:
-    """M′ = strategy(M*); `params` is a dict or the strategy's parameter object."""
+def refine(name: str, M_star: np.ndarray, params=None, *, symmetric: bool = False) -> np.ndarray:
+    """M′ = strategy(M*), exactly symmetric; `params` is a dict or the strategy's parameter
+    object.  `symmetric=True`: the caller vouches that M_star equals its transpose exactly
+    (`symmetrized`), which spares strategies with `exact_symmetry` a d × d pass."""
     if params is None or isinstance(params, dict):
         params = strategy_params(name, params)
-    M = REFINEMENTS.get(name).builder(np.asarray(M_star, dtype=np.float64), params)
-    return (M + M.T) / 2  # exactly symmetric
+    entry = REFINEMENTS.get(name)
+    M = entry.builder(np.asarray(M_star, dtype=np.float64), params)
+    if symmetric and entry.meta.get("exact_symmetry"):
+        return M
+    return (M + M.T) / 2
+
+
+def symmetrized(M: np.ndarray) -> np.ndarray:
+    """(M + Mᵀ)/2 in float64: M* = WᵀW is symmetric in exact arithmetic, and this makes it so in
+    floating point (a no-op where BLAS already gave an exactly symmetric product)."""
+    M = np.asarray(M, dtype=np.float64)
+    return (M + M.T) / 2
 
 
 def strategy_key(name: str, params) -> tuple:

@@ -23,11 +23,28 @@ def free_port() -> int:
 def server(tiny_index):
     from app.cli import build_parser, launch
 
+    import faiss
+    import torch
+
     port = free_port()
     args = build_parser().parse_args(["--index", str(tiny_index), "--port", str(port)])
-    demo, svc = launch(args, block=False)
+    threads = torch.get_num_threads(), faiss.omp_get_max_threads()
+    demo, svc = launch(args, block=False)  # with the app's default --threads (its share of the cores)
     yield f"http://127.0.0.1:{port}/", svc, port
     demo.close()
+    torch.set_num_threads(threads[0])  # the tests after this one train models: give them the cores back
+    faiss.omp_set_num_threads(threads[1])
+
+
+def test_threads_default_to_a_share_of_the_cores(tmp_path):
+    from app.cli import build_parser, serving_thread_count
+
+    assert build_parser().parse_args([]).threads is None  # resolved at launch from --concurrency
+    assert build_parser().parse_args(["--threads", "3"]).threads == 3
+    assert serving_thread_count(1) == os.cpu_count()
+    assert serving_thread_count(os.cpu_count() + 1) == 1  # never 0 (= the libraries' own setting)
+    r = run_module("app", "--concurrency", "0", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith("--concurrency must be ≥ 1, got 0")
 
 
 def listening_addresses(port: int) -> set[str]:

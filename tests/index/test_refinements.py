@@ -121,3 +121,57 @@ def test_custom_matrix_checks(tmp_path, M_star):
         refine("custom", M_star, {})
     with pytest.raises(UserError, match="square"):
         check_symmetric(np.ones((2, 3)))
+
+
+@pytest.mark.parametrize("r", [0.15, 0.45, 0.8])
+def test_random_restraint_matches_the_papers_loop(M_star, r):
+    """Draw one off-diagonal pair at a time (the permutation of the non-zero upper-triangle
+    entries, np.triu_indices order), zero it, stop once ‖M′_off‖_F ≤ (1 − r)·‖M*_off‖_F."""
+    seed = 4
+    iu, ju = np.triu_indices(len(M_star), k=1)
+    nz = np.nonzero(M_star[iu, ju] != 0)[0]
+    M = M_star.copy()
+    for p in np.random.default_rng(seed).permutation(nz):
+        if offdiag_fro(M) <= (1 - r) * offdiag_fro(M_star):
+            break
+        M[iu[p], ju[p]] = M[ju[p], iu[p]] = 0
+    np.testing.assert_array_equal(M, refine("random", M_star, {"r": r, "seed": seed}))
+
+
+def test_cut_bisection_equals_scanning_every_prefix():
+    from index.refinements.paper import _cut
+
+    def scan(amounts, total, target):
+        for n in range(len(amounts) + 1):
+            if total - amounts[:n].sum() <= target + 1e-12 * max(abs(total), 1.0):
+                return n
+        return len(amounts)
+
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        a = rng.exponential(size=rng.integers(1, 40)) * (rng.random() < 0.8)  # some all-zero
+        if trial % 3 == 0:
+            a[rng.random(len(a)) < 0.3] = 0.0
+        total = float(a.sum()) + (rng.random() if trial % 5 == 0 else 0.0)  # sometimes unreachable
+        target = float(rng.uniform(-0.1, 1.1) * total)
+        assert _cut(a, total, target) == scan(a, total, target)
+    # signed amounts (not a PSD diagonal) take the scan: the prefix sums are not monotone
+    a = np.array([3.0, -2.0, 5.0, -1.0])
+    assert _cut(a, 5.0, 1.0) == scan(a, 5.0, 1.0) == 3
+
+
+def test_exact_symmetry_is_what_the_strategies_declare(M_star, tmp_path):
+    """A strategy with `exact_symmetry` keeps an exactly symmetric M* exactly symmetric, so refine
+    may skip re-averaging: the same M′ as with it.  (M* here is exactly symmetric.)"""
+    from index.refinements import REFINEMENTS, symmetrized
+
+    M_sym = symmetrized(M_star + 1e-3 * np.random.default_rng(1).normal(size=M_star.shape))
+    assert np.array_equal(M_sym, M_sym.T)
+    np.save(tmp_path / "m.npy", M_sym)
+    given = {"path": str(tmp_path / "m.npy"), "r": 0.5, "seed": 2, "alpha": 0.3, "p": 0.5}
+    declared = [e.name for e in REFINEMENTS.entries() if e.meta.get("exact_symmetry")]
+    assert {"trained", "identity", "diagonal", "random"} <= set(declared)
+    for name in declared:
+        raw = REFINEMENTS.get(name).builder(M_sym, REFINEMENTS.params(name, given, ignore_unknown=True))
+        assert np.array_equal(raw, raw.T), name
+        np.testing.assert_array_equal(refine(name, M_sym, given, symmetric=True), refine(name, M_sym, given))
