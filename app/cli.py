@@ -12,6 +12,10 @@ from core.flags import add_shared_args, at_least
 DEMO_INDEX = "artifacts/demo/index"
 DEMO_ANALYSIS = "artifacts/demo/strategies"
 DEFAULT_CONCURRENCY = 2
+GRADIO_SUMMARY_EVERY = 1000
+# a call to Gradio's API without a session hash (curl) opens a session holding a copy of every
+# block's config (bench/gradio_overhead.py): keep 10³ (Gradio's default 10⁴), the oldest go first
+SESSIONS = 1000
 
 
 def build_parser():
@@ -45,6 +49,10 @@ def serving_thread_count(concurrency: int) -> int:
 def launch(args, block: bool = True):
     # offline: no analytics, and Gradio's start-up self-check of its own URL must not go via a proxy
     os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
+    # Gradio's queue re-summarises its last 10⁴ events with pandas after every event, for a
+    # monitoring page this app does not use: 13 ms per search once the log is full
+    # (bench/gradio_overhead.py).  Once per 1,000 events instead, unless the user set it.
+    os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", str(GRADIO_SUMMARY_EVERY))
     no_proxy = os.environ.get("NO_PROXY", "")
     os.environ["NO_PROXY"] = os.environ["no_proxy"] = ",".join(x for x in (no_proxy, "localhost,127.0.0.1") if x)
     from core.errors import UserError
@@ -70,7 +78,8 @@ def launch(args, block: bool = True):
     max_kb = max(1, int(args.max_upload_mb * 1024))
     demo.launch(server_name=args.host, server_port=args.port, share=False, inbrowser=False,
                 max_file_size=f"{max_kb}kb", show_error=True, prevent_thread_lock=True,
-                theme=offline_theme(), css=CSS, js=KEYS_JS, quiet=not args.verbose, allowed_paths=[], ssr_mode=False)
+                theme=offline_theme(), css=CSS, js=KEYS_JS, quiet=not args.verbose, allowed_paths=[], ssr_mode=False,
+                state_session_capacity=SESSIONS)
     from .rest import add_rest_routes
 
     add_rest_routes(demo.app, svc, max_kb * 1024)  # POST /api/search, on the same server

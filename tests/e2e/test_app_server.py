@@ -30,10 +30,22 @@ def server(tiny_index):
     args = build_parser().parse_args(["--index", str(tiny_index), "--port", str(port)])
     threads = torch.get_num_threads(), faiss.omp_get_max_threads()
     demo, svc = launch(args, block=False)  # with the app's default --threads (its share of the cores)
+    svc.demo = demo
     yield f"http://127.0.0.1:{port}/", svc, port
     demo.close()
     torch.set_num_threads(threads[0])  # the tests after this one train models: give them the cores back
     faiss.omp_set_num_threads(threads[1])
+
+
+def test_gradio_overheads_are_bounded(server):
+    """The settings reach Gradio: its event-log summary is not recomputed per search, and the
+    sessions stateless API calls open are capped (bench/gradio_overhead.py measures both)."""
+    from app.cli import GRADIO_SUMMARY_EVERY, SESSIONS
+
+    _, svc, _ = server
+    demo = svc.demo
+    assert demo._queue.ANAYLTICS_CACHE_FREQUENCY == GRADIO_SUMMARY_EVERY
+    assert demo.state_holder.capacity == SESSIONS < 10000
 
 
 def test_threads_default_to_a_share_of_the_cores(tmp_path):
