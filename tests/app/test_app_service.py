@@ -163,3 +163,14 @@ def test_warm_builds_every_default_strategy_before_the_first_search(tiny_index):
     for n in names:
         s.panel(q, Spec(n, {}, "cosine"), k=3)
         assert s.searcher.metric(n, {}) is built[n], n
+
+
+def test_query_embedding_reproduces_the_indexed_features(svc):
+    """A gallery image embedded as a query (one image, channels-last) gets the feature the index
+    stored for it (batched, the default layout) up to float round-off."""
+    rows = [0, 5, 11]
+    stored = np.asarray(svc.data.features, dtype=np.float32)[rows]
+    for row, want in zip(rows, stored):
+        got = svc.query_from_upload(str(svc.root / svc.data.items.paths[row])).feats[0]
+        got = got / np.linalg.norm(got) if svc.data.manifest["normalize"] else got
+        np.testing.assert_allclose(got, want, atol=1e-5)
