@@ -14,7 +14,7 @@ DEMO_ANALYSIS = "artifacts/demo/strategies"
 DEFAULT_CONCURRENCY = 2
 GRADIO_SUMMARY_EVERY = 1000
 # a call to Gradio's API without a session hash (curl) opens a session holding a copy of every
-# block's config (bench/gradio_overhead.py): keep 10³ (Gradio's default 10⁴), the oldest go first
+# block's config (bench/serving_costs.py): keep 10³ (Gradio's default 10⁴), the oldest go first
 SESSIONS = 1000
 
 
@@ -51,7 +51,7 @@ def launch(args, block: bool = True):
     os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
     # Gradio's queue re-summarises its last 10⁴ events with pandas after every event, for a
     # monitoring page this app does not use: 13 ms per search once the log is full
-    # (bench/gradio_overhead.py).  Once per 1,000 events instead, unless the user set it.
+    # (bench/serving_costs.py).  Once per 1,000 events instead, unless the user set it.
     os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", str(GRADIO_SUMMARY_EVERY))
     no_proxy = os.environ.get("NO_PROXY", "")
     os.environ["NO_PROXY"] = os.environ["no_proxy"] = ",".join(x for x in (no_proxy, "localhost,127.0.0.1") if x)

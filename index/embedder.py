@@ -47,8 +47,8 @@ class ImageEmbedder:
         self.transform = self.spec.build()
         self.device = resolve_device(device)
         # channels-last: one query image at a time through a mobile backbone's depthwise and 1×1
-        # convolutions runs ~35 % faster on CPU (oneDNN; bench/gradio_overhead.py's reference);
-        # the same weights, features equal to float round-off (tested against the gallery's)
+        # convolutions runs faster on CPU (oneDNN; bench/serving_costs.py); the same weights,
+        # features equal to float round-off (tested against the gallery's)
         self.model.to(self.device, memory_format=torch.channels_last)
         self.sha256 = sha256_file(checkpoint)
         self.path = checkpoint

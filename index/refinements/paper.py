@@ -50,13 +50,15 @@ class RestraintParams:
             raise UserError(f"seed must be ≥ 0, got {self.seed}")
 
 
-def _cut(amounts: np.ndarray, total: float, target: float) -> int:
-    """Smallest number of leading entries to remove so that total − removed ≤ target."""
+def _cut(amounts: np.ndarray, total: float, target: float, in_place: bool = False) -> int:
+    """Smallest number of leading entries to remove so that total − removed ≤ target
+    (`in_place`: the running sums overwrite `amounts`, sparing a copy of it)."""
     tol = 1e-12 * max(abs(total), 1.0)
     if total <= target + tol:
         return 0
-    removed = np.cumsum(amounts)
-    if len(amounts) and amounts.min() >= 0:
+    monotone = len(amounts) and amounts.min() >= 0
+    removed = np.cumsum(amounts, out=amounts if in_place else None)
+    if monotone:
         # total − removed only falls: bisect for the first hit instead of testing every prefix
         lo, hi = 0, len(removed)         # no hit before lo; the first hit, if any, is before hi
         while lo < hi:
@@ -93,7 +95,8 @@ def random_restraint(M: np.ndarray, p: RestraintParams) -> np.ndarray:
     """Random restraint: zero random symmetric off-diagonal pairs until ‖M′_off‖_F ≤ (1 − r)·‖M*_off‖_F."""
     upper, lower = _pair_indices(M.shape[0])
     vals = np.take(M, upper)             # the upper triangle, row by row (as np.triu_indices)
-    order = np.random.default_rng(p.seed).permutation(np.flatnonzero(vals))
+    order = np.flatnonzero(vals)
+    np.random.default_rng(p.seed).shuffle(order)  # in place: the same draws as .permutation(), no copy
     sq = vals[order]
     np.square(sq, out=sq)
     sq *= 2.0                            # each pair holds two entries
@@ -101,8 +104,8 @@ def random_restraint(M: np.ndarray, p: RestraintParams) -> np.ndarray:
     if p.r >= 1.0:
         n = len(order)
     else:
-        n = _cut(sq, total, (1.0 - p.r) ** 2 * total)
-    vals[order[:n]] = 0.0                # the drawn pairs, zeroed among the pairs (0.8 MB, not the d² matrix)
+        n = _cut(sq, total, (1.0 - p.r) ** 2 * total, in_place=True)
+    vals[order[:n]] = 0.0                # the drawn pairs, zeroed among the d(d − 1)/2 pairs, not in the d² matrix
     out = M.copy()
     flat = out.reshape(-1)               # a view: write each pair to both its entries, in row order
     flat[upper] = vals

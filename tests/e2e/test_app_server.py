@@ -39,7 +39,7 @@ def server(tiny_index):
 
 def test_gradio_overheads_are_bounded(server):
     """The settings reach Gradio: its event-log summary is not recomputed per search, and the
-    sessions stateless API calls open are capped (bench/gradio_overhead.py measures both)."""
+    sessions stateless API calls open are capped (bench/serving_costs.py measures both)."""
     from app.cli import GRADIO_SUMMARY_EVERY, SESSIONS
 
     _, svc, _ = server

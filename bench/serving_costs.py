@@ -1,0 +1,142 @@
+"""Where one served query's time goes, stage by stage, against one whole search (issue 14).
+
+  python bench/serving_costs.py [--index artifacts/demo/index]
+
+Builds the app's service and UI on the index, in this process, on one thread (what the app
+gives each search at its default --concurrency on 2 cores), and times per call (medians):
+- the reference: the app's `/search` handler on one gallery image under the trained metric
+  (image decode, preprocessing, embedding, search, result rows);
+- embedding one image: the backbone in the default layout against channels-last (what
+  index/embedder.py runs), interleaved call by call so that both see the same machine;
+- a new M′ (a new seed) for random and for diagonal restraint, as the app builds it;
+- a new Gradio session: what Gradio builds for every API call that carries no session hash
+  (curl), and the memory it keeps (tracemalloc);
+- Gradio's queue summary of its event log (pandas), which it recomputes after every event
+  (GRADIO_ANALYTICS_CACHE_FREQUENCY = 1) over up to 10⁴ logged events; the app sets the
+  frequency to app.cli.GRADIO_SUMMARY_EVERY, which spreads one summary over that many events.
+Every figure is also given as a ratio to the reference.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from core.atomic import write_json  # noqa: E402
+
+
+def median_ms(f, repeat: int) -> float:
+    f()  # warm
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def interleaved_ms(fs: dict, repeat: int) -> dict:
+    """Median ms of each callable, called in turn `repeat` times (the same noise for each)."""
+    for f in fs.values():
+        f()
+    times = {k: [] for k in fs}
+    for _ in range(repeat):
+        for k, f in fs.items():
+            t = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t)
+    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--index", default="artifacts/demo/index", help="index directory (default: %(default)s)")
+    ap.add_argument("--repeat", type=int, default=40, help="timed calls per figure (default: %(default)s)")
+    ap.add_argument("--out", default="bench/results/compare/serving_costs.json",
+                    help="result file (default: %(default)s)")
+    args = ap.parse_args()
+    os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
+    import torch
+    from gradio.queueing import Queue
+    from gradio.state_holder import SessionState
+
+    from app.cli import GRADIO_SUMMARY_EVERY
+    from app.service import RetrievalService
+    from app.ui import api_search, build_ui
+    from index.threads import serving_threads
+
+    torch.set_num_threads(1)
+    serving_threads(1)
+    svc = RetrievalService(args.index, verify=False)
+    demo = build_ui(svc)
+    image = str(Path(svc.data.root) / svc.data.items.paths[0])
+    search = api_search(svc)
+    ref = median_ms(lambda: search(image, "trained", mode="cosine", k=10), args.repeat)
+    out = {"index": args.index, "gallery": int(svc.data.manifest["count"]), "reference_search_ms": round(ref, 2)}
+
+    def add(name, ms):
+        out[f"{name}_ms"] = round(ms, 2)
+        out[f"{name}_ratio"] = round(ms / ref, 4)
+
+    # embedding: the default layout against channels-last, same weights, same input
+    model = svc.embedder.model
+    contiguous = copy.deepcopy(model).to(memory_format=torch.contiguous_format)
+    x = svc.embedder.transform(svc.thumbnail(int(svc.data.items.ids[0]), 10**6))[None]
+    x_cl = x.contiguous(memory_format=torch.channels_last)
+    with torch.inference_mode():
+        emb = interleaved_ms({"contiguous": lambda: contiguous.trunk_features(x),
+                              "channels_last": lambda: model.trunk_features(x_cl)}, 5 * args.repeat)
+    add("embed_contiguous", emb["contiguous"])
+    add("embed_channels_last", emb["channels_last"])
+
+    # a new M′ per call, as a new seed in the app builds one
+    for name in ("random", "diagonal"):
+        seeds = iter(range(1, 10**6))
+        add(f"new_{name}_metric", median_ms(lambda: svc.searcher.metric(name, {"r": 0.5, "seed": next(seeds)}),
+                                            args.repeat))
+
+    add("new_gradio_session", median_ms(lambda: SessionState(demo), args.repeat))
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    kept = [SessionState(demo) for _ in range(10)]
+    out["new_gradio_session_kb"] = round((tracemalloc.get_traced_memory()[0] - before) / len(kept) / 1024, 1)
+    tracemalloc.stop()
+    out["ui_blocks"] = len(demo.blocks)
+
+    class Log:  # the attributes compute_analytics_summary reads, with a summary due every call
+        _get_df = staticmethod(Queue._get_df)
+        cached_event_analytics_summary: dict = {}
+        events_recorded_per_fn: dict = {}
+        event_count_at_last_cache = 0
+        ANAYLTICS_CACHE_FREQUENCY = 1
+
+        def __init__(self):
+            self.events_recorded = 0
+
+        def summarise(self, records):
+            self.events_recorded += 1
+            Queue.compute_analytics_summary(self, records)
+
+    now = time.time()
+    for n in (100, 1000, 10000):
+        records = [{"time": now, "status": "success", "process_time": 0.05, "function": "search",
+                    "session_hash": f"s{i % 50}"} for i in range(n)]
+        log = Log()
+        add(f"gradio_summary_{n}_events", median_ms(lambda: log.summarise(records), max(3, args.repeat // 8)))
+    add("gradio_summary_10000_events_app_setting", out["gradio_summary_10000_events_ms"] / GRADIO_SUMMARY_EVERY)
+    out["app_summary_every"] = GRADIO_SUMMARY_EVERY
+    write_json(args.out, out)
+    for k, v in out.items():
+        print(f"{k:45s} {v}")
+
+
+if __name__ == "__main__":
+    main()
