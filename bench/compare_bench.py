@@ -59,6 +59,8 @@ def compare_tab(index: str) -> dict:
 
 
 def search_breakdown(index: str, repeats: int) -> dict:
+    import torch
+
     from app.service import Query, RetrievalService, Spec
     from app.ui import gallery_items, report_md
     from core.images import load_rgb
@@ -73,9 +75,11 @@ def search_breakdown(index: str, repeats: int) -> dict:
     for i, p in enumerate(paths):
         img, t = timed(lambda: load_rgb(p))
         stages["upload decode"].append(t)
-        x, t = timed(lambda: emb.transform(img)[None])
+        # as index/embedder.py runs it: channels-last, no autograd
+        x, t = timed(lambda: emb.transform(img)[None].contiguous(memory_format=torch.channels_last))
         stages["preprocessing"].append(t)
-        feats, t = timed(lambda: emb.model.trunk_features(x).detach().numpy())
+        with torch.inference_mode():
+            feats, t = timed(lambda: emb.model.trunk_features(x).numpy())
         stages["embedding"].append(t)
         s = Searcher(svc.data)  # nothing cached: the strategy's first use
 
