@@ -14,7 +14,8 @@ DEMO_ANALYSIS = "artifacts/demo/strategies"
 DEFAULT_CONCURRENCY = 2
 GRADIO_SUMMARY_EVERY = 1000
 # a call to Gradio's API without a session hash (curl) opens a session holding a copy of every
-# block's config (bench/serving_costs.py): keep 10³ (Gradio's default 10⁴), the oldest go first
+# block's config (bench/serving_costs.py): keep 10³ (Gradio's default 10⁴), the least recently
+# used go first; a browser tab idle through 10³ such calls loses its state (README)
 SESSIONS = 1000
 
 
@@ -43,14 +44,15 @@ def build_parser():
 
 def serving_thread_count(concurrency: int) -> int:
     """Threads per search when `concurrency` searches run at once on this machine's cores."""
-    return max(1, (os.cpu_count() or 1) // max(1, concurrency))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, concurrency))  # the cores this process may run on (taskset, cgroup cpusets)
 
 
 def launch(args, block: bool = True):
     # offline: no analytics, and Gradio's start-up self-check of its own URL must not go via a proxy
     os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
     # Gradio's queue re-summarises its last 10⁴ events with pandas after every event, for a
-    # monitoring page this app does not use: 13 ms per search once the log is full
+    # monitoring page this app does not use: 12–14 ms per search once the log is full
     # (bench/serving_costs.py).  Once per 1,000 events instead, unless the user set it.
     os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", str(GRADIO_SUMMARY_EVERY))
     no_proxy = os.environ.get("NO_PROXY", "")

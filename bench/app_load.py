@@ -34,8 +34,9 @@ STRATS = [("trained", "cosine"), ("identity", "cosine"), ("diagonal", "bilinear"
           ("shrink", "cosine"), ("spectral", "cosine")]
 
 
-def client(job) -> tuple[list[float], list[str]]:
-    """One client: `queries` searches in a row, cycling images and strategies; (latencies, errors)."""
+def client(job) -> tuple[list[tuple[str, float]], list[str], float]:
+    """One client: `queries` searches in a row, cycling images and strategies;
+    ([(strategy, seconds)], errors, the client's CPU seconds)."""
     from gradio_client import Client, handle_file
 
     url, images, ci, queries, kind, new_seeds = job

@@ -8,7 +8,11 @@ gives each search at its default --concurrency on 2 cores), and times per call (
   (image decode, preprocessing, embedding, search, result rows);
 - embedding one image: the backbone in the default layout against channels-last (what
   index/embedder.py runs), interleaved call by call so that both see the same machine;
-- a new M′ (a new seed) for random and for diagonal restraint, as the app builds it;
+- a new M′ (a new seed) for random and for diagonal restraint, as the app builds it, against
+  the previous implementation (kept below as the reference: zero the drawn entries in the
+  d × d matrix, average M′ with M′ᵀ, test M′ − M* for a diagonal with four temporaries),
+  interleaved, after checking both give the same M′; and the seeded permutation alone, which
+  both must draw;
 - a new Gradio session: what Gradio builds for every API call that carries no session hash
   (curl), and the memory it keeps (tracemalloc);
 - Gradio's queue summary of its event log (pandas), which it recomputes after every event
@@ -26,6 +30,8 @@ import sys
 import time
 import tracemalloc
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -54,6 +60,40 @@ def interleaved_ms(fs: dict, repeat: int) -> dict:
             f()
             times[k].append(time.perf_counter() - t)
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+
+
+def previous_random(M, r: float, seed: int):
+    """Random restraint and its dense operator as built before issue 14's serving work."""
+    from index.refinements.paper import _pair_indices
+
+    out = M.copy()
+    upper, lower = _pair_indices(M.shape[0])
+    vals = np.take(M, upper)
+    order = np.random.default_rng(seed).permutation(np.nonzero(vals != 0)[0])
+    sq = 2.0 * vals[order] ** 2
+    total = float(sq.sum())
+    remaining = total - np.cumsum(sq)
+    hit = np.nonzero(remaining <= (1.0 - r) ** 2 * total + 1e-12 * max(abs(total), 1.0))[0]
+    sel = order[: int(hit[0]) + 1 if hit.size else len(order)]
+    flat = out.reshape(-1)
+    flat[upper[sel]] = 0.0
+    flat[lower[sel]] = 0.0
+    out = (out + out.T) / 2
+    return out, np.ascontiguousarray(out, dtype=np.float32)
+
+
+def previous_diagonal(M, r: float, seed: int):
+    """Diagonal restraint and its low-rank operator's check as built before."""
+    out = M.copy()
+    diag = np.diag(M)
+    order = np.random.default_rng(seed).permutation(np.nonzero(diag != 0)[0])
+    remaining = float(diag.sum()) - np.cumsum(diag[order])
+    hit = np.nonzero(remaining <= (1.0 - r) * float(diag.sum()) + 1e-12 * max(abs(float(diag.sum())), 1.0))[0]
+    idx = order[: int(hit[0]) + 1 if hit.size else len(order)]
+    out[idx, idx] = 0.0
+    out = (out + out.T) / 2
+    assert np.array_equal(out - np.diag(np.diag(out)), M - np.diag(np.diag(M)))
+    return out, np.ascontiguousarray(out, dtype=np.float32)
 
 
 def main():
@@ -97,11 +137,19 @@ def main():
     add("embed_contiguous", emb["contiguous"])
     add("embed_channels_last", emb["channels_last"])
 
-    # a new M′ per call, as a new seed in the app builds one
-    for name in ("random", "diagonal"):
-        seeds = iter(range(1, 10**6))
-        add(f"new_{name}_metric", median_ms(lambda: svc.searcher.metric(name, {"r": 0.5, "seed": next(seeds)}),
-                                            args.repeat))
+    # a new M′ per call, as a new seed in the app builds one, against the previous implementation
+    M_star = svc.searcher._M_star
+    for name, previous in (("random", previous_random), ("diagonal", previous_diagonal)):
+        for seed in (1, 2):
+            if not np.array_equal(previous(M_star, 0.5, seed)[0], svc.searcher.metric(name, {"r": 0.5, "seed": seed}).M):
+                raise SystemExit(f"{name}: the previous implementation gives another M′ for seed {seed}")
+        seeds = iter(range(3, 10**6))
+        ms = interleaved_ms({"now": lambda: svc.searcher.metric(name, {"r": 0.5, "seed": next(seeds)}),
+                             "previous": lambda: previous(M_star, 0.5, next(seeds))}, args.repeat)
+        add(f"new_{name}_metric", ms["now"])
+        add(f"new_{name}_metric_previous_implementation", ms["previous"])
+    pairs = np.flatnonzero(np.ones(M_star.shape[0] * (M_star.shape[0] - 1) // 2))
+    add("random_permutation_alone", median_ms(lambda: np.random.default_rng(7).shuffle(pairs), args.repeat))
 
     add("new_gradio_session", median_ms(lambda: SessionState(demo), args.repeat))
     tracemalloc.start()

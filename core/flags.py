@@ -22,7 +22,7 @@ def add_shared_args(parser: argparse.ArgumentParser, *names: str, defaults: dict
     for name in names:
         default = (defaults or {}).get(name, DEFAULTS[name])
         flag = "--" + name.replace("_", "-")
-        text = HELP[name].replace("%", "%%") + f" (default: {(shown or {}).get(name, '%(default)s')})"
+        text = HELP[name].replace("%", "%%") + (f" (default: {shown[name].replace('%', '%%')})" if name in (shown or {}) else " (default: %(default)s)")
         if name == "progress":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
         elif name == "threads":

@@ -46,10 +46,12 @@ class ImageEmbedder:
             self.spec = TransformSpec.from_dict(t)
         self.transform = self.spec.build()
         self.device = resolve_device(device)
-        # channels-last: one query image at a time through a mobile backbone's depthwise and 1×1
-        # convolutions runs faster on CPU (oneDNN; bench/serving_costs.py); the same weights,
-        # features equal to float round-off (tested against the gallery's)
-        self.model.to(self.device, memory_format=torch.channels_last)
+        # channels-last on the CPU: one query image at a time through a mobile backbone's
+        # depthwise and 1×1 convolutions runs faster there (oneDNN; bench/serving_costs.py); the
+        # same weights, features equal to float round-off (tested against the gallery's).  GPUs
+        # keep the default layout, which is what was measured there (nothing, here).
+        self.layout = torch.channels_last if self.device.type == "cpu" else torch.contiguous_format
+        self.model.to(self.device, memory_format=self.layout)
         self.sha256 = sha256_file(checkpoint)
         self.path = checkpoint
 
@@ -65,5 +67,5 @@ class ImageEmbedder:
         if not tensors:
             return np.zeros((0, self.model.trunk_dim), np.float32)
         # FAISS is on the CPU: features come back as contiguous float32 there
-        x = torch.stack(tensors).to(self.device, memory_format=torch.channels_last)
+        x = torch.stack(tensors).to(self.device, memory_format=self.layout)
         return self.model.eval().trunk_features(x).float().cpu().numpy()

@@ -83,7 +83,8 @@ def diagonal(M: np.ndarray, p: RestraintParams) -> np.ndarray:
     if p.r >= 1.0:
         n = len(order)  # r = 1: the whole diagonal
     else:
-        n = _cut(diag[order], float(diag.sum()), (1.0 - p.r) * float(diag.sum()))
+        total = float(diag.sum())
+        n = _cut(diag[order], total, (1.0 - p.r) * total, in_place=True)
     idx = order[:n]
     out[idx, idx] = 0.0
     return out

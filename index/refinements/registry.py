@@ -17,8 +17,8 @@ every label come from it:
 - meta `trained_at`: {param: value} at which M′ ranks exactly like M* (a positive multiple
   of it; `{}`: always).  Such rows are not refinements.
 - meta `exact_symmetry`: True when the builder maps an exactly symmetric M* to an exactly
-  symmetric M′ (it only copies or zeroes entries in pairs): `refine` then skips averaging M′
-  with M′ᵀ, which costs as much as a new random restraint's zeroing.
+  symmetric M′ (it treats entry (i, j) as it treats (j, i)): `refine` then gives it an exactly
+  symmetric M* and does not average M′ with M′ᵀ, a d × d pass per new M′.
 A strategy with a file parameter is never swept: there is no file to sweep it with.
 """
 from __future__ import annotations
@@ -49,9 +49,10 @@ def refine(name: str, M_star: np.ndarray, params=None, *, symmetric: bool = Fals
     if params is None or isinstance(params, dict):
         params = strategy_params(name, params)
     entry = REFINEMENTS.get(name)
-    M = entry.builder(np.asarray(M_star, dtype=np.float64), params)
-    if symmetric and entry.meta.get("exact_symmetry"):
-        return M
+    M_star = np.asarray(M_star, dtype=np.float64)
+    if entry.meta.get("exact_symmetry"):
+        return entry.builder(M_star if symmetric else symmetrized(M_star), params)
+    M = entry.builder(M_star, params)
     return (M + M.T) / 2
 
 

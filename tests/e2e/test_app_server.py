@@ -28,13 +28,19 @@ def server(tiny_index):
 
     port = free_port()
     args = build_parser().parse_args(["--index", str(tiny_index), "--port", str(port)])
-    threads = torch.get_num_threads(), faiss.omp_get_max_threads()
+    from threadpoolctl import ThreadpoolController
+
+    pools = ThreadpoolController()
+    threads = torch.get_num_threads(), faiss.omp_get_max_threads(), [c.num_threads for c in pools.lib_controllers]
     demo, svc = launch(args, block=False)  # with the app's default --threads (its share of the cores)
     svc.demo = demo
     yield f"http://127.0.0.1:{port}/", svc, port
     demo.close()
-    torch.set_num_threads(threads[0])  # the tests after this one train models: give them the cores back
+    # the tests after these train models: give them the cores back (torch, FAISS, BLAS, OpenMP)
+    torch.set_num_threads(threads[0])
     faiss.omp_set_num_threads(threads[1])
+    for c, n in zip(pools.lib_controllers, threads[2]):
+        c.set_num_threads(n)
 
 
 def test_gradio_overheads_are_bounded(server):
@@ -53,8 +59,8 @@ def test_threads_default_to_a_share_of_the_cores(tmp_path):
 
     assert build_parser().parse_args([]).threads is None  # resolved at launch from --concurrency
     assert build_parser().parse_args(["--threads", "3"]).threads == 3
-    assert serving_thread_count(1) == os.cpu_count()
-    assert serving_thread_count(os.cpu_count() + 1) == 1  # never 0 (= the libraries' own setting)
+    assert serving_thread_count(1) == len(os.sched_getaffinity(0))
+    assert serving_thread_count(len(os.sched_getaffinity(0)) + 1) == 1  # never 0 (= the libraries' own setting)
     r = run_module("app", "--concurrency", "0", cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith("--concurrency must be ≥ 1, got 0")
 

@@ -155,9 +155,16 @@ def test_cut_bisection_equals_scanning_every_prefix():
         total = float(a.sum()) + (rng.random() if trial % 5 == 0 else 0.0)  # sometimes unreachable
         target = float(rng.uniform(-0.1, 1.1) * total)
         assert _cut(a, total, target) == scan(a, total, target)
-    # signed amounts (not a PSD diagonal) take the scan: the prefix sums are not monotone
-    a = np.array([3.0, -2.0, 5.0, -1.0])
-    assert _cut(a, 5.0, 1.0) == scan(a, 5.0, 1.0) == 3
+    # signed amounts (not a PSD diagonal) take the scan: the prefix sums are not monotone, and
+    # bisection would land on 4 here
+    a = np.array([5.0, -5.0, 0.0, 0.0])
+    assert _cut(a, 5.0, 1.0) == scan(a, 5.0, 1.0) == 1
+    # in place: the same cut, the running sums left in the array
+    a = rng.exponential(size=50)
+    total, sums = float(a.sum()), np.cumsum(a)
+    want = _cut(a.copy(), total, 0.3 * total)
+    assert _cut(a, total, 0.3 * total, in_place=True) == want
+    np.testing.assert_array_equal(a, sums)
 
 
 def test_exact_symmetry_is_what_the_strategies_declare(M_star, tmp_path):
@@ -175,3 +182,12 @@ def test_exact_symmetry_is_what_the_strategies_declare(M_star, tmp_path):
         raw = REFINEMENTS.get(name).builder(M_sym, REFINEMENTS.params(name, given, ignore_unknown=True))
         assert np.array_equal(raw, raw.T), name
         np.testing.assert_array_equal(refine(name, M_sym, given, symmetric=True), refine(name, M_sym, given))
+    # an M* off by round-off from symmetric (BLAS's WᵀW need not be exact) is symmetrized first,
+    # so every caller gets what the app's Searcher gets
+    W = np.random.default_rng(3).normal(size=(5, 30))
+    M_raw = W.T @ W
+    M_raw[0, 1] = np.nextafter(M_raw[0, 1], np.inf)
+    for name in declared:
+        np.testing.assert_array_equal(refine(name, M_raw, given), refine(name, symmetrized(M_raw), given, symmetric=True))
+        got = refine(name, M_raw, given)
+        assert np.array_equal(got, got.T), name
