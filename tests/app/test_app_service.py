@@ -163,6 +163,13 @@ def test_warm_builds_every_default_strategy_before_the_first_search(tiny_index):
     for n in names:
         s.panel(q, Spec(n, {}, "cosine"), k=3)
         assert s.searcher.metric(n, {}) is built[n], n
+    # the Compare tab's baseline too, in either mode: a first comparison computes only its M′'s
+    from index.refinements import strategy_key
+
+    cached = set(s.comparer._cache)
+    assert {(strategy_key("trained", {}), mode) for mode in ("cosine", "bilinear")} <= cached
+    s.comparison(Spec("identity", {}, "cosine"))
+    assert set(s.comparer._cache) - cached == {(strategy_key("identity", {}), "cosine")}
 
 
 def test_query_embedding_reproduces_the_indexed_features(svc):
