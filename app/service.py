@@ -25,6 +25,7 @@ from index.compare import Comparer, Comparison, item_image
 from index.embedder import ImageEmbedder
 from index.refinements import REFINEMENTS, file_params, strategy_key, strategy_label
 from index.search import RESULT_FIELDS, Searcher
+from index.sweep import MAX_N as SWEEP_MAX_N
 from index.store import read_index
 
 from .compare import ap_scatter, class_colours, metric_features, project_2d, subsample, svg_scatter
@@ -90,8 +91,9 @@ class RetrievalService:
                 self.searcher.query_view(name, {}, self.searcher.resolve_mode(name, {}, "cosine")[0])
             except UserError:
                 pass  # a strategy that refuses this index's M*: its own search says why
-        if self.data.manifest.get("count"):
+        if 0 < len(self.data.items) <= SWEEP_MAX_N and self.searcher.exact:
             # the Compare tab's left side, in both modes: a first comparison then costs only its M′
+            # (seconds, in one batched pass; larger indexes search every item: left to the tab)
             for mode in ("cosine", "bilinear"):
                 self.comparer.per_query_ap("trained", {}, mode)
 
