@@ -14,6 +14,14 @@ from core.errors import UserError
 PSD_TOL = 1e-8
 
 
+def symmetrized(M: np.ndarray) -> np.ndarray:
+    """(M + Mᵀ)/2 in float64, exactly symmetric (entry (i, j) is (a + b)/2, entry (j, i) is
+    (b + a)/2: the same float).  M* = WᵀW is symmetric in exact arithmetic; this makes it so in
+    floating point (a no-op where BLAS already gave an exactly symmetric product)."""
+    M = np.asarray(M, dtype=np.float64)
+    return (M + M.T) / 2
+
+
 def check_symmetric(M: np.ndarray, d: int | None = None, what: str = "metric matrix") -> np.ndarray:
     M = np.asarray(M)
     if M.ndim != 2 or M.shape[0] != M.shape[1]:
@@ -28,7 +36,7 @@ def check_symmetric(M: np.ndarray, d: int | None = None, what: str = "metric mat
     scale = max(1.0, float(np.abs(M).max()))
     if not np.allclose(M, M.T, atol=1e-6 * scale, rtol=0):
         raise UserError(f"{what} is not symmetric (max |M − Mᵀ| = {np.abs(M - M.T).max():.3g})")
-    return (M + M.T) / 2
+    return symmetrized(M)
 
 
 def matrix_report(M: np.ndarray, eigenvalues: np.ndarray | None = None) -> dict:

@@ -32,6 +32,8 @@ import numpy as np
 
 from core.registry import Registry
 
+from ..metric import symmetrized
+
 REFINEMENTS = Registry("refinement strategy", "refinement strategies")
 MODES = ("bilinear", "cosine")
 
@@ -52,15 +54,7 @@ def refine(name: str, M_star: np.ndarray, params=None, *, symmetric: bool = Fals
     M_star = np.asarray(M_star, dtype=np.float64)
     if entry.meta.get("exact_symmetry"):
         return entry.builder(M_star if symmetric else symmetrized(M_star), params)
-    M = entry.builder(M_star, params)
-    return (M + M.T) / 2
-
-
-def symmetrized(M: np.ndarray) -> np.ndarray:
-    """(M + Mᵀ)/2 in float64: M* = WᵀW is symmetric in exact arithmetic, and this makes it so in
-    floating point (a no-op where BLAS already gave an exactly symmetric product)."""
-    M = np.asarray(M, dtype=np.float64)
-    return (M + M.T) / 2
+    return symmetrized(entry.builder(M_star, params))
 
 
 def strategy_key(name: str, params) -> tuple:

@@ -170,7 +170,8 @@ def test_cut_bisection_equals_scanning_every_prefix():
 def test_exact_symmetry_is_what_the_strategies_declare(M_star, tmp_path):
     """A strategy with `exact_symmetry` keeps an exactly symmetric M* exactly symmetric, so refine
     may skip re-averaging: the same M′ as with it.  (M* here is exactly symmetric.)"""
-    from index.refinements import REFINEMENTS, symmetrized
+    from index.metric import symmetrized
+    from index.refinements import REFINEMENTS, strategy_params
 
     M_sym = symmetrized(M_star + 1e-3 * np.random.default_rng(1).normal(size=M_star.shape))
     assert np.array_equal(M_sym, M_sym.T)
@@ -179,7 +180,7 @@ def test_exact_symmetry_is_what_the_strategies_declare(M_star, tmp_path):
     declared = [e.name for e in REFINEMENTS.entries() if e.meta.get("exact_symmetry")]
     assert {"trained", "identity", "diagonal", "random"} <= set(declared)
     for name in declared:
-        raw = REFINEMENTS.get(name).builder(M_sym, REFINEMENTS.params(name, given, ignore_unknown=True))
+        raw = REFINEMENTS.get(name).builder(M_sym, strategy_params(name, given))
         assert np.array_equal(raw, raw.T), name
         np.testing.assert_array_equal(refine(name, M_sym, given, symmetric=True), refine(name, M_sym, given))
     # an M* off by round-off from symmetric (BLAS's WᵀW need not be exact) is symmetrized first,
