@@ -19,6 +19,7 @@ from core.config import add_config_args, config_from_args, parse_with_config_fil
 from core.errors import UserError
 from core.logs import setup_logging
 from data import DataConfig, load_data
+from data.config import resolve
 from data.registry import DATASETS
 from evaluation.evaluator import DEFAULT_KS
 from model.backbones import BACKBONES
@@ -65,8 +66,9 @@ def _ks(s: str) -> tuple[int, ...]:
 def flat_result(res: dict, ks) -> dict:
     out = {f"recall@{k}": res[f"recall@{k}"] for k in ks}
     out |= {k: res[k] for k in SPEC_KEYS if k in res}
-    if "n_skipped_images" in res:
-        out["n_skipped_images"] = res["n_skipped_images"]
+    for k in ("n_skipped_images", "image_size", "resize_mode"):
+        if k in res:
+            out[k] = res[k]
     return out
 
 
@@ -171,9 +173,12 @@ def evaluate_model(args, argv) -> dict:
         backbone = fn = build_backbone(args.backbone, weights=args.weights)
         trunk = True
     splits = load_data(cfg, progress=args.progress)
-    return evaluate_model_on_split(fn.eval().to(device), backbone, splits, args.split, cfg, ks=args.ks,
-                                   normalize=not args.no_normalize, progress=args.progress,
-                                   cache_dir=args.cache_dir if trunk else None, device=device)
+    if not args.checkpoint:  # the image size and resize mode `train` would resolve on this data
+        cfg = resolve(cfg, splits)
+    res = evaluate_model_on_split(fn.eval().to(device), backbone, splits, args.split, cfg, ks=args.ks,
+                                  normalize=not args.no_normalize, progress=args.progress,
+                                  cache_dir=args.cache_dir if trunk else None, device=device)
+    return res | {"image_size": cfg.resolved_image_size(), "resize_mode": cfg.resolved_resize_mode()}
 
 
 def cmd_evaluate(args, argv) -> int:

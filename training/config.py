@@ -42,7 +42,12 @@ class TrainConfig(DataConfig):
     lr: float = field(default=1e-4, metadata={"help": "base learning rate"})
     backbone_lr_mult: float = field(default=1.0, metadata={
         "help": "trained backbone stages' learning rate = lr × this (the last one; see --lr-decay)"})
-    neck_lr_mult: float = field(default=10.0, metadata={"help": "neck learning rate = lr × this"})
+    neck_lr_mult: float = field(default=10.0, metadata={
+        "help": "neck learning rate = lr × this; 0 keeps the neck W at its initialisation while the rest "
+                "trains (paper 004's regime: its checkpoints train the neck at lr 1e-6, so W barely moves)"})
+    neck_init: Literal["orthogonal", "pytorch"] = field(default="orthogonal", metadata={
+        "help": "the neck's initial W: orthogonal (rows orthonormal) | pytorch (nn.Linear's default uniform "
+                "init, as paper 004's checkpoints: tr(WᵀW) ≈ 42.7 for 128 rows)"})
     proxy_lr_mult: float = field(default=100.0, metadata={"help": "proxy/loss learning rate = lr × this"})
     weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay"})
     warmup_epochs: int = field(default=0, metadata={
@@ -138,7 +143,8 @@ class TrainConfig(DataConfig):
             (self.batch_size % max(self.m_per_class, 1) == 0,
              f"batch size {self.batch_size} must be a multiple of m_per_class {self.m_per_class}"),
             (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
-            (self.neck_lr_mult > 0, f"--neck-lr-mult must be > 0, got {self.neck_lr_mult}"),
+            (self.neck_lr_mult >= 0, f"--neck-lr-mult must be ≥ 0 (0 = the neck stays at its initialisation), "
+                                     f"got {self.neck_lr_mult}"),
             (self.proxy_lr_mult > 0, f"--proxy-lr-mult must be > 0, got {self.proxy_lr_mult}"),
             (self.weight_decay >= 0, f"--weight-decay must be ≥ 0, got {self.weight_decay}"),
             (self.warmup_epochs >= 0, f"--warmup-epochs must be ≥ 0, got {self.warmup_epochs}"),

@@ -15,7 +15,9 @@ def build_optimizer(cfg, model, loss, regs, n_train: int) -> torch.optim.Optimiz
     """AdamW with one parameter group per role, each at its own learning rate.  The backbone's last
     `n_train` stages get one group each: the last at `lr × backbone_lr_mult`, each earlier one `lr_decay` times the
     next (layer-wise decay keeps the pretrained early stages close to where they were)."""
-    groups = [{"params": list(model.neck.parameters()), "lr": cfg.lr * cfg.neck_lr_mult, "name": "neck"}]
+    # --neck-lr-mult 0: the neck is frozen at its initialisation (no group: weight decay would move it)
+    groups = ([{"params": list(model.neck.parameters()), "lr": cfg.lr * cfg.neck_lr_mult, "name": "neck"}]
+              if cfg.neck_lr_mult > 0 else [])
     stages = model.backbone.stages()
     for k, (name, m) in enumerate(reversed(stages[len(stages) - n_train:] if n_train else [])):
         groups.append({"params": list(m.parameters()), "lr": cfg.lr * cfg.backbone_lr_mult * cfg.lr_decay ** k, "name": f"backbone:{name}"})

@@ -102,6 +102,9 @@ class Run:
         with torch_seeded(cfg.seed):  # initial weights: backbone, neck, loss, regularizers
             self.backbone = build_backbone(cfg.backbone, weights=cfg.weights)
             self.model = EmbeddingModel(self.backbone, cfg.embed_dim)
+            if cfg.neck_init == "pytorch":
+                self.model.neck.linear.reset_parameters()  # nn.Linear's own default init
+            self.model.neck.requires_grad_(cfg.neck_lr_mult > 0)
             self.loss, loss_params = build_loss(cfg.loss, len(train_classes), cfg.embed_dim, cfg.loss_param)
             self.regs = build_regularizers(cfg, self.loss, self.backbone.dim)
         for r in self.regs:  # flow metric layers a regularizer brings become the model's heads

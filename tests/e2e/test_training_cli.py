@@ -144,3 +144,29 @@ def test_evaluate_checkpoint_takes_its_data_settings(tiny_run, tmp_path):
     warnings = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
     assert warnings == ["warning: --image-size 48 differs from the checkpoint's 32; the results measure the model "
                         "on other data than it was trained and selected on"]
+
+
+def test_train_and_evaluate_backbone_resolve_the_same_image_size(tmp_path):
+    """An ImageFolder of 40-px images: `train` and `evaluate --backbone` both embed at 40 px (the
+    largest side), not at the data set's 224-px default."""
+    rng = np.random.default_rng(0)
+    data = tmp_path / "folder"
+    for c in range(8):
+        color = rng.integers(0, 255, 3)
+        (data / f"c{c}").mkdir(parents=True)
+        for k in range(4):
+            a = np.clip(color + rng.normal(0, 20, (40, 40, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(a).save(data / f"c{c}" / f"{k}.png")
+    common = ("--dataset", "imagefolder", "--data-root", str(data), "--backbone", "small_cnn", "--weights", "none",
+              "--cache-dir", str(tmp_path / "cache"), "--no-progress")
+    ev = tmp_path / "ev.json"
+    run("evaluate", *common, "--json", str(ev))
+    run("train", *common, "--embed-dim", "8", "--batch-size", "8", "--m-per-class", "4", "--epochs", "1",
+        "--out", str(tmp_path / "run"))
+    import torch
+    ck = torch.load(tmp_path / "run" / "best.pt", map_location="cpu", weights_only=True)
+    from model.checkpoint import recorded_data
+    trained = recorded_data(ck)
+    assert trained.image_size == 40
+    assert json.loads(ev.read_text())["image_size"] == trained.image_size
+    assert json.loads(ev.read_text())["resize_mode"] == trained.resize_mode
