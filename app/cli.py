@@ -25,6 +25,12 @@ def build_parser():
     p.add_argument("--checkpoint", help="model for query images (default: the one the index was built with)")
     p.add_argument("--analysis", default=None, help="folder written by `python -m index evaluate` "
                    f"(default: {DEMO_ANALYSIS} for the demo index)")
+    p.add_argument("--label", default=None, help="a name for this index in the page header (default: its folder)")
+    p.add_argument("--second-index", default=None, help="a second index, served by the same process on --port + 1; "
+                   "each page's header links to the other, so one query can be compared across two models "
+                   "(the demo's --paper-regime index) (default: none)")
+    p.add_argument("--second-analysis", default=None, help="the second index's `index evaluate` folder (default: none)")
+    p.add_argument("--second-label", default=None, help="a name for the second index (default: its folder)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, loopback only)")
     p.add_argument("--port", type=int, default=7860, help="port to serve on (default: %(default)s)")
     p.add_argument("--max-upload-mb", type=float, default=10.0, help="upload size cap (default: %(default)s)")
@@ -65,6 +71,10 @@ def launch(args, block: bool = True):
     if not Path(args.index).is_dir():
         hint = " Run `make demo` (or `python -m demo --no-ui`) to build it." if args.index == DEMO_INDEX else ""
         raise UserError(f"index directory not found: {args.index}.{hint}")
+    if args.second_index and not Path(args.second_index).is_dir():
+        raise UserError(f"--second-index directory not found: {args.second_index}")
+    if args.second_index and not 0 < args.port < 65535:
+        raise UserError(f"--second-index is served on --port + 1: --port must be below 65535, got {args.port}")
     analysis = args.analysis or (DEMO_ANALYSIS if args.index == DEMO_INDEX else None)
     from core.flags import apply_threads
     from index.threads import serving_threads
@@ -72,19 +82,32 @@ def launch(args, block: bool = True):
     threads = serving_thread_count(args.concurrency) if args.threads is None else args.threads
     apply_threads(threads)  # torch and FAISS, as on every command
     serving_threads(threads or None)  # then numpy's BLAS back to one thread
-    svc = RetrievalService(args.index, args.checkpoint, analysis, verify=not args.no_verify, device=args.device)
-    # first searches under each default strategy as fast as later ones (seconds of work, in the background)
-    threading.Thread(target=svc.warm, name="warm-strategies", daemon=True).start()
-    demo = build_ui(svc)
-    demo.queue(default_concurrency_limit=args.concurrency, max_size=64)
+    # every index is verified and loaded before anything is served
+    sites = [(args.index, args.checkpoint, analysis, args.label, args.port)]
+    if args.second_index:
+        sites.append((args.second_index, None, args.second_analysis, args.second_label, args.port + 1))
+    services = [RetrievalService(ix, ck, an, verify=not args.no_verify, device=args.device)
+                for ix, ck, an, _, _ in sites]
+    names = [label or Path(ix).name for ix, _, _, label, _ in sites]
     max_kb = max(1, int(args.max_upload_mb * 1024))
-    demo.launch(server_name=args.host, server_port=args.port, share=False, inbrowser=False,
-                max_file_size=f"{max_kb}kb", show_error=True, prevent_thread_lock=True,
-                theme=offline_theme(), css=CSS, js=KEYS_JS, quiet=not args.verbose, allowed_paths=[], ssr_mode=False,
-                state_session_capacity=SESSIONS)
     from .rest import add_rest_routes
 
-    add_rest_routes(demo.app, svc, max_kb * 1024)  # POST /api/search, on the same server
+    pages = []
+    for i, (svc, (_, _, _, _, port)) in enumerate(zip(services, sites)):
+        # first searches under each default strategy as fast as later ones (seconds of work, in the background)
+        threading.Thread(target=svc.warm, name="warm-strategies", daemon=True).start()
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        others = [(names[j], f"http://{host}:{sites[j][4]}/") for j in range(len(sites)) if j != i]
+        page = build_ui(svc, name=names[i] if len(sites) > 1 else None, others=others)
+        page.queue(default_concurrency_limit=args.concurrency, max_size=64)
+        page.launch(server_name=args.host, server_port=port, share=False, inbrowser=False,
+                    max_file_size=f"{max_kb}kb", show_error=True, prevent_thread_lock=True,
+                    theme=offline_theme(), css=CSS, js=KEYS_JS, quiet=not args.verbose, allowed_paths=[],
+                    ssr_mode=False, state_session_capacity=SESSIONS)
+        add_rest_routes(page.app, svc, max_kb * 1024)  # POST /api/search, on the same server
+        pages.append(page)
+    demo, svc = pages[0], services[0]
+    demo.companions = pages[1:]  # closed with it by callers that hold only the first
     if block:
         demo.block_thread()
     return demo, svc

@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import gradio as gr  # noqa: E402
+import numpy as np  # noqa: E402
 
 from core.errors import UserError  # noqa: E402
 from index.refinements import MODES, REFINEMENTS, SharedParam, file_params, shared_params, strategy_params  # noqa: E402
@@ -306,15 +307,26 @@ def plot_html(svc: RetrievalService, elem_id: str) -> gr.HTML:
     return gr.HTML("", js_on_load=PLOT_JS, server_functions=[thumb], elem_id=elem_id, min_height=120)
 
 
-def build_ui(svc: RetrievalService) -> gr.Blocks:
+def index_links(others) -> str:
+    """Links to the other indexes this process serves, each (name, address)."""
+    return " · ".join(f"[{name}]({url})" for name, url in others)
+
+
+def build_ui(svc: RetrievalService, name: str | None = None, others=()) -> gr.Blocks:
+    """`name`: this index's name in the header; `others`: (name, address) of the indexes served beside it."""
     h = Handlers(svc)
     man = svc.data.manifest
     example_ids = svc.examples()
+    trace = float(np.square(svc.data.W.astype(np.float64)).sum())  # tr(WᵀW) = ‖W‖²_F: how far the neck moved
     with gr.Blocks(title="Metric refinement explorer") as demo:
-        gr.Markdown(f"## Metric refinement explorer\nGallery: **{man['count']}** images of **{man['classes']}** "
-                    f"classes ({man.get('dataset', '?')} {man.get('split', '')}), backbone "
-                    f"`{man.get('backbone')}`, trunk d = {man['trunk_dim']}, embedding k = {man['embed_dim']}. "
-                    "Left: the **trained** metric M* = WᵀW; right: the metric you choose.")
+        header = (f"## Metric refinement explorer{f': {name}' if name else ''}\n"
+                  f"Gallery: **{man['count']}** images of **{man['classes']}** "
+                  f"classes ({man.get('dataset', '?')} {man.get('split', '')}), backbone "
+                  f"`{man.get('backbone')}`, trunk d = {man['trunk_dim']}, embedding k = {man['embed_dim']}, "
+                  f"tr(M*) = {trace:.4g}. Left: the **trained** metric M* = WᵀW; right: the metric you choose.")
+        if others:
+            header += f"  \nThis app serves another index too: {index_links(others)}."
+        gr.Markdown(header, elem_id="index-header")
         qstate = gr.State(None)
         results_state = gr.State({"left": [], "right": []})
         selected = gr.State(None)

@@ -49,7 +49,7 @@ from training.trainer import train_or_reuse  # noqa: E402
 NAMES = {"arcface": "ArcFace", "proxy_nca": "ProxyNCA", "triplet": "Triplet"}
 METRICS = (("map@r", "MAP@R"), ("precision@1", "P@1"))
 VAL_ROW = "validation-selected (honest)"
-# frozen-neck numbers (README, "Training (issue 3)"), for reference only
+# frozen-neck numbers (docs/training.md, "Losses on kanji"), for reference only
 FROZEN = {"proxy_nca": (34.48, 0.04, 77.34, 0.29), "triplet": (34.67, 0.05, 76.72, 0.19)}
 
 
@@ -84,6 +84,14 @@ def strategy_eval(ck: Path, out: Path, cache_dir: str, grid: str, seeds: int) ->
     write_json(out / "seconds.json", {"seconds": took, "note": "features (test, val) + strategy sweep"})
     write_text(stamp, stamp_val + "\n")
     return json.loads((out / "strategies.json").read_text()), took, False  # as written (plain floats)
+
+
+def metric_norms(ck: Path) -> dict:
+    """tr(M*) and ‖M*‖²_F of the checkpoint's M* = WᵀW (paper 004 §4.5 reports 42.72 and 16.03)."""
+    from model.checkpoint import load_model
+
+    M = load_model(ck)[0].M.double()
+    return {"trace_M": float(M.trace()), "fro2_M": float((M ** 2).sum())}
 
 
 def pick(rows, strategy, mode, **params):
@@ -233,10 +241,10 @@ def verdicts(losses, per_loss, trunk: str = "trained tail") -> list[str]:
             f"Diagonal restraint (bilinear, mean over seeds) {trend}, {diag[0]:.2f} at r = {rgrid[0]:g} "
             f"(= trained [bilinear]) to {diag[-1]:.2f} at r = {rgrid[-1]:g}: "
             f"**{'it improves up to r = 1, as the paper reports' if improves else 'it does not improve up to r = 1'}**. "
-            f"Within the paper's own bilinear protocol (against trained [bilinear] {tb.mean():.2f}): identity "
+            f"In the bilinear form, our extra view (against trained [bilinear] {tb.mean():.2f}): identity "
             f"{ic.mean():.2f} ({ic.mean() - tb.mean():+.2f}), best random {br.mean():.2f} "
             f"({br.mean() - tb.mean():+.2f}), best diagonal {bd.mean():.2f} ({bd.mean() - tb.mean():+.2f})."
-            + (f" {trunk.capitalize()} vs the README's frozen neck (30 epochs): {tc.mean():.2f} vs {FROZEN[loss][0]:.2f} "
+            + (f" {trunk.capitalize()} vs the frozen neck (30 epochs, docs/training.md): {tc.mean():.2f} vs {FROZEN[loss][0]:.2f} "
                f"test MAP@R ({tc.mean() - FROZEN[loss][0]:+.2f})." if loss in FROZEN else ""))
     return lines
 
@@ -251,6 +259,9 @@ def main():
     ap.add_argument("--finetune", action="store_true",
                     help="train the whole trunk instead of a tail (--mode finetune: augmented images, the "
                          "default 30-epoch probe first; --train-blocks is then unused)")
+    ap.add_argument("--paper-regime", action="store_true",
+                    help="paper 004's regime: the neck W stays at nn.Linear's initialisation (--neck-lr-mult 0 "
+                         "--neck-init pytorch) while the trunk trains, as its checkpoints' lr 1e-6 leaves it")
     ap.add_argument("--runs", default="runs/bench-table1",
                     help="run folders, reused when finished (default: %(default)s)")
     ap.add_argument("--out", default="bench/results/table1_trained", help="results folder (default: %(default)s)")
@@ -279,9 +290,12 @@ def main():
     n = args.train_blocks
 
     trunk = "fine-tuned trunk" if args.finetune else "trained tail"
+    if args.paper_regime:
+        trunk += ", neck at its initialisation"
 
     def run_dir(loss: str, seed: int) -> str:
-        return f"{args.runs}/t1-{loss}-{'finetune' if args.finetune else f'n{n}'}-s{seed}"
+        return (f"{args.runs}/t1-{loss}-{'finetune' if args.finetune else f'n{n}'}"
+                f"{'-paper' if args.paper_regime else ''}-s{seed}")
 
     per_loss: dict[str, list[dict]] = {loss: [] for loss in losses}
     anomalies = []
@@ -289,6 +303,8 @@ def main():
         for loss in losses:
             run = run_dir(loss, s)
             trunk_kw = dict(mode="finetune") if args.finetune else dict(train_blocks=n)
+            if args.paper_regime:
+                trunk_kw |= dict(neck_lr_mult=0.0, neck_init="pytorch")
             cfg = TrainConfig(loss=loss, seed=s, epochs=args.epochs, out=run, progress=False,
                               device="cpu", threads=args.threads, **trunk_kw)
             t0 = time.time()
@@ -302,6 +318,7 @@ def main():
             res, eval_s, eval_reused = strategy_eval(Path(run) / "best.pt", Path(run) / f"strategies-{args.grid}", cache, args.grid,
                                 args.restraint_seeds)
             summ = summarize_run(res)
+            summ.update(metric_norms(Path(run) / "best.pt"))
             summ.update(seed=s, run=run, selected_epoch=m["selected_epoch"], epochs=m["epochs"],
                         train_seconds=m["train_seconds"], eval_seconds=eval_s, run_reused=reused,
                         eval_reused=eval_reused, epoch_seconds=[h["seconds"] for h in (
@@ -349,8 +366,10 @@ def main():
     ev = [r["eval_seconds"] for r in all_runs if r["eval_seconds"] is not None]
     L = ["# Paper 004, Table 1, on trained trunks (kanji test classes)", "",
          f"`{cmd}`: efficientnet_lite0 (ImageNet), "
-         + ("every stage + neck fine-tuned on augmented images after a 30-epoch probe" if args.finetune
-            else f"last {n} stages + neck trained") +
+         + ("every stage fine-tuned on augmented images after a 30-epoch probe" if args.finetune
+            else f"last {n} stages trained")
+         + (", the neck W left at nn.Linear's initialisation (paper 004's regime: --neck-lr-mult 0 --neck-init "
+            "pytorch)" if args.paper_regime else " with the neck") +
          f" ({args.epochs} epochs, BatchNorm statistics frozen, selected on "
          f"validation MAP@R), seeds {', '.join(map(str, seeds))}; strategy evaluation as "
          f"`python -m index evaluate --checkpoint CK --grid {args.grid}` (test and validation classes; random "
@@ -395,7 +414,7 @@ def main():
     L += ["", "Training runs (times from each run's log.jsonl, so a resumed run counts every epoch; strategy "
           "evaluation = test and validation features plus the sweep, where recorded):", "",
           "| method | selected epoch | val MAP@R | test MAP@R (trainer) | median epoch s | training s/run | "
-          "strategy eval s/run | frozen-neck test MAP@R (README) |", "|---|---|---|---|---|---|---|---|"]
+          "strategy eval s/run | tr(M*) | ‖M*‖²_F | frozen-neck test MAP@R |", "|---|---|---|---|---|---|---|---|---|---|"]
     for loss in losses:
         runs = per_loss[loss]
         fr = FROZEN.get(loss)
@@ -406,7 +425,8 @@ def main():
                  f"{np.mean([sum(r['epoch_seconds']) for r in runs]):.0f} | "
                  f"{f'{np.mean(ev):.0f}' if ev else 'not recorded'}"
                  f"{f' ({len(ev)} of {len(runs)} recorded)' if ev and len(ev) < len(runs) else ''} | "
-                 f"{f'{fr[0]:.2f} ± {fr[1]:.2f}' if fr else 'not in README'} |")
+                 f"{pm([r['trace_M'] for r in runs], 1.0)} | {pm([r['fro2_M'] for r in runs], 1.0)} | "
+                 f"{f'{fr[0]:.2f} ± {fr[1]:.2f}' if fr else 'not measured'} |")
     L += ["", "![MAP@R vs restraint degree](restraint_sweep.png)", "",
           f"## Indefinite M′ under diagonal restraint (seed {seeds[0]}, restraint seed 0, test features)", "",
           "Fractions over the test split's pairs i ≠ j and items i; tr ratio = tr(M′)/tr(M*). \"cosine\" is "
@@ -433,7 +453,7 @@ def main():
     L += ["## Verdict", "",
           "Claim: identity or a refined M′ ≥ trained [cosine] on unseen classes (computed from the mean "
           "MAP@R rows above; the refined rows are test oracles). And: does diagonal restraint improve up to "
-          "r = 1 as the paper reports (on the frozen trunk it fell monotonically, README)?", ""]
+          "r = 1 as the paper reports (on the frozen trunk it fell monotonically, docs/refinement.md)?", ""]
     L += verdicts(losses, per_loss, trunk)
     if anomalies:
         L += ["", "Anomalies:", ""] + [f"- {a}" for a in anomalies]

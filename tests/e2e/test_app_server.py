@@ -222,3 +222,45 @@ def test_real_browser_upload_search_switch(server, tmp_path):
         finally:
             browser.close()
     assert (tmp_path / "app_browser.png").stat().st_size > 10_000
+
+
+def test_second_index_is_served_beside_the_first_and_each_links_to_the_other(tiny_index, tmp_path):
+    """`--second-index`: both indexes answer /api/search on their own port, each page's header links to the
+    other, and a missing second index is refused before anything is served."""
+    from app.cli import build_parser, launch
+    from core.errors import UserError
+
+    port = free_port()
+    while True:  # two free neighbouring ports
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+                break
+            except OSError:
+                port = free_port()
+    second = tmp_path / "second"
+    shutil.copytree(tiny_index, second)
+    with pytest.raises(UserError, match="second-index"):
+        launch(build_parser().parse_args(["--index", str(tiny_index), "--second-index", str(tmp_path / "nope"),
+                                          "--port", str(port)]), block=False)
+    demo, svc = launch(build_parser().parse_args(["--index", str(tiny_index), "--label", "neck trained",
+                                                  "--second-index", str(second), "--second-label", "neck at init",
+                                                  "--port", str(port), "--threads", "1"]), block=False)
+    try:
+        assert len(demo.companions) == 1
+        for p, other in ((port, port + 1), (port + 1, port)):
+            page = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{p}/config", timeout=30).read())
+            header = next(c["props"]["value"] for c in page["components"]
+                          if c.get("props", {}).get("elem_id") == "index-header")
+            assert f"http://127.0.0.1:{other}/" in header and "tr(M*)" in header
+        img = next(Path(svc.root).rglob("*.png"))
+        for p in (port, port + 1):
+            boundary = "xyz"
+            body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"image\"; filename=\"q.png\"\r\n"
+                    "Content-Type: image/png\r\n\r\n").encode() + img.read_bytes() + f"\r\n--{boundary}--\r\n".encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{p}/api/search", data=body,
+                                         headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+            assert len(json.loads(urllib.request.urlopen(req, timeout=60).read())["results"]) == 10
+    finally:
+        for page in (demo, *demo.companions):
+            page.close()

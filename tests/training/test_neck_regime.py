@@ -66,3 +66,14 @@ def test_neck_lr_mult_negative_is_refused(tmp_path):
     from core.errors import UserError
     with pytest.raises(UserError, match="neck-lr-mult"):
         tiny(tmp_path, neck_lr_mult=-1.0).validate()
+
+
+def test_demo_paper_regime_config_is_paper_004s_regime():
+    from demo.pipeline import build_parser, demo_paper_config, demo_tail_config
+
+    cfg = demo_paper_config()
+    cfg.validate()
+    assert cfg.resolved_mode() == "finetune" and cfg.neck_lr_mult == 0 and cfg.neck_init == "pytorch"
+    # the same data and loss as the demo's own model: the comparison changes only the regime
+    assert cfg.data_config() == demo_tail_config().data_config() and cfg.loss == demo_tail_config().loss
+    assert build_parser().parse_args(["--paper-regime"]).paper_regime
