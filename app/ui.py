@@ -22,18 +22,22 @@ from index.compare import FILTERS  # noqa: E402
 log = logging.getLogger("app")
 
 
-class UploadImage(gr.Image):
-    """gr.Image that hands us the uploaded file untouched: our own loader decodes it
+def UploadImage(**kw) -> gr.Image:
+    """A gr.Image that hands us the uploaded file untouched: our own loader decodes it
     (all modes, EXIF, bomb limit) and reports a broken file clearly, instead of
-    Gradio's preprocessing failing with a generic error."""
+    Gradio's preprocessing failing with a generic error.  An instance override, not a
+    subclass: Gradio writes a .pyi stub beside the module of every component subclass,
+    and nothing may write into the source tree at run time."""
+    img = gr.Image(**kw)
+    base = img.preprocess
 
-    def get_block_name(self) -> str:
-        return "image"
-
-    def preprocess(self, payload):
+    def preprocess(payload):
         if payload is not None and getattr(payload, "path", None):
             return str(payload.path)
-        return super().preprocess(payload)
+        return base(payload)
+
+    img.preprocess = preprocess
+    return img
 
 
 def spec_from(strategy, mode, values: dict) -> Spec:

@@ -47,3 +47,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q "${reqs[@]}"
   echo "$want" > "$stamp"
 fi
+
+# --- bytecode outside the checkout ------------------------------------------
+# Python would write __pycache__/ beside every module it imports: a cache inside the source tree.
+# A .pth line runs at interpreter start, before any module of ours is imported.
+site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+cat > "$site/_pycache_outside_checkout.pth" <<'PTH'
+import os, sys; sys.pycache_prefix = sys.pycache_prefix or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "dml-retrieval", "pycache")
+PTH

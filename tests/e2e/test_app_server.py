@@ -264,3 +264,30 @@ def test_second_index_is_served_beside_the_first_and_each_links_to_the_other(tin
     finally:
         for page in (demo, *demo.companions):
             page.close()
+
+
+def test_starting_the_app_writes_nothing_into_the_source_tree(tiny_index, tmp_path):
+    """Importing app.ui and serving an index leaves the checkout as it was, ignored files included
+    (Gradio writes a .pyi stub beside any module that subclasses one of its components)."""
+    def tree() -> set:
+        skip = {ROOT / ".git", ROOT / ".venv", ROOT / ".pytest_cache"}
+        out = set()
+        for dirpath, dirnames, filenames in os.walk(ROOT):
+            dirnames[:] = [d for d in dirnames if Path(dirpath, d) not in skip]
+            out |= {str(Path(dirpath, f).relative_to(ROOT)) for f in filenames}
+        return out
+
+    before = tree()
+    code = ("import sys; from app.cli import build_parser, launch; "
+            f"demo, _ = launch(build_parser().parse_args(['--index', {str(tiny_index)!r}, '--port', "
+            f"'{free_port()}', '--threads', '1']), block=False); demo.close()")
+    r = run_module("app", "--help", cwd=tmp_path)  # the CLI's import path
+    assert r.returncode == 0
+    import subprocess
+    import sys
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT), "HOME": str(tmp_path),
+           "GRADIO_ANALYTICS_ENABLED": "False", "NO_PROXY": "127.0.0.1,localhost"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert tree() - before == set()
