@@ -64,6 +64,7 @@ from faiss.contrib.ondisk import merge_ondisk
 from core.arrays import l2_normalize, load_npy
 from core.atomic import atomic_dir
 from core.errors import UserError
+from core.manifest import read_manifest
 
 from .metric import check_symmetric, matrix_report
 from .operator import MetricOperator, apply_norms
@@ -329,13 +330,7 @@ class OnDiskIVF:
 
     def __init__(self, path, features=None, nprobe: int | None = None):
         self.path = Path(path)
-        mpath = self.path / MANIFEST
-        try:
-            man = json.loads(mpath.read_text())
-        except (OSError, ValueError) as e:
-            raise UserError(f"{self.path} is not an on-disk IVF index ({MANIFEST}: {e})") from None
-        if not isinstance(man, dict) or man.get("format") != FORMAT or man.get("version") != VERSION:
-            raise UserError(f"{mpath} is not a manifest of this project's on-disk IVF format (version {VERSION})")
+        man = read_manifest(self.path / MANIFEST, FORMAT, VERSION, f"{self.path} (an on-disk IVF index?)")
         for f, want in man["files"].items():
             p = self.path / f
             if not p.is_file() or p.stat().st_size != want["bytes"]:

@@ -25,6 +25,7 @@ from core.arrays import check_finite, check_labels, check_matrix, l2_normalize
 from core.atomic import atomic_dir
 from core.hashing import sha256_file
 from core.errors import UserError
+from core.manifest import read_manifest
 
 FORMAT = "dml-retrieval-index"
 VERSION = 1
@@ -210,14 +211,7 @@ def read_index(path, verify: bool = True) -> IndexData:
     mpath = path / "manifest.json"
     if not mpath.is_file():
         raise UserError(f"{path} is not an index: manifest.json is missing")
-    try:
-        man = json.loads(mpath.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise UserError(f"corrupt manifest {mpath}: {e}") from None
-    if not isinstance(man, dict) or man.get("format") != FORMAT:
-        raise UserError(f"{mpath} is not a manifest of this project's index format")
-    if man.get("version") != VERSION:
-        raise UserError(f"index format version {man.get('version')} is not supported (expected {VERSION})")
+    man = read_manifest(mpath, FORMAT, VERSION)
     _check_fields(man, MANIFEST_FIELDS, f"index {path}: manifest")
     for f in FILES:
         p = path / f

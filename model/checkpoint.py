@@ -45,18 +45,11 @@ def save_checkpoint(path, model: EmbeddingModel, *, config: dict | None = None,
 
 
 def read_checkpoint(path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"checkpoint not found: {path}")
-    try:
-        ck = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - truncated, corrupt or not a checkpoint at all
-        raise UserError(f"cannot read checkpoint {path}: {e}") from None
-    if not isinstance(ck, dict) or ck.get("format") != FORMAT:
-        raise UserError(f"{path} is not a checkpoint of this project")
-    if ck.get("version") != VERSION:
-        raise UserError(f"{path} has checkpoint version {ck.get('version')}, expected {VERSION}")
-    return ck
+    from core.manifest import check_versioned
+
+    from .safe_load import load_tensors
+
+    return check_versioned(load_tensors(path, "checkpoint"), FORMAT, VERSION, str(path), "checkpoint")
 
 
 def recorded_data(ck: dict):

@@ -81,13 +81,9 @@ class Pooled(nn.Module):
 
 def load_state_file(path: str | os.PathLike) -> dict:
     """Load a weights file safely (tensors only, never arbitrary pickles)."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"weights file not found: {path}")
-    try:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
-        raise UserError(f"cannot load weights from {path}: {e}") from None
+    from ..safe_load import load_tensors
+
+    sd = load_tensors(path, "weights file")
     if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
         sd = sd["state_dict"]
     if not isinstance(sd, dict):
