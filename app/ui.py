@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -17,7 +18,6 @@ from index.search import RESULT_FIELDS  # noqa: E402
 
 from .compare import MAP_METHODS, parse_state, state_query, write_exports  # noqa: E402
 from .service import Panel, RetrievalService, Spec  # noqa: E402
-from index.compare import FILTERS  # noqa: E402
 
 log = logging.getLogger("app")
 
@@ -262,53 +262,69 @@ def offline_theme():
 CSS = (".result-gallery .caption-label {font-size: 13px;}\n"
        ".cmp-plot circle {cursor: pointer;} .cmp-plot circle:hover {stroke: black; stroke-width: 1.5;}")
 QUERY_COLUMNS = ("id", "class", "AP trained", "AP M′", "ΔAP")
+CLASS_COLUMNS = ("class", "label", "n", "AP trained", "AP M′", "Δ")
+K_DEFAULT = 12  # results per panel shown at first
 
-# a click on a point (any element with data-id) → the component's click event with {id}; hovering
-# shows the point's tooltip with its thumbnail, fetched from the server (the app serves no files)
-PLOT_JS = """
-const tip = document.createElement('div');
-tip.style.cssText = 'position:fixed;display:none;pointer-events:none;z-index:1000;background:#fff;' +
-  'border:1px solid #999;border-radius:4px;padding:4px;font:12px sans-serif;max-width:220px';
-document.body.appendChild(tip);
-element.addEventListener('click', (e) => {
-  const c = e.target.closest('[data-id]');
-  if (c) trigger('click', {id: Number(c.dataset.id)});
-});
-element.addEventListener('mouseover', async (e) => {
-  const c = e.target.closest('[data-id]');
-  if (!c) return;
-  const id = c.dataset.id;
-  tip.dataset.id = id;
-  tip.textContent = c.querySelector('title')?.textContent || ('id ' + id);
-  tip.style.left = (e.clientX + 14) + 'px'; tip.style.top = (e.clientY + 14) + 'px';
-  tip.style.display = 'block';
-  const uri = await server.thumb(id);
-  if (tip.dataset.id === id && tip.style.display === 'block') {
-    const img = document.createElement('img'); img.src = uri; img.style.cssText = 'display:block;max-width:96px';
-    tip.prepend(img);
-  }
-});
-element.addEventListener('mouseout', (e) => { if (e.target.closest('[data-id]')) { tip.style.display = 'none'; tip.dataset.id = ''; } });
-"""
-# the share box shows a whole address: this page's, with the comparison's query string
-LINK_JS = "(qs) => qs && qs.startsWith('?') ? window.location.origin + window.location.pathname + qs : qs"
-# n / p: next / previous disagreement, unless typing in a field
-KEYS_JS = """() => {
-  document.addEventListener('keydown', (e) => {
-    const t = e.target;
-    if (e.altKey || e.ctrlKey || e.metaKey || (t && (t.isContentEditable || /INPUT|TEXTAREA|SELECT/.test(t.tagName)))) return;
-    const id = {n: 'cmp-next', p: 'cmp-prev'}[e.key];
-    const b = id && document.getElementById(id);
-    if (b) { e.preventDefault(); b.click(); }
-  });
-}"""
+# The page's scripts, kept as JavaScript files beside this module (Gradio takes them as source text):
+STATIC = Path(__file__).resolve().parent / "static"
+# plot.js: a click on a point (any element with data-id) → the component's "click" event with {id};
+# hovering shows the point's tooltip with its thumbnail, fetched through a server function
+PLOT_JS = (STATIC / "plot.js").read_text()
+# link.js: the share box shows a whole address, this page's with the comparison's query string
+LINK_JS = (STATIC / "link.js").read_text().strip()
+# keys.js: n / p step to the next / previous disagreement, unless the user is typing in a field
+KEYS_JS = (STATIC / "keys.js").read_text()
+
+
+class PointClick(gr.EventData):
+    """A click on a plot point: plot.js triggers "click" with {id}, Gradio builds this with (target, data)
+    as it builds every EventData subclass; `id` is the point's gallery item."""
+
+    def __init__(self, target, data):
+        super().__init__(target, data)
+        self.id = int(data["id"])
 
 
 def plot_html(svc: RetrievalService, elem_id: str) -> gr.HTML:
-    """An SVG plot whose points open a query when clicked (see PLOT_JS)."""
+    """An SVG plot whose points open a query when clicked (see plot.js)."""
     def thumb(item_id):
         return svc.thumbnail_uri(int(item_id))
     return gr.HTML("", js_on_load=PLOT_JS, server_functions=[thumb], elem_id=elem_id, min_height=120)
+
+
+@dataclasses.dataclass
+class Shared:
+    """The components every tab reads or writes: the query, the chosen metric, the tab switch."""
+    qstate: gr.State
+    query: gr.Image
+    strategy: gr.Dropdown
+    mode: gr.Radio
+    controls: dict
+    k: gr.Slider
+    tabs: gr.Tabs
+    status: gr.Markdown
+
+    @property
+    def inputs(self) -> list:
+        return [self.qstate, self.query, self.strategy, self.mode, self.k]
+
+    @property
+    def opened(self) -> list:
+        """What opening a gallery item as the query sets: its state, its image, the Search tab."""
+        return [self.qstate, self.query, self.tabs]
+
+
+def header_md(svc: RetrievalService, name: str | None, others) -> str:
+    man = svc.data.manifest
+    trace = float(np.square(svc.data.W.astype(np.float64)).sum())  # tr(WᵀW) = ‖W‖²_F: how far the neck moved
+    text = (f"## Metric refinement explorer{f': {name}' if name else ''}\n"
+            f"Gallery: **{man['count']}** images of **{man['classes']}** "
+            f"classes ({man.get('dataset', '?')} {man.get('split', '')}), backbone "
+            f"`{man.get('backbone')}`, trunk d = {man['trunk_dim']}, embedding k = {man['embed_dim']}, "
+            f"tr(M*) = {trace:.4g}. Left: the **trained** metric M* = WᵀW; right: the metric you choose.")
+    if others:
+        text += f"  \nThis app serves another index too: {index_links(others)}."
+    return text
 
 
 def index_links(others) -> str:
@@ -316,206 +332,238 @@ def index_links(others) -> str:
     return " · ".join(f"[{name}]({url})" for name, url in others)
 
 
+def search_tab(svc: RetrievalService, tabs: gr.Tabs) -> tuple[Shared, dict]:
+    """The Search tab: query, metric controls, the two panels, share/export, examples, disagreements.
+    Returns the shared components and this tab's own (wired by `wire_search`)."""
+    from app.compare import K_RANGE
+
+    example_ids = svc.examples()
+    qstate = gr.State(None)
+    results_state = gr.State({"left": [], "right": []})
+    selected, dis_ids = gr.State(None), gr.State([])
+    with gr.Row():
+        with gr.Column(scale=1, min_width=280):
+            query = UploadImage(label="Query: upload or paste an image", type="filepath",
+                                sources=["upload", "clipboard"], height=200)
+            strategy = gr.Dropdown(svc.strategy_choices(), value="identity", label="Right-panel strategy")
+            mode = gr.Radio(list(reversed(MODES)), value="cosine", label="Mode (both panels)")
+            with gr.Accordion("Strategy parameters", open=True):
+                controls = {sp.name: param_control(sp) for sp in shared_params()}
+            k = gr.Slider(*K_RANGE, K_DEFAULT, step=1, label="k")
+            go = gr.Button("Search", variant="primary")
+            status = gr.Markdown("Pick an example below or upload an image.")
+        with gr.Column(scale=3):
+            with gr.Row():
+                with gr.Column():
+                    left_title = gr.Markdown("### Left: trained")
+                    left = gr.Gallery(columns=4, height=430, allow_preview=False, elem_classes="result-gallery",
+                                      object_fit="contain", label="trained M*")
+                with gr.Column():
+                    right_title = gr.Markdown("### Right: refined")
+                    right = gr.Gallery(columns=4, height=430, allow_preview=False, elem_classes="result-gallery",
+                                       object_fit="contain", label="refined M′")
+            follow = gr.Button("Search with the selected result")
+            with gr.Row():
+                link = gr.Textbox(label="Link to this comparison", buttons=["copy"], interactive=False,
+                                  scale=3, elem_id="share-link")
+                export = gr.Button("Export JSON + CSV", scale=1)
+            gr.Markdown("_An uploaded query cannot be in a link: share a gallery query (an example, a "
+                        "result, a disagreement)._")
+            link_qs = gr.Textbox(visible=False)
+            exported = gr.File(label="exported comparison", file_count="multiple", visible=True, height=80)
+    examples = gr.Gallery(value=[(svc.thumbnail(i), svc.class_name(svc.query_from_item(i).label))
+                                 for i in example_ids],
+                          label="Examples from the test split: click one to query", columns=12,
+                          height=200, allow_preview=False, object_fit="contain")
+    with gr.Accordion("Disagreements: test queries where the two metrics differ most", open=False):
+        dis_go = gr.Button("Find disagreements for the current strategy")
+        dis_msg = gr.Markdown()
+        dis = gr.Gallery(columns=6, height=300, allow_preview=False, label="largest |ΔAP|", object_fit="contain")
+    sh = Shared(qstate, query, strategy, mode, controls, k, tabs, status)
+    own = dict(example_ids=example_ids, results_state=results_state, selected=selected, dis_ids=dis_ids, go=go,
+               left_title=left_title, left=left, right_title=right_title, right=right, follow=follow, link=link,
+               export=export, link_qs=link_qs, exported=exported, examples=examples, dis_go=dis_go,
+               dis_msg=dis_msg, dis=dis)
+    return sh, own
+
+
+def wire_search(svc: RetrievalService, h: Handlers, sh: Shared, t: dict, analysis: tuple, demo: gr.Blocks):
+    """The Search tab's events, once every tab exists (a search also updates the Analysis tab's
+    `analysis` components).  Returns `search_on`: chains a search after any event."""
+    qstate, query, strategy, mode, controls, k, status = (sh.qstate, sh.query, sh.strategy, sh.mode, sh.controls,
+                                                          sh.k, sh.status)
+    example_ids, results_state, selected, dis_ids, link_qs = (t["example_ids"], t["results_state"], t["selected"],
+                                                              t["dis_ids"], t["link_qs"])
+    left, right = t["left"], t["right"]
+    outputs = [t["left_title"], left, t["right_title"], right, status, results_state, *analysis, link_qs]
+
+    def search_on(event):
+        return event(h.on_search, sh.inputs, outputs, inputs_kwargs=controls, api_visibility="private")
+
+    search_on(t["go"].click)
+    search_on(query.upload(lambda: {"kind": "upload"}, None, qstate, api_visibility="private").then)
+    for ctl in (strategy, mode, *controls.values(), k):
+        # sliders search when let go, boxes on enter, the rest on any change
+        search_on(ctl.release if isinstance(ctl, gr.Slider) else
+                  ctl.submit if isinstance(ctl, (gr.Number, gr.Textbox)) else ctl.change)
+
+    def pick_example(evt: gr.SelectData):
+        i = example_ids[evt.index]
+        return {"kind": "item", "id": i}, svc.thumbnail(i, size=200)
+
+    search_on(t["examples"].select(pick_example, None, [qstate, query], api_visibility="private").then)
+
+    def pick_result(side):
+        def f(ids, evt: gr.SelectData):
+            lst = ids.get(side, [])
+            return lst[evt.index] if evt.index < len(lst) else None
+        return f
+
+    left.select(pick_result("left"), results_state, selected, api_visibility="private")
+    right.select(pick_result("right"), results_state, selected, api_visibility="private")
+
+    def follow_up(sel):
+        if sel is None:
+            gr.Warning("click a result first")
+            return gr.update(), gr.update()
+        return {"kind": "item", "id": int(sel)}, svc.thumbnail(int(sel), size=200)
+
+    search_on(t["follow"].click(follow_up, selected, [qstate, query], api_visibility="private").then)
+    t["dis_go"].click(h.on_disagreements, [strategy, mode], [t["dis"], dis_ids, t["dis_msg"]], inputs_kwargs=controls,
+                 api_visibility="private")
+
+    def pick_dis(ids, evt: gr.SelectData):
+        i = ids[evt.index]
+        return {"kind": "item", "id": i}, svc.thumbnail(i, size=200)
+
+    search_on(t["dis"].select(pick_dis, dis_ids, [qstate, query], api_visibility="private").then)
+    link_qs.change(None, link_qs, t["link"], js=LINK_JS)
+    t["export"].click(h.on_export, sh.inputs, t["exported"], inputs_kwargs=controls, api_visibility="private")
+    search_on(demo.load(h.on_load, None, [qstate, query, strategy, mode, k, *controls.values(), status],
+                        api_visibility="private").then)
+    return search_on
+
+
+def compare_tab(svc: RetrievalService) -> dict:
+    """The Compare tab: every test query under the trained metric against the chosen one."""
+    from index.compare import FILTERS
+
+    cmp_ids, cmp_cursor, class_q_ids = gr.State([]), gr.State(-1), gr.State([])
+    gr.Markdown("### Every test query: the trained M* (x) against the right-panel strategy (y)\n"
+                "Strategy, mode and parameters are the Search tab's. Click a point, a disagreement or a "
+                "class's query to open it in the Search tab; keys **n** / **p** step through the "
+                "filtered disagreements.")
+    cmp_go = gr.Button("Compare on every test query", variant="primary")
+    cmp_summary = gr.Markdown()
+    with gr.Row():
+        scatter = plot_html(svc, "cmp-scatter")
+        with gr.Column():
+            which = gr.Radio(list(FILTERS), value="all", label="Disagreements (by |ΔAP|)")
+            with gr.Row():
+                prev_btn = gr.Button("◀ previous (p)", elem_id="cmp-prev", size="sm")
+                next_btn = gr.Button("next (n) ▶", elem_id="cmp-next", size="sm")
+            dis_table = gr.Dataframe(headers=list(QUERY_COLUMNS), interactive=False, max_height=380,
+                                     label="click a row to open it")
+    with gr.Row():
+        class_table = gr.Dataframe(headers=list(CLASS_COLUMNS), interactive=False, max_height=360,
+                                   label="per class (sort by a header; click a class for its queries)")
+        class_queries = gr.Dataframe(headers=list(QUERY_COLUMNS), interactive=False, max_height=360,
+                                     label="the class's queries")
+    with gr.Accordion("2-D maps of the gallery under M* and M′ (computed once per strategy)", open=False):
+        with gr.Row():
+            method = gr.Radio(list(MAP_METHODS), value="t-SNE", label="projection")
+            maps_go = gr.Button("Draw the maps")
+        with gr.Row():
+            map_a, map_b = plot_html(svc, "map-a"), plot_html(svc, "map-b")
+    return dict(cmp_ids=cmp_ids, cmp_cursor=cmp_cursor, class_q_ids=class_q_ids, cmp_go=cmp_go,
+                cmp_summary=cmp_summary, scatter=scatter, which=which, prev_btn=prev_btn, next_btn=next_btn,
+                dis_table=dis_table, class_table=class_table, class_queries=class_queries, method=method,
+                maps_go=maps_go, map_a=map_a, map_b=map_b)
+
+
+def wire_compare(h: Handlers, sh: Shared, c: dict, cmp_tab, search_on) -> None:
+    controls = sh.controls
+    cmp_out = [c["cmp_summary"], c["scatter"], c["dis_table"], c["cmp_ids"], c["cmp_cursor"], c["class_table"]]
+    for ev in (c["cmp_go"].click, cmp_tab.select):
+        ev(h.on_compare, [sh.qstate, sh.strategy, sh.mode, c["which"]], cmp_out, inputs_kwargs=controls,
+           api_visibility="private")
+    c["which"].change(h.on_filter, [sh.strategy, sh.mode, c["which"]], [c["dis_table"], c["cmp_ids"], c["cmp_cursor"]],
+                      inputs_kwargs=controls, api_visibility="private")
+
+    def open_clicked(evt: PointClick):
+        return h.open_item(evt.id)
+
+    def open_row(evt: gr.SelectData):
+        return h.open_item(evt.row_value[0])
+
+    for plot in (c["scatter"], c["map_a"], c["map_b"]):
+        search_on(plot.click(open_clicked, None, sh.opened, api_visibility="private").then)
+    for table in (c["dis_table"], c["class_queries"]):
+        search_on(table.select(open_row, None, sh.opened, api_visibility="private").then)
+    for btn, step in ((c["next_btn"], 1), (c["prev_btn"], -1)):
+        search_on(btn.click(lambda ids, cur, s=step: h.on_step(ids, cur, s), [c["cmp_ids"], c["cmp_cursor"]],
+                            [*sh.opened, c["cmp_cursor"]], api_visibility="private").then)
+    c["class_table"].select(h.on_class, [sh.strategy, sh.mode], [c["class_queries"], c["class_q_ids"]],
+                            inputs_kwargs=controls, api_visibility="private")
+    c["maps_go"].click(h.on_maps, [sh.qstate, sh.strategy, sh.mode, c["method"]], [c["map_a"], c["map_b"]],
+                       inputs_kwargs=controls, api_visibility="private")
+
+
+def analysis_tab(svc: RetrievalService):
+    """The Analysis tab: `index evaluate`'s table and figures, M* and the current M′, the gallery map.
+    Returns the components a search updates: the M′ heatmap, its report, the gallery map."""
+    a = svc.analysis()
+    gr.Markdown("### Strategy evaluation on the test classes (`python -m index evaluate`)")
+    gr.Markdown(a["table"] or "_No evaluation found: run `python -m index evaluate`._")
+    # captions above the figures: an image's label would cover its title
+    with gr.Row():
+        for img, caption in ((a["sweep"], "accuracy vs restraint degree r"),
+                             (a["principles"], "accuracy vs principle ratios")):
+            with gr.Column():
+                gr.Markdown(f"**{caption}**")
+                gr.Image(img, show_label=False, interactive=False)
+    with gr.Row():
+        with gr.Column():
+            gr.Markdown("**M* (trained)**")
+            gr.Image(svc.heatmap(Spec("trained", {}, "bilinear")), show_label=False, interactive=False)
+        with gr.Column():
+            gr.Markdown("**current M′**")
+            m_prime = gr.Image(show_label=False, interactive=False)
+        with gr.Column():
+            gr.Markdown("**2-D map of the gallery**")
+            gal_map = gr.Image(svc.gallery_map(), show_label=False, interactive=False)
+    m_report = gr.Markdown()
+    return m_prime, m_report, gal_map
+
+
+def api_endpoint(svc: RetrievalService) -> None:
+    """The HTTP API `/search` (gradio_client, see the README): hidden components give it typed,
+    file-uploading parameters; the UI never shows them.  Strategies needing a file are left out."""
+    with gr.Row(visible=False):
+        a_img = UploadImage(type="filepath", label="image")
+        a_strategy = gr.Dropdown(svc.strategy_choices(with_files=False), value="trained", label="strategy")
+        a_params = {sp.name: param_control(sp, api=True) for sp in shared_params() if not sp.metadata.get("file")}
+        a_mode = gr.Dropdown(list(MODES), value="cosine", label="mode")  # the CLI's defaults
+        a_k = gr.Number(10, precision=0, label="k")
+        a_out = gr.JSON(label="results")
+        a_btn = gr.Button()
+    a_btn.click(api_search(svc), [a_img, a_strategy], a_out, inputs_kwargs=a_params | {"mode": a_mode, "k": a_k},
+                api_name="search")
+
+
 def build_ui(svc: RetrievalService, name: str | None = None, others=()) -> gr.Blocks:
     """`name`: this index's name in the header; `others`: (name, address) of the indexes served beside it."""
     h = Handlers(svc)
-    man = svc.data.manifest
-    example_ids = svc.examples()
-    trace = float(np.square(svc.data.W.astype(np.float64)).sum())  # tr(WᵀW) = ‖W‖²_F: how far the neck moved
     with gr.Blocks(title="Metric refinement explorer") as demo:
-        header = (f"## Metric refinement explorer{f': {name}' if name else ''}\n"
-                  f"Gallery: **{man['count']}** images of **{man['classes']}** "
-                  f"classes ({man.get('dataset', '?')} {man.get('split', '')}), backbone "
-                  f"`{man.get('backbone')}`, trunk d = {man['trunk_dim']}, embedding k = {man['embed_dim']}, "
-                  f"tr(M*) = {trace:.4g}. Left: the **trained** metric M* = WᵀW; right: the metric you choose.")
-        if others:
-            header += f"  \nThis app serves another index too: {index_links(others)}."
-        gr.Markdown(header, elem_id="index-header")
-        qstate = gr.State(None)
-        results_state = gr.State({"left": [], "right": []})
-        selected = gr.State(None)
-        dis_ids = gr.State([])
-        cmp_ids, cmp_cursor, class_q_ids = gr.State([]), gr.State(-1), gr.State([])
+        gr.Markdown(header_md(svc, name, others), elem_id="index-header")
         with gr.Tabs() as tabs:
             with gr.Tab("Search", id="search"):
-                with gr.Row():
-                    with gr.Column(scale=1, min_width=280):
-                        query = UploadImage(label="Query: upload or paste an image", type="filepath",
-                                            sources=["upload", "clipboard"], height=200)
-                        strategy = gr.Dropdown(svc.strategy_choices(), value="identity", label="Right-panel strategy")
-                        mode = gr.Radio(["cosine", "bilinear"], value="cosine", label="Mode (both panels)")
-                        with gr.Accordion("Strategy parameters", open=True):
-                            controls = {sp.name: param_control(sp) for sp in shared_params()}
-                        k = gr.Slider(1, 48, 12, step=1, label="k")
-                        go = gr.Button("Search", variant="primary")
-                        status = gr.Markdown("Pick an example below or upload an image.")
-                    with gr.Column(scale=3):
-                        with gr.Row():
-                            with gr.Column():
-                                left_title = gr.Markdown("### Left: trained")
-                                left = gr.Gallery(columns=4, height=430, allow_preview=False, elem_classes="result-gallery", object_fit="contain",
-                                                  label="trained M*")
-                            with gr.Column():
-                                right_title = gr.Markdown("### Right: refined")
-                                right = gr.Gallery(columns=4, height=430, allow_preview=False, elem_classes="result-gallery", object_fit="contain",
-                                                   label="refined M′")
-                        follow = gr.Button("Search with the selected result")
-                        with gr.Row():
-                            link = gr.Textbox(label="Link to this comparison", buttons=["copy"], interactive=False,
-                                              scale=3, elem_id="share-link")
-                            export = gr.Button("Export JSON + CSV", scale=1)
-                        gr.Markdown("_An uploaded query cannot be in a link: share a gallery query (an example, a "
-                                    "result, a disagreement)._")
-                        link_qs = gr.Textbox(visible=False)
-                        exported = gr.File(label="exported comparison", file_count="multiple", visible=True,
-                                           height=80)
-                examples = gr.Gallery(value=[(svc.thumbnail(i), svc.class_name(svc.query_from_item(i).label))
-                                             for i in example_ids],
-                                      label="Examples from the test split: click one to query", columns=12,
-                                      height=200, allow_preview=False, object_fit="contain")
-                with gr.Accordion("Disagreements: test queries where the two metrics differ most", open=False):
-                    dis_go = gr.Button("Find disagreements for the current strategy")
-                    dis_msg = gr.Markdown()
-                    dis = gr.Gallery(columns=6, height=300, allow_preview=False, label="largest |ΔAP|",
-                                     object_fit="contain")
+                sh, search_parts = search_tab(svc, tabs)
             with gr.Tab("Compare", id="compare") as cmp_tab:
-                gr.Markdown("### Every test query: the trained M* (x) against the right-panel strategy (y)\n"
-                            "Strategy, mode and parameters are the Search tab's. Click a point, a disagreement or a "
-                            "class's query to open it in the Search tab; keys **n** / **p** step through the "
-                            "filtered disagreements.")
-                cmp_go = gr.Button("Compare on every test query", variant="primary")
-                cmp_summary = gr.Markdown()
-                with gr.Row():
-                    scatter = plot_html(svc, "cmp-scatter")
-                    with gr.Column():
-                        which = gr.Radio(list(FILTERS), value="all", label="Disagreements (by |ΔAP|)")
-                        with gr.Row():
-                            prev_btn = gr.Button("◀ previous (p)", elem_id="cmp-prev", size="sm")
-                            next_btn = gr.Button("next (n) ▶", elem_id="cmp-next", size="sm")
-                        dis_table = gr.Dataframe(headers=list(QUERY_COLUMNS), interactive=False, max_height=380,
-                                                 label="click a row to open it")
-                with gr.Row():
-                    class_table = gr.Dataframe(headers=["class", "label", "n", "AP trained", "AP M′", "Δ"],
-                                               interactive=False, max_height=360,
-                                               label="per class (sort by a header; click a class for its queries)")
-                    class_queries = gr.Dataframe(headers=list(QUERY_COLUMNS), interactive=False, max_height=360,
-                                                 label="the class's queries")
-                with gr.Accordion("2-D maps of the gallery under M* and M′ (computed once per strategy)", open=False):
-                    with gr.Row():
-                        method = gr.Radio(list(MAP_METHODS), value="t-SNE", label="projection")
-                        maps_go = gr.Button("Draw the maps")
-                    with gr.Row():
-                        map_a, map_b = plot_html(svc, "map-a"), plot_html(svc, "map-b")
+                cmp_parts = compare_tab(svc)
             with gr.Tab("Analysis"):
-                a = svc.analysis()
-                gr.Markdown("### Strategy evaluation on the test classes (`python -m index evaluate`)")
-                gr.Markdown(a["table"] or "_No evaluation found: run `python -m index evaluate`._")
-                # captions above the figures: an image's label would cover its title
-                with gr.Row():
-                    for img, caption in ((a["sweep"], "accuracy vs restraint degree r"),
-                                         (a["principles"], "accuracy vs principle ratios")):
-                        with gr.Column():
-                            gr.Markdown(f"**{caption}**")
-                            gr.Image(img, show_label=False, interactive=False)
-                with gr.Row():
-                    with gr.Column():
-                        gr.Markdown("**M* (trained)**")
-                        gr.Image(svc.heatmap(Spec("trained", {}, "bilinear")), show_label=False, interactive=False)
-                    with gr.Column():
-                        gr.Markdown("**current M′**")
-                        m_prime = gr.Image(show_label=False, interactive=False)
-                    with gr.Column():
-                        gr.Markdown("**2-D map of the gallery**")
-                        gal_map = gr.Image(svc.gallery_map(), show_label=False, interactive=False)
-                m_report = gr.Markdown()
-
-        inputs = [qstate, query, strategy, mode, k]
-        outputs = [left_title, left, right_title, right, status, results_state, m_prime, m_report, gal_map, link_qs]
-
-        def search_on(event):
-            return event(h.on_search, inputs, outputs, inputs_kwargs=controls, api_visibility="private")
-
-        search_on(go.click)
-        search_on(query.upload(lambda: {"kind": "upload"}, None, qstate, api_visibility="private").then)
-        for ctl in (strategy, mode, *controls.values(), k):
-            # sliders search when let go, boxes on enter, the rest on any change
-            search_on(ctl.release if isinstance(ctl, gr.Slider) else
-                      ctl.submit if isinstance(ctl, (gr.Number, gr.Textbox)) else ctl.change)
-
-        def pick_example(evt: gr.SelectData):
-            i = example_ids[evt.index]
-            return {"kind": "item", "id": i}, svc.thumbnail(i, size=200)
-
-        search_on(examples.select(pick_example, None, [qstate, query], api_visibility="private").then)
-
-        def pick_result(side):
-            def f(ids, evt: gr.SelectData):
-                lst = ids.get(side, [])
-                return lst[evt.index] if evt.index < len(lst) else None
-            return f
-
-        left.select(pick_result("left"), results_state, selected, api_visibility="private")
-        right.select(pick_result("right"), results_state, selected, api_visibility="private")
-
-        def follow_up(sel):
-            if sel is None:
-                gr.Warning("click a result first")
-                return gr.update(), gr.update()
-            return {"kind": "item", "id": int(sel)}, svc.thumbnail(int(sel), size=200)
-
-        search_on(follow.click(follow_up, selected, [qstate, query], api_visibility="private").then)
-
-        dis_go.click(h.on_disagreements, [strategy, mode], [dis, dis_ids, dis_msg], inputs_kwargs=controls,
-                     api_visibility="private")
-
-        def pick_dis(ids, evt: gr.SelectData):
-            i = ids[evt.index]
-            return {"kind": "item", "id": i}, svc.thumbnail(i, size=200)
-
-        search_on(dis.select(pick_dis, dis_ids, [qstate, query], api_visibility="private").then)
-
-        # share and export
-        link_qs.change(None, link_qs, link, js=LINK_JS)
-        export.click(h.on_export, inputs, exported, inputs_kwargs=controls, api_visibility="private")
-        search_on(demo.load(h.on_load, None, [qstate, query, strategy, mode, k, *controls.values(), status],
-                            api_visibility="private").then)
-
-        # the Compare tab
-        cmp_out = [cmp_summary, scatter, dis_table, cmp_ids, cmp_cursor, class_table]
-        for ev in (cmp_go.click, cmp_tab.select):
-            ev(h.on_compare, [qstate, strategy, mode, which], cmp_out, inputs_kwargs=controls, api_visibility="private")
-        which.change(h.on_filter, [strategy, mode, which], [dis_table, cmp_ids, cmp_cursor], inputs_kwargs=controls,
-                     api_visibility="private")
-        opened = [qstate, query, tabs]
-
-        def open_clicked(evt: gr.EventData):
-            return h.open_item(evt._data["id"])
-
-        def open_row(evt: gr.SelectData):
-            return h.open_item(evt.row_value[0])
-
-        for plot in (scatter, map_a, map_b):
-            search_on(plot.click(open_clicked, None, opened, api_visibility="private").then)
-        for table in (dis_table, class_queries):
-            search_on(table.select(open_row, None, opened, api_visibility="private").then)
-        for btn, step in ((next_btn, 1), (prev_btn, -1)):
-            search_on(btn.click(lambda ids, cur, s=step: h.on_step(ids, cur, s), [cmp_ids, cmp_cursor],
-                                [*opened, cmp_cursor], api_visibility="private").then)
-        class_table.select(h.on_class, [strategy, mode], [class_queries, class_q_ids], inputs_kwargs=controls,
-                           api_visibility="private")
-        maps_go.click(h.on_maps, [qstate, strategy, mode, method], [map_a, map_b], inputs_kwargs=controls,
-                      api_visibility="private")
-
-        # The HTTP API `/search` (gradio_client, see README): hidden components give it typed,
-        # file-uploading parameters; the UI never shows them.  Strategies needing a file are left out.
-        with gr.Row(visible=False):
-            a_img = UploadImage(type="filepath", label="image")
-            a_strategy = gr.Dropdown(svc.strategy_choices(with_files=False), value="trained", label="strategy")
-            a_params = {sp.name: param_control(sp, api=True) for sp in shared_params() if not sp.metadata.get("file")}
-            a_mode = gr.Dropdown(list(MODES), value="cosine", label="mode")  # the CLI's defaults
-            a_k = gr.Number(10, precision=0, label="k")
-            a_out = gr.JSON(label="results")
-            a_btn = gr.Button()
-        a_btn.click(api_search(svc), [a_img, a_strategy], a_out, inputs_kwargs=a_params | {"mode": a_mode, "k": a_k},
-                    api_name="search")
+                analysis = analysis_tab(svc)
+        search_on = wire_search(svc, h, sh, search_parts, analysis, demo)
+        wire_compare(h, sh, cmp_parts, cmp_tab, search_on)
+        api_endpoint(svc)
     return demo

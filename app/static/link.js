@@ -1,0 +1,1 @@
+(qs) => qs && qs.startsWith('?') ? window.location.origin + window.location.pathname + qs : qs
