@@ -15,7 +15,7 @@ DEFAULT_CONCURRENCY = 2
 GRADIO_SUMMARY_EVERY = 1000
 # a call to Gradio's API without a session hash (curl) opens a session holding a copy of every
 # block's config (bench/serving_costs.py): keep 10³ (Gradio's default 10⁴), the least recently
-# used go first; a browser tab idle through 10³ such calls loses its state (README)
+# used go first; a browser tab idle through 10³ such calls loses its state (docs/app-and-compare.md)
 SESSIONS = 1000
 
 

@@ -516,7 +516,7 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
                             f"{', '.join(n for n in REFINEMENTS.names() if not file_params(n))})")
         e.add_argument("--grid", choices=GRIDS, default="coarse",
                        help="every other value of each strategy's parameter grid, or the whole grid "
-                            "(`index list`); full with --seeds 3 is the README's protocol, about 3× "
+                            "(`index list`); full with --seeds 3 is the protocol of docs/refinement.md, about 3× "
                             "the time (default: %(default)s)")
         e.add_argument("--seeds", type=at_least(1, "--seeds"), default=1,
                        help="seeds per random strategy setting, averaged (default: %(default)s)")
