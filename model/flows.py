@@ -38,6 +38,9 @@ class FlowSpec:
     hidden: tuple[int, ...] = (256, 256)
     context: int = 0
     seed: int = 0  # for glow's permutations
+    # elementwise activation a FlowHead applies before the flow (paper 000's "activation layer for the
+    # connection to the deep metric layers"); "none" for specs written before it was recorded
+    activation: str = "none"
 
     def to_dict(self) -> dict:
         d = asdict(self)

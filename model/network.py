@@ -7,11 +7,13 @@
 The index (posterior refinement) works on φ and M, training on e.
 
 Optional flow "metric layers" (determinant regularizer, paper 000):
-  trunk position: φ = normalize(g(backbone(x)))  — the flow is part of the trunk,
+  trunk position: φ = normalize(g(a(backbone(x)))) — the flow is part of the trunk,
                   so M = WᵀW still describes the embeddings' inner products exactly;
-  neck position:  e = normalize(g(W φ))          — the paper's placement; M = WᵀW
+  neck position:  e = normalize(g(a(W φ)))         — the paper's placement; M = WᵀW
                   then describes the linear part *before* the flow only, and the
                   index's refinements act on that linear metric.
+a is the flow head's elementwise activation (its spec's `activation`; identity for
+"none"): paper 000 puts "an activation layer" between the embedding layer and the flows.
 """
 from __future__ import annotations
 
@@ -38,25 +40,47 @@ class EmbeddingNeck(nn.Module):
         return self.linear.weight
 
 
+# the activations a flow head may apply before its flow; ELU is smooth and injective (a bijection onto
+# (−1, ∞)), so a(W φ) keeps every feature distinction and passes a gradient for every input
+ACTIVATIONS = ("none", "elu", "relu", "leaky_relu")
+
+
+def flow_activation(name: str) -> nn.Module:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown flow-head activation {name!r}; choose from {ACTIVATIONS}")
+    return {"none": nn.Identity, "elu": nn.ELU, "relu": nn.ReLU, "leaky_relu": nn.LeakyReLU}[name]()
+
+
 class FlowHead(nn.Module):
-    """normalize(g(x)) for a normalizing flow g.  `with_terms` also returns g's per-sample
-    log|det ∂g/∂x| and, when `plus_one`, paper 000's "+1" term, so a regularizer gets them
-    from the same forward pass."""
+    """normalize(g(a(x))) for an elementwise activation a (spec.activation) and a normalizing flow g.
+    `with_terms` also returns g's per-sample log|det ∂g/∂u| at u = a(x) and, when `plus_one`, paper
+    000's "+1" term, so a regularizer gets them from the same forward pass.  Both are Jacobians of g
+    with respect to its input u (paper 000's R is a property of the metric layers, not of a).
+    The activation has no parameters: a spec without it (older checkpoints) loads as "none"."""
 
     def __init__(self, spec, plus_one: bool = False):
         super().__init__()
         from .flows import build_flow
 
         self.spec = spec
+        self.activation = flow_activation(getattr(spec, "activation", "none"))
         self.flow = build_flow(spec)
         self.plus_one = plus_one
 
-    def with_terms(self, x: torch.Tensor):
-        """(normalize(g(x)), log|det| per sample, "+1" term per sample or None)."""
+    def flow_input(self, x: torch.Tensor) -> torch.Tensor:
+        """u = a(x): the space the flow takes its input in (where paper 000 augments samples)."""
+        return self.activation(x)
+
+    def flow_terms(self, u: torch.Tensor):
+        """(normalize(g(u)), log|det| per sample, "+1" term per sample or None) for flow inputs u."""
         from .flows import flow_forward
 
-        y, ladj, plus = flow_forward(self.flow, x, plus_one=self.plus_one and self.training)
+        y, ladj, plus = flow_forward(self.flow, u, plus_one=self.plus_one and self.training)
         return nn.functional.normalize(y, dim=-1), ladj, plus
+
+    def with_terms(self, x: torch.Tensor):
+        """(normalize(g(a(x))), log|det| per sample, "+1" term per sample or None)."""
+        return self.flow_terms(self.flow_input(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.with_terms(x)[0]

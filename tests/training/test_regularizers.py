@@ -209,8 +209,10 @@ def test_refusals(tmp_path):
 @pytest.mark.parametrize("loss,regs,params,head", [
     ("proxy_anchor", ("determinant", "nir", "skewed_mean"), ("determinant.transforms=2", "determinant.hidden=16"),
      "embed_head"),
+    # the determinant's non-default variants: logdet R, tangent augmentation, no activation
     ("binomial", ("cgml", "determinant"), ("determinant.transforms=2", "determinant.hidden=16",
-                                            "determinant.position=trunk", "determinant.variant=plus_one"),
+                                            "determinant.position=trunk", "determinant.variant=logdet",
+                                            "determinant.augment=tangent", "determinant.activation=none"),
      "trunk_head"),
     ("proxy_nca", ("nir",), ("nir.variant=exp", "nir.input=raw"), None),
 ])

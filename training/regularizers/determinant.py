@@ -1,19 +1,28 @@
 """Determinant regularization with dueling flow metric layers (paper 000).
 
-Two normalizing flows g_min and g_max on the same features, both trained
-with the metric loss; their outputs are L2-normalised embeddings.  Per sample
-    R(x) = (1/d) · log |det ∂g(x)/∂x|          (or, with variant=plus_one, the
-            paper's (1/d) Σ_t log(|∂y_t/∂x_t| + 1), see model/flows.py)
-and the loss gets  + λ1 · mean R_min − λ2 · mean R_max  (λ1 = λ2 = weight,
-default 0.05).  g_min is the model's metric layer (kept for retrieval); g_max
-exists only during training and is not saved into the retrieval model.
-Tangent-plane augmentation (ε = 0.4): for each unit embedding x and a random
-same-class y in the batch, v = (I − xxᵀ)(y − x), x̃ = normalize(x + ε·v) joins
-the metric loss with x's label.  The g_max branch gets its own copy of the
-loss (its own proxies), so only the retrieval branch shapes the kept proxies.
-Where this text and the paper differ, this text is followed: the paper's
-augmentation mixes features before the flow; here it acts on the unit
-embeddings, on the sphere's tangent plane, as specified.
+Architecture (paper §5.1): backbone → W (the neck) → an activation a → two normalizing flows
+g_min and g_max on the same input u = a(W φ) → L2 normalisation.  g_min is the model's metric
+layer (kept for retrieval); g_max exists only during training and is not saved.
+
+Objective (eq. 11):  loss(real samples) + λ1 · R_{g_min}(Z) − λ2 · R_{g_max}(Z)
+  Z = the batch's flow inputs u_i and their augmented samples; R(Z) is the mean over Z of
+  R(u) = (1/d) Σ_t log(|∂y_t/∂u_t| + 1)        (eq. 7/10, variant=plus_one, the default;
+                                                 taken per coupling layer, see model/flows.py)
+       or (1/d) log |det ∂g(u)/∂u|              (variant=logdet)
+  λ1 = the weight (0.05), λ2 = λ1 unless lambda_max is set.
+Augmentation (§4 "Sample augmentation", augment=feature, the default): u_ij = u_i + ε (u_j − u_i)
+for u_j the nearest other same-class sample of the batch (Euclidean in u), ε = 0.4 (§5.4's best);
+a sample alone in its class gets none.  The augmented samples enter R only: the paper states
+there is no need for the metric loss on them.
+g_max's metric loss: eq. 11 writes a single loss term and does not say whether g_max's output
+gets one; without one g_max's only objective would be −λ2 R, unbounded above in its own
+parameters, so g_max keeps its own copy of the loss (its own proxies) on the real samples, and
+only the retrieval branch shapes the kept proxies.
+augment=tangent (not the paper's eq. 11; after §5.4's remark that the augmentation "occurs in
+the tangent hyperplane"): for each unit embedding x and a random same-class y in the batch,
+v = (I − xxᵀ)(y − x), x̃ = normalize(x + ε·v) joins the metric loss with x's label; R is then
+taken on the real samples only.
+Control: weight 0 with epsilon=0 keeps both flows and trains them by their metric losses only.
 """
 from __future__ import annotations
 
@@ -24,6 +33,7 @@ from typing import Literal
 import torch
 from torch.nn import functional as F
 
+from core.errors import UserError
 from model.flows import FlowSpec
 from model.network import FlowHead
 
@@ -34,13 +44,44 @@ from .registry import REGULARIZERS
 
 @dataclass
 class DeterminantParams:
-    flow: Literal["realnvp", "nice"] = param("realnvp", "flow kind: realnvp | nice")
+    flow: Literal["realnvp", "nice"] = param("realnvp", "flow kind: realnvp (the paper's) | nice")
     transforms: int = param(12, "coupling layers (the paper uses 12)")
     hidden: int = param(128, "coupling-network width (kept small: 2 CPU cores)")
     position: Literal["neck", "trunk"] = param("neck", "where the flows sit: neck (the paper's) | trunk")
-    variant: Literal["logdet", "plus_one"] = param("logdet", "R: logdet | plus_one (the paper's eq. 7)")
-    epsilon: float = param(0.4, "tangent-plane augmentation ε; 0 = off")
-    lambda_max: float = param(-1.0, "λ2; < 0 means the same as λ1 (the weight)")
+    variant: Literal["plus_one", "logdet"] = param(
+        "plus_one", "R: plus_one (the paper's eq. 7/10, (1/d) Σ log(|∂y_t/∂x_t| + 1) per coupling layer) "
+        "| logdet ((1/d) log|det ∂g/∂x|)")
+    augment: Literal["feature", "tangent"] = param(
+        "feature", "feature (the paper's eq. 11): u_i + ε(u_j − u_i) toward the nearest same-class u_j in "
+        "the flows' input space, in R only, never in the metric loss | tangent: unit embeddings moved on "
+        "the sphere's tangent plane toward a random same-class sample, in the metric loss, R on real only")
+    epsilon: float = param(0.4, "augmentation ε (the paper's best: 0.4); 0 = no augmentation")
+    activation: Literal["elu", "relu", "leaky_relu", "none"] = param(
+        "elu", "activation before the flows (the paper's unnamed activation layer; elu: smooth and "
+        "injective) | relu | leaky_relu | none (flows directly on W φ, or on the backbone output at trunk)")
+    lambda_max: float = param(-1.0, "λ2; < 0 means the same as λ1 (the weight; the paper's λ1 = λ2)")
+
+    def validate(self) -> None:
+        if self.epsilon < 0:
+            raise UserError(f"determinant.epsilon must be ≥ 0, got {self.epsilon}")
+
+
+def nearest_same_class(u: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index of each sample's nearest other same-class sample by Euclidean distance, itself where it
+    has none; whether it has one).  A selection, so no gradient."""
+    with torch.no_grad():
+        n = len(u)
+        same = (y[:, None] == y[None, :]) & ~torch.eye(n, dtype=torch.bool, device=u.device)
+        dist = torch.cdist(u, u).masked_fill(~same, float("inf"))
+        has = same.any(1)
+        return torch.where(has, dist.argmin(1), torch.arange(n, device=u.device)), has
+
+
+def feature_augment(u: torch.Tensor, y: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(u_i + ε (u_j − u_i) for every i, u_j its nearest same-class sample; the mask of the i that have
+    one).  Rows outside the mask equal u_i and are to be left out: fixed shapes, no host sync."""
+    j, has = nearest_same_class(u, y)
+    return u + eps * (u[j] - u), has
 
 
 def tangent_augment(x: torch.Tensor, y: torch.Tensor, eps: float, gen: torch.Generator | None = None):
@@ -56,8 +97,11 @@ def tangent_augment(x: torch.Tensor, y: torch.Tensor, eps: float, gen: torch.Gen
     return F.normalize(x + eps * v, dim=1)
 
 
-@REGULARIZERS.register("determinant", DeterminantParams,
-                       doc="determinant regularization with dueling flow metric layers g_min / g_max", weight=0.05)
+@REGULARIZERS.register(
+    "determinant", DeterminantParams, weight=0.05,
+    doc="determinant regularization with dueling flow metric layers g_min / g_max (the paper's defaults: "
+        "variant=plus_one, augment=feature with epsilon=0.4, activation=elu; other variants: variant=logdet, "
+        "augment=tangent, activation=relu|leaky_relu|none)")
 class DeterminantRegularizer(Regularizer):
     name = "determinant"
     lr_mult = 10.0  # flows at 1e-3 with the default base lr 1e-4 (paper: 1e-3 for flows and proxies)
@@ -67,8 +111,10 @@ class DeterminantRegularizer(Regularizer):
         d = embed_dim if params.position == "neck" else trunk_dim
         self.d = d
         plus_one = params.variant == "plus_one"
-        self.g_min = FlowHead(FlowSpec(params.flow, d, params.transforms, (params.hidden, params.hidden)), plus_one)
-        max_spec = FlowSpec(params.flow, d, params.transforms, (params.hidden, params.hidden), seed=1)
+        hidden = (params.hidden, params.hidden)
+        self.g_min = FlowHead(FlowSpec(params.flow, d, params.transforms, hidden, activation=params.activation),
+                              plus_one)
+        max_spec = FlowSpec(params.flow, d, params.transforms, hidden, seed=1, activation=params.activation)
         self.g_max = FlowHead(max_spec, plus_one)
         self.max_loss = copy.deepcopy(loss_module)  # g_max's own proxies
         self.module = torch.nn.ModuleDict({"g_max": self.g_max, "max_loss": self.max_loss})
@@ -83,17 +129,34 @@ class DeterminantRegularizer(Regularizer):
         return list(self.max_loss.parameters())
 
     def _R(self, ladj: torch.Tensor, plus: torch.Tensor | None) -> torch.Tensor:
+        """R per sample."""
         return (plus if self.g_min.plus_one else ladj) / self.d
 
     def terms(self, ctx: BatchContext):
-        y = ctx.labels
-        r_min = self._R(*ctx.head_terms[self.head]).mean()
-        emb_max, *max_terms = self.g_max.with_terms(ctx.neck if self.head == "embed_head" else ctx.backbone)
+        y, p = ctx.labels, self.params
+        r_min_real = self._R(*ctx.head_terms[self.head])  # g_min on the real samples: the step's own pass
+        u = self.g_min.flow_input(ctx.neck if self.head == "embed_head" else ctx.backbone)
+        n = len(u)
+        if p.augment == "feature" and p.epsilon > 0:
+            aug, has = feature_augment(u, y, p.epsilon)
+            r_min_aug = self._R(*self.g_min.flow_terms(aug)[1:])
+            emb_max, *max_terms = self.g_max.flow_terms(torch.cat([u, aug]))  # one pass over real and augmented
+            r_max_all = self._R(*max_terms)
+            r_max_real, r_max_aug = r_max_all[:n], r_max_all[n:]
+            emb_max = emb_max[:n]  # the metric loss sees the real samples only
+            w = has.to(u.dtype)
+            size = n + w.sum()
+            r_min = (r_min_real.sum() + (w * r_min_aug).sum()) / size
+            r_max = (r_max_real.sum() + (w * r_max_aug).sum()) / size
+        else:
+            emb_max, *max_terms = self.g_max.flow_terms(u)
+            r_max_real = self._R(*max_terms)
+            r_min, r_max = r_min_real.mean(), r_max_real.mean()
         if self.head == "trunk_head":
             emb_max = ctx.neck_layer(emb_max)
-        r_max = self._R(*max_terms).mean()
         total = self.weight * r_min - self.lambda_max * r_max + self.max_loss(emb_max, y)
-        if self.params.epsilon > 0:
+        if p.augment == "tangent" and p.epsilon > 0:
             x = F.normalize(ctx.embeddings, dim=1)
-            total = total + ctx.loss(tangent_augment(x, y, self.params.epsilon, ctx.generator), y)
-        return {self.name: total, "R_min": r_min, "R_max": r_max}
+            total = total + ctx.loss(tangent_augment(x, y, p.epsilon, ctx.generator), y)
+        return {self.name: total, "R_min": r_min, "R_max": r_max,
+                "R_min_real": r_min_real.mean(), "R_max_real": r_max_real.mean()}
