@@ -45,6 +45,9 @@ PLAN = [
     ("proxy_anchor", "determinant", "determinant", (), [0.01, 0.05, 0.2]),
     ("proxy_anchor", "determinant, logdet R", "determinant", ("determinant.variant=logdet",), "chosen:determinant"),
     ("proxy_anchor", "determinant, ε = 0", "determinant", ("determinant.epsilon=0",), "chosen:determinant"),
+    ("proxy_anchor", "determinant, former form (logdet, tangent augmentation into the loss, no activation)",
+     "determinant", ("determinant.variant=logdet", "determinant.augment=tangent", "determinant.activation=none"),
+     "chosen:determinant"),
     ("proxy_anchor", "nir control (weight 0)", "nir", (), 0.0),
     ("proxy_anchor", "nir", "nir", (), None),  # grid: set from the registry's default weight below
     ("proxy_anchor", "nir, former NLL form", "nir", ("nir.variant=nll",), [0.001, 0.01, 0.1]),
@@ -59,7 +62,7 @@ PLAN = [
     ("triplet", "cgml", "cgml", (), None),
 ]
 # the diagnostics shown beside each arm (means of the last epoch's logged parts, when present)
-DIAG = ("loss", "determinant", "R_min", "R_max", "nir", "nir_nll", "cgml", "L_GC", "skewed_mean",
+DIAG = ("loss", "determinant", "R_min", "R_max", "R_min_real", "R_max_real", "nir", "nir_nll", "cgml", "L_GC", "skewed_mean",
         "max_proxy_cos")
 
 
