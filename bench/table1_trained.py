@@ -13,7 +13,7 @@ split_features and run_evaluation calls), on test classes and validation classes
 
 Reported (mean ± std over seeds, MAP@R and P@1 = R@1, test classes):
   trained [cosine]     the usual evaluation (cosine of the embeddings Wφ)
-  trained [bilinear]   the paper's φᵀM*φ
+  trained [bilinear]   φᵀM*φ (our extra view; the paper evaluates cosine, as the row above)
   identity [cosine], identity [bilinear]   M′ = I on the trained trunk features φ
   best diagonal (r), best random (r)   the best restraint degree r > 0 on test, per run (the
                        paper's † oracle); both restraints are bilinear-only (their M′ is

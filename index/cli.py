@@ -34,9 +34,10 @@ def _strategy_args(p):
         g.add_argument(sp.flag, dest=sp.name, type=_param_type(sp), default=None,
                        help=sp.describe().replace("%", "%%"))
     g.add_argument("--mode", choices=MODES, default="cosine",
-                   help="cosine under M′, as the trained metric is evaluated everywhere (an indefinite M′ "
-                        "falls back to bilinear, with a note), or bilinear φ(q)ᵀM′φ(x), the paper's "
-                        "protocol (default: %(default)s)")
+                   help="cosine under M′, the standard evaluation the paper follows (for M* the cosine of "
+                        "the embeddings; an indefinite M′ has none and falls back to bilinear, with a note: "
+                        "the *-psd strategies read it as PSD), or bilinear φ(q)ᵀM′φ(x), our extra view "
+                        "(default: %(default)s)")
 
 
 def _param_type(sp):
@@ -50,7 +51,14 @@ def _param_type(sp):
 
 
 def strategy_params_from(args) -> dict:
-    return {sp.name: getattr(args, sp.name) for sp in shared_params()}
+    """The parameter flags' values; one given that --strategy does not take is refused: ignoring
+    it would search another M′ than the one asked for (e.g. --psd on the raw restraint)."""
+    given = {sp.name: getattr(args, sp.name) for sp in shared_params()}
+    for sp in shared_params():
+        if given[sp.name] is not None and args.strategy not in sp.defaults:
+            raise UserError(f"strategy {args.strategy} takes no {sp.flag}; {', '.join(sp.defaults)} "
+                            f"{'do' if len(sp.defaults) > 1 else 'does'}")
+    return given
 
 
 # ---------------------------------------------------------------- commands

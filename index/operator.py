@@ -8,7 +8,8 @@ declares its kind in its registry entry (`operator=`):
   lowrank           Wᵀ(Wq)                   (M′ = M*, rank k ≪ d)
   lowrank-diag      Wᵀ(Wq) − D q             (D = the zeroed diagonal entries of M*)
   spectral          c q + U(Λ(Uᵀq))          (M′ = cI + UΛUᵀ, rank(U) ≪ d: spectral powers,
-                                              shrinkage; found from M′'s eigendecomposition)
+                                              shrinkage, PSD readings of the restraints; found
+                                              from M′'s eigendecomposition, else dense)
   dense             M′q                      (anything else)
 The structured forms are exact (float32 round-off aside).  The batched sweep
 (index/sweep.py) uses the same structure for Φ M′ Φᵀ.

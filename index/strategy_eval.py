@@ -31,9 +31,15 @@ METRICS = ("map@r", "precision@1", "r_precision", "recall@1", "recall@2", "recal
 # The reference matrices the summary table reports first (strategy, mode, row title); they
 # also lead the sweep, so that among equal scores the reference wins the table's choices.
 REFERENCE_ROWS = (("trained", "cosine", "trained M* (cosine of embeddings: the usual evaluation)"),
-                  ("trained", "bilinear", "trained M* (bilinear, the paper's)"),
+                  ("trained", "bilinear", "trained M* (bilinear φᵀM*φ: our extra view)"),
                   ("identity", "bilinear", "identity (bilinear)"),
                   ("identity", "cosine", "identity (cosine of trunk features)"))
+# Diagonal restraint's raw M′ (indefinite in general: bilinear only) beside its PSD readings,
+# each at its best r > 0 and mode on test (oracles, as the paper's † row): (strategy, the params
+# it must have, row title; no "|" in titles, which would split a markdown table cell)
+READING_ROWS = (("diagonal", {}, "diagonal restraint, raw M′ (bilinear; best r > 0 on test)"),
+                ("diagonal-psd", {"psd": "abs"}, "diagonal restraint, M′ read PSD by abs (best r > 0, mode on test)"),
+                ("diagonal-psd", {"psd": "clip"}, "diagonal restraint, M′ read PSD by clip (best r > 0, mode on test)"))
 MARKERS = ("o", "s", "^", "v", "*", "P", "D", "X", "<", ">")
 
 
@@ -152,6 +158,12 @@ def summary_table(test: list[dict], val: list[dict] | None) -> list[dict]:
         r = find(test, name, mode)
         if r:
             table.append({"row": title, "choice": label(r), **{m: r[m] for m in METRICS}})
+    for name, params, title in READING_ROWS:
+        rs = [r for r in test if r["strategy"] == name and not is_trained_equivalent(r)
+              and all(r["params"].get(k) == v for k, v in params.items())]
+        if rs:
+            best = max(rs, key=lambda r: r["map@r"])
+            table.append({"row": title, "choice": label(best), **{m: best[m] for m in METRICS}})
     refined = [r for r in test if not is_trained_equivalent(r) and (r["strategy"], r["mode"]) not in
                {(n, m) for n, m, _ in REFERENCE_ROWS}]
     if refined:
@@ -183,22 +195,28 @@ def plot_sweeps(agg: list[dict], out: Path) -> None:
     trained = find(agg, "trained", "bilinear")
     trained_cos = find(agg, "trained", "cosine")
     ident = find(agg, "identity", "bilinear")
-    # one row per random strategy swept along one parameter (the restraints: accuracy vs r)
+    # one row per random strategy, along its first grid parameter (the restraints: accuracy vs r);
+    # one line per setting of its other parameters and mode (the PSD readings: abs, clip × mode)
     swept = {r["strategy"] for r in agg}
-    curves = [(n, next(iter(grid(n)))) for n in swept_strategies() if seeded(n) and len(grid(n)) == 1
-              and n in swept]
+    curves = [(n, next(iter(grid(n)))) for n in swept_strategies() if seeded(n) and grid(n) and n in swept]
     if curves:  # none when the evaluation was narrowed to no restraint
         fig, axes = plt.subplots(len(curves), 3, figsize=(12, 3.25 * len(curves)), sharex=True, squeeze=False)
         for row_i, (name, param) in enumerate(curves):
-            rs = sorted([r for r in agg if r["strategy"] == name], key=lambda r: r["params"][param])
-            x = [r["params"][param] for r in rs]
-            seeds = max(r["seeds"] for r in rs)
+            lines = defaultdict(list)
+            for r in agg:
+                if r["strategy"] == name:
+                    rest = tuple((k, v) for k, v in r["params"].items() if k != param)
+                    lines[(rest, r["mode"])].append(r)
             for col, (m, title) in enumerate([("map@r", "MAP@R"), ("precision@1", "P@1"), ("r_precision", "RP")]):
                 ax = axes[row_i, col]
-                mean = np.array([r[m] for r in rs]) * 100
-                std = np.array([r[m + "_std"] for r in rs]) * 100
-                ax.plot(x, mean, "o-", label=f"{name} restraint ({seeds} seeds)")
-                ax.fill_between(x, mean - std, mean + std, alpha=0.25)
+                for (rest, mode), rs in lines.items():
+                    rs = sorted(rs, key=lambda r: r["params"][param])
+                    x = [r["params"][param] for r in rs]
+                    mean = np.array([r[m] for r in rs]) * 100
+                    std = np.array([r[m + "_std"] for r in rs]) * 100
+                    seeds = max(r["seeds"] for r in rs)
+                    ax.plot(x, mean, "o-", label=f"{strategy_label(name, dict(rest))} [{mode}] ({seeds} seeds)")
+                    ax.fill_between(x, mean - std, mean + std, alpha=0.25)
                 if trained:
                     ax.axhline(trained[m] * 100, color="k", ls="--", lw=1, label="trained M* (bilinear)")
                 if trained_cos:

@@ -35,7 +35,7 @@ def test_strategy_flags_are_generated_from_the_registry():
         for param, default in e.param_defaults().items():
             assert e.name in flags[param].help and "default" in flags[param].help
     assert flags["path"].option_strings == ["--metric-matrix"]  # a field's own flag name
-    assert "(diagonal, random; default: 0.5)" in flags["r"].help
+    assert "(diagonal, diagonal-psd, random, random-psd; default: 0.5)" in flags["r"].help
 
 
 def test_list_prints_every_strategy_with_its_parameters(capsys):
