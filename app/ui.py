@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import typing
 from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -58,6 +59,8 @@ def param_control(sp: SharedParam, api: bool = False):
     if "range" in sp.metadata and not api:
         lo, hi = sp.metadata["range"]
         return gr.Slider(lo, hi, sp.default, step=sp.metadata.get("step", (hi - lo) / 20), label=label)
+    if typing.get_origin(sp.type) is typing.Literal:  # a fixed set of values: choose, don't type
+        return gr.Dropdown(list(typing.get_args(sp.type)), value=sp.default, label=label)
     if sp.type in (int, float):
         return gr.Number(sp.default, precision=0 if sp.type is int else None, label=label)
     return gr.Textbox(sp.default, label=label)

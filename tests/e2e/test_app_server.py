@@ -104,9 +104,9 @@ def test_api_search_matches_cli(server, tmp_path):
     client = Client(url, verbose=False)
     api = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/search"]
     # the positional parameters README documents: the file-free strategy parameters between strategy and mode
-    assert [p["parameter_name"] for p in api["parameters"]] == ["image", "strategy", "r", "seed", "alpha", "p",
-                                                                  "mode", "k"]
-    res = client.predict(handle_file(str(img)), "random", 0.4, 2, 0.5, 0.5, "bilinear", 6, api_name="/search")
+    assert [p["parameter_name"] for p in api["parameters"]] == ["image", "strategy", "r", "seed", "psd", "alpha",
+                                                                  "p", "mode", "k"]
+    res = client.predict(handle_file(str(img)), "random", 0.4, 2, "abs", 0.5, 0.5, "bilinear", 6, api_name="/search")
     out = tmp_path / "cli.json"
     r = run_module("index", "search", "--index", str(svc.index_dir), "--image",
                    str(img), "--strategy", "random", "--r", "0.4", "--seed", "2", "--k", "6", "--mode", "bilinear",
@@ -126,8 +126,8 @@ def test_api_search_matches_cli(server, tmp_path):
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n truncated")
     with pytest.raises(AppError, match="not a usable image"):
-        client.predict(handle_file(str(bad)), "identity", 0.5, 0, 0.5, 0.5, "bilinear", 3, api_name="/search")
-    again = client.predict(handle_file(str(img)), "identity", 0.5, 0, 0.5, 0.5, "cosine", 3, api_name="/search")
+        client.predict(handle_file(str(bad)), "identity", 0.5, 0, "abs", 0.5, 0.5, "bilinear", 3, api_name="/search")
+    again = client.predict(handle_file(str(img)), "identity", 0.5, 0, "abs", 0.5, 0.5, "cosine", 3, api_name="/search")
     assert len(again["results"]) == 3
 
 
