@@ -47,6 +47,8 @@ from torch import nn
 
 from core.errors import UserError
 
+from .samplers import pair_classes
+
 
 # ---------------------------------------------------------------- the process group
 @dataclass(frozen=True)
@@ -196,21 +198,22 @@ class DistributedMPerClassSampler:
     step draws one *global* class-balanced batch, B/m classes × m images, from a generator seeded by
     (seed, epoch): every rank draws the same global batch and keeps its own disjoint block of
     classes, so the ranks together see exactly the batch one process would, and a resumed epoch
-    redraws the same batches.  `paired=True` draws CGML's pair instead: B/(2m) classes, X′ and X″
-    with m instances of each (drawn independently), and rank r keeps its block of classes *in both
-    halves*, so its share [X′_r, X″_r] is itself class-aligned and the ranks' X′_r (and X″_r) in rank
-    order are the global X′ (and X″)."""
+    redraws the same batches.  `paired` ("full", or True; "split") draws CGML's pair instead: the
+    same classes (B/m of them when "full", B/(2m) when "split"; training/samplers.py's pair_classes),
+    X′ and X″ with m instances of each (drawn independently), and rank r keeps its block of classes
+    *in both halves*, so its share [X′_r, X″_r] is itself class-aligned and the ranks' X′_r (and
+    X″_r) in rank order are the global X′ (and X″)."""
 
     def __init__(self, labels, m: int, batch_size: int, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, steps: int | None = None, paired: bool = False):
+                 seed: int = 0, steps: int | None = None, paired: bool | str | None = False):
         labels = np.asarray(labels)
         if batch_size % (m * world_size):
             raise UserError(f"batch size {batch_size} must be a multiple of m × ranks = {m} × {world_size}")
         self.classes, inverse = np.unique(labels, return_inverse=True)
         self.members = [np.nonzero(inverse == c)[0] for c in range(len(self.classes))]
-        self.paired = paired
+        self.paired = bool(paired)
         # classes in one global batch (a CGML pair: in each half, as training/samplers.py draws it)
-        self.per_batch = max(2, batch_size // (2 * m)) if paired else batch_size // m
+        self.per_batch = pair_classes(batch_size, m, paired) if paired else batch_size // m
         if self.per_batch > len(self.classes):
             raise UserError(f"a batch of {batch_size} with m = {m} needs {self.per_batch} classes; "
                             f"there are {len(self.classes)}")
@@ -249,7 +252,7 @@ class DistributedMPerClassSampler:
             yield part.reshape(-1).tolist()
 
 
-def rank_batches(labels, batch_size: int, m: int, paired: bool, seed: int, epoch: int, dist: Dist
+def rank_batches(labels, batch_size: int, m: int, paired: bool | str | None, seed: int, epoch: int, dist: Dist
                  ) -> list[np.ndarray]:
     """This rank's index batches for one epoch: as many steps as one process takes
     (⌈n / batch_size⌉), each this rank's share of the global batch."""

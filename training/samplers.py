@@ -5,6 +5,8 @@
 step picks C classes; X′ and X″ each take n instances of every one of them,
 in the same class order, drawn independently (with replacement only when a
 class has fewer than n instances).  A step's indices are X′ followed by X″.
+How large each of X′ and X″ is (`pair_classes`): "full" (the paper's), a whole
+--batch-size batch each; "split", half of --batch-size each.
 """
 from __future__ import annotations
 
@@ -50,12 +52,21 @@ def m_per_class_batches(labels: np.ndarray, m: int, batch_size: int, steps: int,
     return [idx[i: i + bs] for i in range(0, len(idx), bs)]
 
 
-def epoch_batches(labels: np.ndarray, batch_size: int, m: int, paired: bool,
+def pair_classes(batch_size: int, m: int, paired: bool | str) -> int:
+    """Classes in each of X′ and X″ for a paired batch: batch_size/m when "full" (or True: the
+    paper's two full minibatches), batch_size/(2m) when "split"; at least 2."""
+    if paired not in (True, "full", "split"):
+        raise ValueError(f"paired batches are 'full' or 'split', not {paired!r}")
+    return max(2, batch_size // (2 * m if paired == "split" else m))
+
+
+def epoch_batches(labels: np.ndarray, batch_size: int, m: int, paired: bool | str | None,
                   rng: np.random.RandomState) -> list[np.ndarray]:
     """One epoch's index batches (⌈n / batch_size⌉ steps): m-per-class, or CGML's two
-    class-aligned half-size batches per step (X′ then X″) when `paired`."""
+    class-aligned batches per step (X′ then X″) when `paired` ("full": each of --batch-size,
+    "split": each of half; True is "full")."""
     steps = max(1, math.ceil(len(labels) / batch_size))
     if paired:
-        return paired_class_batches(labels, max(2, batch_size // (2 * m)), m, steps,
+        return paired_class_batches(labels, pair_classes(batch_size, m, paired), m, steps,
                                     np.random.default_rng(rng.randint(2**31)))
     return m_per_class_batches(labels, m, batch_size, steps, rng)

@@ -4,7 +4,8 @@ process: the same global batches (the distributed m-per-class sampler; one proce
 
   * a proxy loss (Proxy-Anchor: it gathers), a per-sample-mean proxy loss (ArcFace: it does not),
     a mined pair loss (Multi-Similarity through PML's DistributedLossWrapper/MinerWrapper), and
-    CGML's paired batches: 2 ranks × B/2 follow 1 process × B (loss trajectory and parameters);
+    CGML's paired batches (X′ and X″ each B, and the split option's B/2 each): 2 ranks × B/2 follow
+    1 process × B (loss trajectory and parameters);
   * the proxies, the neck and the regularizer flows are equal on both ranks after the steps
     (also with the determinant regularizer's per-rank tangent augmentation);
   * the wrapped pair loss and its miner receive 2 × B/2 embeddings.
@@ -113,6 +114,7 @@ CASES = {
     "arcface": {"loss": "arcface"},
     "multi_similarity": {"loss": "multi_similarity"},
     "cgml": {"loss": "proxy_anchor", "regs": ["cgml"], "reg_param": []},
+    "cgml_split": {"loss": "proxy_anchor", "regs": ["cgml"], "reg_param": ["cgml.batches=split"]},
 }
 
 
@@ -187,8 +189,9 @@ def test_batch_sizes_that_do_not_split_are_refused():
 
     y = np.repeat(np.arange(10), 4)
     with pytest.raises(UserError, match="does not split over 2 ranks"):
-        DistributedMPerClassSampler(y, 4, 24, world_size=2, paired=True)  # 3 classes per half
-    pair = list(DistributedMPerClassSampler(y, 2, 16, rank=1, world_size=2, seed=0, steps=2, paired=True))
-    for idx in pair:  # [X′_1, X″_1]: the same classes in the same order in both halves
-        h = len(idx) // 2
-        assert (y[idx[:h]] == y[idx[h:]]).all() and len(idx) == 8
+        DistributedMPerClassSampler(y, 4, 24, world_size=2, paired="split")  # 3 classes per half
+    for batches, n in (("full", 16), ("split", 8)):
+        pair = list(DistributedMPerClassSampler(y, 2, 16, rank=1, world_size=2, seed=0, steps=2, paired=batches))
+        for idx in pair:  # [X′_1, X″_1]: the same classes in the same order in both halves
+            h = len(idx) // 2
+            assert (y[idx[:h]] == y[idx[h:]]).all() and len(idx) == n

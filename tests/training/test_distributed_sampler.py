@@ -38,3 +38,17 @@ def test_impossible_batches_are_refused():
         DistributedMPerClassSampler(LABELS, m=4, batch_size=8, world_size=3)
     with pytest.raises(UserError, match="needs 12 classes; there are 10"):
         DistributedMPerClassSampler(LABELS, m=2, batch_size=24)
+
+
+@pytest.mark.parametrize("batches,half", [("full", 16), ("split", 8)])
+def test_distributed_pairs_split_the_one_process_pair(batches, half):
+    """CGML's pair: X′ and X″ each --batch-size ("full", the paper's) or half of it ("split")."""
+    one = list(DistributedMPerClassSampler(LABELS, 2, 16, seed=3, steps=3, paired=batches))
+    ranks = [list(DistributedMPerClassSampler(LABELS, 2, 16, rank=r, world_size=2, seed=3, steps=3,
+                                              paired=batches)) for r in range(2)]
+    for step, full in enumerate(one):
+        assert len(full) == 2 * half
+        a, b = ranks[0][step], ranks[1][step]
+        # the ranks' X′ shares in rank order are the global X′, and likewise X″
+        assert a[: half // 2] + b[: half // 2] == full[:half] and a[half // 2:] + b[half // 2:] == full[half:]
+        assert list(LABELS[full[:half]]) == list(LABELS[full[half:]])

@@ -34,7 +34,7 @@ def user_run(tmp_path):
     (("--epochs", "-1"), "--epochs must be ≥ 1, got -1"),
     (("--m-per-class", "0"), "--m-per-class must be ≥ 1, got 0"),
     (("--batch-size", "10"), "batch size 10 must be a multiple of m_per_class 4"),
-    (("--neck-lr-mult", "0"), "--neck-lr-mult must be > 0"),
+    (("--neck-lr-mult", "-1"), "--neck-lr-mult must be ≥ 0"),
     (("--weight-decay", "-0.1"), "--weight-decay must be ≥ 0"),
     (("--grad-clip", "-1"), "--grad-clip must be ≥ 0"),
     (("--warmup-epochs", "-1"), "--warmup-epochs must be ≥ 0"),

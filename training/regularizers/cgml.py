@@ -7,14 +7,20 @@ over the L2-normalised embeddings, and
     L_GC = ‖S′X′ − S″X″‖_F,
 total = L_m(X′) + L_m(X″) + λ·L_GC (the trainer adds the two metric losses).
 
-Batch size: X′ and X″ *together* hold --batch-size images (each has
-batch_size/2, i.e. batch_size/(2m) classes × m), so a CGML step embeds as many
-images as a plain step.  The paper uses two full batches; pass a doubled
---batch-size for that (and twice the per-step cost).
+Batch size (`cgml.batches`):
+  full   (default, the paper's): X′ and X″ are *each* a full --batch-size batch of
+         batch_size/m classes × m (the paper: two minibatches of 130 = 13 classes × 10),
+         so the metric loss sees batches as large as a plain run's; a step embeds
+         2 × --batch-size images.
+  split  X′ and X″ together hold --batch-size (batch_size/(2m) classes × m each): a
+         step embeds as many images as a plain step, at the price of metric-loss
+         batches half a plain run's size, which confounds a comparison with the
+         plain run.  Kept to reproduce earlier results.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch.nn import functional as F
@@ -27,6 +33,9 @@ from .registry import REGULARIZERS
 @dataclass
 class CGMLParams:
     sigma: float = param(1.0, "RBF graph bandwidth σ")
+    batches: Literal["full", "split"] = param(
+        "full", "full: X′ and X″ each a full --batch-size batch (the paper's two minibatches of 130) | "
+                "split: X′ and X″ share --batch-size, half each (earlier behaviour)")
 
 
 def rbf_graph(x: torch.Tensor, sigma: float) -> torch.Tensor:
@@ -44,7 +53,12 @@ class CGMLRegularizer(Regularizer):
     name = "cgml"
     paired = True
 
+    def __init__(self, weight: float, params, loss_module, embed_dim: int, trunk_dim: int):
+        super().__init__(weight, params, loss_module, embed_dim, trunk_dim)
+        self.pair_batches = params.batches  # what the samplers draw: see the module docstring
+
     def terms(self, ctx: BatchContext):
         a, b = ctx.halves
         gc = graph_consistency(F.normalize(a, dim=1), F.normalize(b, dim=1), self.params.sigma)
+        # the weighted term is logged under "cgml" (next to the metric loss "loss"); L_GC unweighted
         return {self.name: self.weight * gc, "L_GC": gc}

@@ -13,6 +13,11 @@ R2, power mean of order −λ of the distances d_ij = ‖p_i − p_j‖ (positiv
   apart until they are about orthogonal, then stop.
 For many classes a random subset of proxies is used each step (the paper
 notes this saves the C² work).
+Diagnostic `max_proxy_cos`: the largest cosine between two different proxies,
+over all of them (not the step's subset): the pair R1 pushes hardest, so a log
+shows whether the term moves the proxies at all.  Per step here (TensorBoard);
+the epoch log (train_max_proxy_cos) holds its value at the end of the epoch,
+which the trainer logs for every proxy-loss run, with or without this term.
 """
 from __future__ import annotations
 
@@ -36,6 +41,29 @@ class SkewedMeanParams:
     lam: float = param(1.0, "R2 order −λ")
     target: float = param(math.sqrt(2.0), "R2 target distance δ₂")
     max_proxies: int = param(512, "proxies sampled per step when there are more classes")
+
+
+DIAG_PROXIES = 4096  # per-step diagnostic over at most this many proxies (beyond: a fixed, evenly spaced subset)
+
+
+@torch.no_grad()
+def max_proxy_cosine(P: torch.Tensor, limit: int | None = None, chunk: int = 2048) -> torch.Tensor:
+    """The largest cosine between two different rows of P (normalised here), exactly, in row chunks
+    so C × C is never held at once.  `limit`: only that many evenly spaced rows when C is larger (the
+    same rows every call).  NaN with fewer than two rows."""
+    P = F.normalize(P.detach().float(), dim=1)
+    if limit is not None and len(P) > limit:
+        P = P[torch.linspace(0, len(P) - 1, limit, device=P.device).round().long()]
+    C = len(P)
+    if C < 2:
+        return torch.tensor(float("nan"))
+    best = []
+    for i in range(0, C, chunk):
+        S = P[i: i + chunk] @ P.t()
+        rows = torch.arange(len(S), device=P.device)
+        S[rows, rows + i] = float("-inf")  # a proxy with itself
+        best.append(S.max())
+    return torch.stack(best).max()
 
 
 def lse_mean(a: torch.Tensor, gamma: float, dim: int = -1, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,4 +111,5 @@ class SkewedMeanRegularizer(Regularizer):
 
     def terms(self, ctx: BatchContext):
         v = self.value(self._proxies(ctx.proxies, ctx.generator))
-        return {self.name: self.weight * v, f"skew_{self.params.form}": v}
+        return {self.name: self.weight * v, f"skew_{self.params.form}": v,
+                "max_proxy_cos": max_proxy_cosine(ctx.proxies, DIAG_PROXIES)}
