@@ -119,7 +119,9 @@ CASES = {
 
 
 DETERMINANT = {"loss": "proxy_anchor", "regs": ["determinant"],
-               "reg_param": ["determinant.transforms=2", "determinant.hidden=16", "determinant.epsilon=0.4"]}
+               # the tangent variant: its random partners are drawn per rank, the case worth checking here
+               "reg_param": ["determinant.transforms=2", "determinant.hidden=16", "determinant.epsilon=0.4",
+                             "determinant.augment=tangent"]}
 TRIPLET = {"loss": "triplet", "loss_param": ["miner=semihard"]}
 
 
