@@ -70,7 +70,11 @@ def strategy_eval(ck: Path, out: Path, cache_dir: str, grid: str, seeds: int) ->
     from index.build import split_features
     from index.strategy_eval import run_evaluation
 
-    stamp_val = json.dumps({"sha": sha256_file(ck), "grid": grid, "seeds": seeds}, sort_keys=True)
+    from index.refinements import REFINEMENTS
+
+    # the registered strategies too: a strategy added since is evaluated, not missing from a reused table
+    stamp_val = json.dumps({"sha": sha256_file(ck), "grid": grid, "seeds": seeds,
+                            "strategies": list(REFINEMENTS.names())}, sort_keys=True)
     stamp = out / "stamp.json"
     if stamp.is_file() and stamp.read_text().strip() == stamp_val and (out / "strategies.json").is_file():
         print(f"    reusing strategy evaluation {out}", flush=True)
@@ -117,6 +121,13 @@ def summarize_run(res: dict) -> dict:
         refined = [r for r in rows if r["params"]["r"] > 0]  # r = 0 is M* itself
         best = max(refined, key=lambda r: r["map@r"])
         out[f"best_{name}"] = {"r": best["params"]["r"], "mode": "bilinear", **{m: best[m] for m, _ in METRICS}}
+    for reading in ("abs", "clip"):  # the PSD readings of diagonal restraint, scored by cosine
+        rows = [r for r in test if r["strategy"] == "diagonal-psd" and r["params"].get("psd") == reading
+                and r["mode"] == "cosine" and r["params"]["r"] > 0]
+        if rows:
+            best = max(rows, key=lambda r: r["map@r"])
+            out[f"best_diagonal_{reading}"] = {"r": best["params"]["r"], "mode": "cosine",
+                                               **{m: best[m] for m, _ in METRICS}}
     sel = next(t for t in res["table"] if t["row"] == VAL_ROW)
     out["val_selected"] = {"choice": sel["choice"], **{m: sel[m] for m, _ in METRICS}}
     orc = next((t for t in res["table"] if t["row"].startswith("best refined")), None)
@@ -387,14 +398,18 @@ def main():
     for m, title in METRICS:
         L += [f"## {title}", "",
               "| method | trained [cosine] | trained [bilinear] | identity [cosine] | identity [bilinear] | "
-              "best diagonal [bilinear] (r) | best random [bilinear] (r) | validation-selected |",
-              "|---|---|---|---|---|---|---|---|"]
+              "best diagonal [bilinear] (r) | best diagonal, |M′| [cosine] (r) | best diagonal, clipped [cosine] (r) | "
+              "best random [bilinear] (r) | validation-selected |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
         for loss in losses:
             runs = per_loss[loss]
             col = lambda k: pm([r[k][m] for r in runs])  # noqa: E731
             L.append(f"| {NAMES.get(loss, loss)} | {col('trained_cos')} | {col('trained_bil')} | "
                      f"{col('identity_cos')} | {col('identity_bil')} | "
                      f"{col('best_diagonal')} (r = {rs_text([r['best_diagonal']['r'] for r in runs])}) | "
+                     + "".join(f"{col(f'best_diagonal_{x}')} (r = {rs_text([r[f'best_diagonal_{x}']['r'] for r in runs])}) | "
+                               if all(f"best_diagonal_{x}" in r for r in runs) else "not evaluated | "
+                               for x in ("abs", "clip")) +
                      f"{col('best_random')} (r = {rs_text([r['best_random']['r'] for r in runs])}) | "
                      f"{col('val_selected')} |")
         L.append("")
