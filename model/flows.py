@@ -1,10 +1,19 @@
 """Normalizing-flow layers (zuko), built from a plain spec so checkpoints can rebuild them.
 
 Kinds
-  realnvp  affine coupling (RealNVP), alternating checkered masks
-  nice     additive coupling (NICE): log|det J| = 0 by construction
-  glow     affine coupling blocks with a fixed random permutation between blocks
-           (GLOW-style, as in the NIR paper's official code); may take a context
+  realnvp         affine coupling (RealNVP), alternating checkered masks
+  nice            additive coupling (NICE): log|det J| = 0 by construction
+  glow            FrEIA's GLOWCouplingBlock stack, as the NIR paper's official code builds it
+                  (criteria/nir.py:NormFlow): per block a fixed random permutation (numpy seed
+                  `seed + k`, as FrEIA's PermuteRandom(seed=k)), then two affine couplings on the
+                  contiguous halves, the first half from the second, then the second from the new
+                  first; PyTorch's default initialisation; may take a context
+  glow_checkered  one affine coupling per block on alternating checkered halves, a random
+                  permutation between blocks, near-identity initialisation (the former NIR flow)
+
+`clamp` > 0 soft-clamps every affine log-scale as FrEIA's "ATAN" clamp does:
+s = clamp · 0.636 · atan(a) (FrEIA/modules/coupling_layers.py, _BaseCouplingBlock), so |s| < clamp.
+clamp = 0 keeps zuko's own bound, s = a / (1 + |a| / ln 1000).
 
 `flow_forward` runs the layers one by one so that, besides y and
 log|det ∂y/∂x|, it can also return the per-dimension "+1" term of paper 000
@@ -20,14 +29,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
+import numpy as np
 import torch
 import zuko
+from torch.distributions import constraints
 from zuko.flows import GeneralCouplingTransform
 from zuko.lazy import Flow, UnconditionalDistribution, UnconditionalTransform
-from zuko.transforms import AdditiveTransform, CouplingTransform, PermutationTransform
+from zuko.transforms import (
+    AdditiveTransform,
+    CouplingTransform,
+    PermutationTransform,
+    Transform,
+)
 
-KINDS = ("realnvp", "nice", "glow")
+KINDS = ("realnvp", "nice", "glow", "glow_checkered")
 
 
 @dataclass
@@ -38,6 +55,8 @@ class FlowSpec:
     hidden: tuple[int, ...] = (256, 256)
     context: int = 0
     seed: int = 0  # for glow's permutations
+    # soft clamp of affine log-scales (FrEIA's ATAN form; the NIR code uses 2); 0: zuko's own bound
+    clamp: float = 0.0
     # elementwise activation a FlowHead applies before the flow (paper 000's "activation layer for the
     # connection to the deep metric layers"); "none" for specs written before it was recorded
     activation: str = "none"
@@ -58,22 +77,62 @@ def _checkered(features: int, i: int) -> torch.Tensor:
     return torch.arange(features) % 2 == i % 2
 
 
+class SoftClampAffineTransform(Transform):
+    """f(x) = exp(s)·x + t with s = clamp · 0.636 · atan(a): FrEIA's "ATAN" soft clamp (0.636 is
+    FrEIA's literal for 2/π), which zuko's affine transform does not offer (it bounds s by
+    a / (1 + |a| / ln 1000)); everything else about the coupling is zuko's."""
+
+    domain = constraints.real
+    codomain = constraints.real
+    bijective = True
+    sign = +1
+
+    def __init__(self, shift: torch.Tensor, scale: torch.Tensor, clamp: float = 2.0, **kwargs):
+        super().__init__(**kwargs)
+        self.shift = shift
+        self.log_scale = clamp * 0.636 * torch.atan(scale)
+
+    def _call(self, x):
+        return x * self.log_scale.exp() + self.shift
+
+    def _inverse(self, y):
+        return (y - self.shift) * torch.exp(-self.log_scale)
+
+    def log_abs_det_jacobian(self, x, y):
+        return self.log_scale.expand(x.shape)
+
+
+def _halves(features: int) -> torch.Tensor:
+    """True on the first half: FrEIA splits at round(0.5 · features)."""
+    return torch.arange(features) < round(0.5 * features)
+
+
 def build_flow(spec: FlowSpec) -> Flow:
     if spec.kind not in KINDS:
         raise ValueError(f"unknown flow kind {spec.kind!r}; choose from {KINDS}")
     d, c, h = spec.features, spec.context, tuple(spec.hidden)
     base = UnconditionalDistribution(zuko.distributions.DiagNormal, torch.zeros(d), torch.ones(d), buffer=True)
+    affine = {"univariate": partial(SoftClampAffineTransform, clamp=spec.clamp)} if spec.clamp > 0 else {}
     layers = []
     g = torch.Generator().manual_seed(spec.seed)
     for i in range(spec.transforms):
         if spec.kind == "nice":
             layers.append(GeneralCouplingTransform(d, c, mask=_checkered(d, i), univariate=AdditiveTransform,
                                                    shapes=((),), hidden_features=h))
+        elif spec.kind == "glow":
+            # FrEIA's PermuteRandom(seed=k) draws np.random.seed(k); np.random.permutation(d)
+            perm = torch.from_numpy(np.random.RandomState(spec.seed + i).permutation(d))
+            layers.append(UnconditionalTransform(PermutationTransform, perm, buffer=True))
+            first = _halves(d)  # a mask is True on the conditioning half
+            layers.append(GeneralCouplingTransform(d, c, mask=~first, hidden_features=h, **affine))
+            layers.append(GeneralCouplingTransform(d, c, mask=first, hidden_features=h, **affine))
         else:
-            layers.append(GeneralCouplingTransform(d, c, mask=_checkered(d, i), hidden_features=h))
-        if spec.kind == "glow" and i < spec.transforms - 1:
+            layers.append(GeneralCouplingTransform(d, c, mask=_checkered(d, i), hidden_features=h, **affine))
+        if spec.kind == "glow_checkered" and i < spec.transforms - 1:
             layers.append(UnconditionalTransform(PermutationTransform, torch.randperm(d, generator=g), buffer=True))
     flow = Flow(layers, base)
+    if spec.kind == "glow":  # FrEIA's subnets keep PyTorch's default initialisation (the NIR code's fc_init='none'),
+        return flow          # which zuko's Linear draws alike: weight and bias U(±1/√fan_in)
     # start close to the identity: zero the last layer of every coupling network
     for layer in layers:
         if isinstance(layer, GeneralCouplingTransform):

@@ -6,6 +6,8 @@ Under torchrun (`distribute`) the step's loss runs as the forward of a DDP-wrapp
 averaged over the ranks in backward; the logged parts are averaged over the ranks too."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .regularizers import BatchContext
@@ -24,7 +26,8 @@ def build_optimizer(cfg, model, loss, regs, n_train: int) -> torch.optim.Optimiz
     # a regularizer's own copy of the loss (dueling g_max) is trained like the loss
     loss_params = list(loss.parameters()) + [p for r in regs for p in r.loss_parameters()]
     if loss_params:
-        groups.append({"params": loss_params, "lr": cfg.lr * cfg.proxy_lr_mult, "name": "loss",
+        scale = math.prod(r.proxy_lr_scale for r in regs)  # e.g. NIR's official proxy rate
+        groups.append({"params": loss_params, "lr": cfg.lr * cfg.proxy_lr_mult * scale, "name": "loss",
                        "weight_decay": 0.0})
     heads = [p for h in (model.trunk_head, model.embed_head) if h is not None for p in h.parameters()]
     if heads:  # flow metric layers: 1e-3 with the default base lr 1e-4 (paper 000)
@@ -32,7 +35,8 @@ def build_optimizer(cfg, model, loss, regs, n_train: int) -> torch.optim.Optimiz
     for r in regs:
         ps = r.parameters()
         if ps:
-            groups.append({"params": ps, "lr": cfg.lr * r.lr_mult, "name": f"reg:{r.name}"})
+            decay = {} if r.weight_decay is None else {"weight_decay": r.weight_decay}
+            groups.append({"params": ps, "lr": cfg.lr * r.lr_mult, "name": f"reg:{r.name}", **decay})
     # a proxy loss whose proxies miss the optimizer silently never learns them
     in_opt = {id(p) for g in groups for p in g["params"]}
     missing = [n for n, p in loss.named_parameters() if id(p) not in in_opt]
@@ -50,7 +54,8 @@ class Step:
     def __init__(self, model, loss, regs, opt: torch.optim.Optimizer, grad_clip: float,
                  device: torch.device | None = None, precision: str = "fp32"):
         self.model, self.loss, self.regs, self.opt, self.grad_clip = model, loss, regs, opt, grad_clip
-        self.paired = any(r.paired for r in regs)
+        # two class-aligned batches per step, each "full" or "split" (regularizers/cgml.py); None: one batch
+        self.paired = next((getattr(r, "pair_batches", "full") for r in regs if r.paired), None)
         self.wants_proxies = any(r.needs_proxies for r in regs)
         self.device, self.precision = device or torch.device("cpu"), precision
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == "fp16")
@@ -88,7 +93,10 @@ class Step:
                 halves = (global_batch(halves[0])[0], global_batch(halves[1])[0])
         else:
             loss = self.loss(emb, y)
-        parts = {"loss": float(loss.detach())}
+        parts = {"loss": float(loss.detach())}  # the metric loss as computed, before any scale
+        scale = math.prod(r.base_loss_scale for r in self.regs)
+        if scale != 1.0:
+            loss = scale * loss
         ctx = BatchContext(labels=y, embeddings=emb, neck=neck, trunk=phi, backbone=backbone_feats,
                            loss=self.loss, neck_layer=model.neck, generator=generator,
                            proxies=self.loss.class_proxies() if self.wants_proxies else None,

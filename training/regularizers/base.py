@@ -7,7 +7,9 @@ name is the weighted term added to the training loss; any other entries are
 unweighted diagnostics, logged only.  It never changes the model or the
 trainer; what it owns, it declares:
   - `heads()`: flow heads the model is built with (the determinant's g_min);
-  - `parameters()`: its own trainable parameters (lr × `lr_mult`);
+  - `parameters()`: its own trainable parameters (lr × `lr_mult`; weight decay `weight_decay`,
+    None: the run's);
+  - `proxy_lr_scale`: the loss's proxies train at this × their usual rate while it is on;
   - `loss_parameters()`: parameters trained like the loss's proxies;
   - `module`: everything it owns, checkpointed for resume.
 `paired = True` asks for two class-aligned batches per step (CGML);
@@ -43,6 +45,11 @@ class Regularizer:
     paired: bool = False
     needs_proxies: bool = False
     lr_mult: float = 10.0
+    weight_decay: float | None = None
+    proxy_lr_scale: float = 1.0
+    # the base metric loss's factor in the total (NIR's official objective scales the proxy loss by
+    # w_align instead of scaling its own term); the product over a run's regularizers is used
+    base_loss_scale: float = 1.0
 
     def __init__(self, weight: float, params, loss_module: nn.Module, embed_dim: int, trunk_dim: int):
         self.weight = float(weight)

@@ -1,18 +1,31 @@
-"""Non-isotropy regularization, NIR (paper 001).
+"""Non-isotropy regularization, NIR (paper 001), as its official code computes it
+(ExplainableML/NonIsotropicProxyDML, criteria/nir.py with parameters.py's defaults).
 
-A conditional normalizing flow T maps an embedding x to a residual
-z = T(x | c), where the condition c is the L2-normalised proxy of x's class
-(for SoftTriple, the class's *first* centre; see losses/base.py).  T is
-GLOW-style: affine coupling blocks with fixed random permutations between
-them (5 blocks with MLP sub-networks, as the official code).
-    L_NIR = mean_batch(½‖z‖² − log|det ∂z/∂x|)        (NLL under N(0, I) up to a constant)
-variant "exp": mean_batch(exp(nll_i / d)) — the official code averages
-exp(per-sample NLL); we divide the NLL by d inside the exponent, since exp of a
-d = 128 NLL overflows float32.  The proxies are not detached: gradients reach
-them through the condition.  Embeddings are L2-normalised first, as every
-proxy loss here compares directions.  Unit embeddings lie on a sphere, where a
-density can be made arbitrarily peaked (the NLL is unbounded below); with
-`input=raw` the flow models the un-normalised neck output instead.
+A conditional normalizing flow T maps an embedding x to a residual z = T(x | c), where c is
+the L2-normalised proxy of x's class (for SoftTriple, the class's *first* centre; see
+losses/base.py).  The proxies are not detached: gradients reach them through the condition.
+    nll_i = ½‖z_i‖² − log|det ∂z_i/∂x_i|               (−log N(z; 0, I) up to a constant)
+Official objective: mean_i exp(nll_i) + w_align · proxy loss, w_align = 0.01 (parameters.py;
+0.0075 in the CUB200 runs of nir_benchmark_runs.sh): the proxy loss is scaled down, not the flow
+term.  So the term here is mean_i exp(nll_i) at weight 1 (the default), and `w_align` scales the
+base metric loss (Regularizer.base_loss_scale): the total is the official objective itself, so
+--grad-clip sees the official gradient's scale.  The former forms (`nll`, `exp`) were weighted
+the other way: give them w_align=1 and their --reg-weight.
+The exponential is taken in float32 without a guard, as the official code takes it: the soft
+clamp bounds |log|det|| by blocks · d · clamp, ½‖z‖² is unbounded, so exp overflows only when
+a sample's NLL exceeds ~88; the objective pushes the NLL down, where exp underflows to 0 and that
+sample stops contributing a gradient.
+Flow (official NormFlow): `blocks` FrEIA GLOWCouplingBlocks, each after a fixed random permutation,
+sub-networks of `layers` linear layers of width `hidden` with ReLU between (subnet_fc), soft clamp
+2, conditioned on c in every block (cond_mode 'dense'; 'dense_embed' first maps c through a
+Linear-ReLU-Linear embedder).  Optional input noise (official default 0): x + noise · U[0, 1),
+re-normalised.  The flow and the embedder train at 50× the base learning rate, the proxies at
+twice the rate a proxy loss alone gives them (loss_nir_proxy_lrmulti 4000 vs loss_oproxy_lrmulti
+2000), neither with weight decay.
+Variants: `nll` (the former default) averages the NLL; `exp` averages exp(nll / d);
+`flow=glow_checkered layers=3 clamp=0` is the former flow.  Unit embeddings lie on a sphere,
+where a density can be made arbitrarily peaked (the NLL is unbounded below; exp(NLL) is not);
+with `input=raw` the flow models the un-normalised neck output instead.
 """
 from __future__ import annotations
 
@@ -22,45 +35,112 @@ from typing import Literal
 import torch
 from torch.nn import functional as F
 
+from core.errors import UserError
 from model.flows import FlowSpec, build_flow, flow_forward
 
 from ..params import param
 from .base import BatchContext, Regularizer
 from .registry import REGULARIZERS
 
+W_ALIGN = 0.01  # official parameters.py: --loss_nir_w_align
+FLOW_LR_MULT = 50.0  # --loss_nir_lrmulti (flow and condition embedder)
+PROXY_LR_SCALE = 4000.0 / 2000.0  # --loss_nir_proxy_lrmulti over the proxy loss's --loss_oproxy_lrmulti
+
 
 @dataclass
 class NIRParams:
-    blocks: int = param(5, "affine coupling blocks of the conditional flow")
-    hidden: int = param(128, "coupling-network width")
-    variant: Literal["nll", "exp"] = param("nll", "nll: mean NLL | exp: mean exp(NLL / d)")
-    input: Literal["unit", "raw"] = param("unit", "unit: L2-normalised embeddings | raw: the neck output as is")
+    blocks: int = param(5, "GLOW coupling blocks (official: 5, --loss_nir_nf_cblocks)")
+    hidden: int = param(128, "coupling sub-network width (official: 128, --loss_nir_nf_fc_width)")
+    layers: int = param(8, "linear layers per coupling sub-network, ReLU between (official: 8, "
+                           "--loss_nir_nf_fc_depth; 3 = the former flow's two hidden layers)")
+    clamp: float = param(2.0, "soft clamp of the log-scales, s = clamp·0.636·atan(a) (official: 2, "
+                              "--loss_nir_nf_clamp_alpha); 0 = zuko's own bound (the former flow)")
+    flow: Literal["glow", "glow_checkered"] = param(
+        "glow", "glow (official: FrEIA GLOWCouplingBlocks on contiguous halves, a random permutation before "
+        "each, default init) | glow_checkered (the former flow: one coupling per block on checkered halves, "
+        "near-identity init)")
+    variant: Literal["official", "nll", "exp"] = param(
+        "official", "official: mean exp(½‖z‖² − log|det|), the official code's | nll: mean NLL (the former "
+        "default) | exp: mean exp(NLL / d) (the former exp form)")
+    condition: Literal["dense", "dense_embed"] = param(
+        "dense", "dense (official default, --loss_nir_nf_cond_mode): the unit proxy conditions every block | "
+        "dense_embed (an official option): through a Linear-ReLU-Linear d→d→d embedder first")
+    noise: float = param(0.0, "input noise: x + noise·U[0,1), re-normalised, training only (official: 0, "
+                              "--loss_nir_noise)")
+    flow_lr_mult: float = param(FLOW_LR_MULT, "flow and embedder learning rate = lr × this (official: 50, "
+                                              "--loss_nir_lrmulti)")
+    proxy_lr_scale: float = param(PROXY_LR_SCALE, "the loss's proxies train at this × --proxy-lr-mult "
+                                                  "(official: 2 = 4000/2000, --loss_nir_proxy_lrmulti over "
+                                                  "--loss_oproxy_lrmulti); 1 = the former rate")
+    w_align: float = param(W_ALIGN, "the base proxy loss's factor in the total: mean exp(NLL) + w_align · proxy "
+                                    "loss (official: 0.01, --loss_nir_w_align; 0.0075 in its CUB runs); 1 leaves "
+                                    "the base loss as it is (the former forms)")
+    input: Literal["unit", "raw"] = param(
+        "unit", "unit (official: the network's L2-normalised embedding) | raw: the neck output as is")
+
+    def validate(self) -> None:
+        for name, ok in (("blocks", self.blocks >= 1), ("hidden", self.hidden >= 1), ("layers", self.layers >= 2),
+                         ("clamp", self.clamp >= 0), ("noise", self.noise >= 0),
+                         ("flow_lr_mult", self.flow_lr_mult > 0), ("proxy_lr_scale", self.proxy_lr_scale > 0),
+                         ("w_align", self.w_align > 0)):
+            if not ok:
+                raise UserError(f"nir.{name} out of range: {getattr(self, name)!r}")
 
 
-@REGULARIZERS.register("nir", NIRParams, doc="non-isotropy: NLL of embeddings under a proxy-conditioned flow (NIR)",
-                       weight=0.1)
+@REGULARIZERS.register(
+    "nir", NIRParams, weight=1.0,
+    doc="non-isotropy: a proxy-conditioned GLOW flow on the embeddings (NIR; the official code's defaults: "
+        "variant=official, mean exp(NLL) at weight 1 + w_align 0.01 × the proxy loss, flow=glow with clamp 2 and 8-layer sub-networks, "
+        "condition=dense; other variants: variant=nll|exp (with w_align=1), flow=glow_checkered, condition=dense_embed, input=raw)")
 class NIRRegularizer(Regularizer):
     name = "nir"
     needs_proxies = True
-    lr_mult = 50.0  # the official code trains the flow at 50× the base learning rate
+    weight_decay = 0.0  # the official optimizer groups for flow and proxies carry none
 
     def __init__(self, weight, params: NIRParams, loss_module, embed_dim, trunk_dim):
         super().__init__(weight, params, loss_module, embed_dim, trunk_dim)
-        self.d = embed_dim
-        self.flow = build_flow(FlowSpec("glow", embed_dim, params.blocks, (params.hidden, params.hidden),
-                                        context=embed_dim))
-        self.module = self.flow
+        self.d = d = embed_dim
+        self.lr_mult = params.flow_lr_mult
+        self.proxy_lr_scale = params.proxy_lr_scale
+        self.base_loss_scale = params.w_align
+        self.flow = build_flow(FlowSpec(params.flow, d, params.blocks, (params.hidden,) * (params.layers - 1),
+                                        context=d, clamp=params.clamp))
+        # official NormflowCondPrep('dense_embed'); 'dense' has no parameters
+        self.embed = (torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.ReLU(), torch.nn.Linear(d, d))
+                      if params.condition == "dense_embed" else None)
+        self.module = torch.nn.ModuleDict({"flow": self.flow} | ({"embed": self.embed} if self.embed is not None else {}))
+
+    def condition(self, proxies: torch.Tensor) -> torch.Tensor:
+        """The flow's context from unit class proxies (one row per sample)."""
+        return self.embed(proxies) if self.embed is not None else proxies
 
     def residual(self, x: torch.Tensor, c: torch.Tensor):
+        """(z, log|det ∂z/∂x|) for inputs x and contexts c (already through `condition`)."""
         z, ladj, _ = flow_forward(self.flow, x, c)
         return z, ladj
 
-    def nll(self, emb, y, proxies: torch.Tensor) -> torch.Tensor:
+    def flow_input(self, emb: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         x = F.normalize(emb, dim=1) if self.params.input == "unit" else emb
-        z, ladj = self.residual(x, proxies[y])
+        if self.params.noise > 0 and self.module.training:
+            u = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+            x = x + self.params.noise * u
+            if self.params.input == "unit":
+                x = F.normalize(x, dim=1)
+        return x
+
+    def nll(self, emb, y, proxies: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Per-sample ½‖z‖² − log|det ∂z/∂x|."""
+        z, ladj = self.residual(self.flow_input(emb, generator), self.condition(proxies[y]))
         return 0.5 * (z ** 2).sum(1) - ladj
 
+    def objective(self, nll: torch.Tensor) -> torch.Tensor:
+        """The unweighted term from per-sample NLLs."""
+        if self.params.variant == "official":
+            return torch.exp(nll).mean()
+        if self.params.variant == "exp":
+            return torch.exp(nll / self.d).mean()
+        return nll.mean()
+
     def terms(self, ctx: BatchContext):
-        nll = self.nll(ctx.embeddings, ctx.labels, ctx.proxies)
-        value = nll.mean() if self.params.variant == "nll" else torch.exp(nll / self.d).mean()
-        return {self.name: self.weight * value, "nir_nll": nll.mean()}
+        nll = self.nll(ctx.embeddings, ctx.labels, ctx.proxies, ctx.generator)
+        return {self.name: self.weight * self.objective(nll), "nir_nll": nll.mean()}

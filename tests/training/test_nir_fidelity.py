@@ -1,0 +1,328 @@
+"""NIR (paper 001) against its official code (ExplainableML/NonIsotropicProxyDML): the objective,
+the FrEIA GLOW flow with its soft clamp, the condition, the noise and the learning rates, each
+checked against an independent computation; the former variants still compute what they did."""
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+import zuko
+from torch.nn import functional as F
+from zuko.flows import GeneralCouplingTransform
+from zuko.lazy import Flow, UnconditionalDistribution, UnconditionalTransform
+from zuko.transforms import PermutationTransform
+
+from core.errors import UserError
+from model.flows import FlowSpec, SoftClampAffineTransform, build_flow, flow_forward
+from training.regularizers import REGULARIZERS, BatchContext
+from training.regularizers import nir as nir_mod
+from training.regularizers.nir import NIRParams, NIRRegularizer
+
+
+def make(d=6, C=5, weight=None, **kw):
+    from training.losses import build_loss
+
+    torch.manual_seed(0)
+    loss, _ = build_loss("proxy_anchor", C, d)
+    w = REGULARIZERS.get("nir").meta["weight"] if weight is None else weight
+    p = dataclasses.replace(NIRParams(), **{"blocks": 2, "hidden": 16, "layers": 3} | kw)
+    return NIRRegularizer(w, p, loss, d, 32), loss
+
+
+def ctx_of(emb, y, loss, generator=None):
+    return BatchContext(labels=y, embeddings=emb, neck=emb, trunk=emb, backbone=emb, loss=loss,
+                        neck_layer=torch.nn.Identity(), generator=generator or torch.Generator(),
+                        proxies=loss.class_proxies())
+
+
+def freia_glow(flow, x, c, clamp):
+    """The official NormFlow's forward pass written out as FrEIA's GraphINN runs it: per block
+    PermuteRandom, then GLOWCouplingBlock (x1 from [x2, c], then x2 from [y1, c], both soft-clamped
+    by clamp·0.636·atan).  Only the sub-network weights are taken from `flow`; zuko's hyper-network
+    lays out its output as (t, a) pairs per transformed dimension."""
+    layers = list(flow.transform.transforms)
+    d = x.shape[1]
+    h = round(0.5 * d)  # FrEIA's split_len1
+    logdet = torch.zeros(len(x), dtype=x.dtype)
+    for k in range(len(layers) // 3):
+        x = x[:, torch.from_numpy(freia_permutation(k, d))]
+        halves = [x[:, :h], x[:, h:]]
+        for i in (0, 1):  # _coupling1: x1 from [x2, c]; _coupling2: x2 from [y1, c]
+            raw = layers[3 * k + 1 + i].hyper(torch.cat([halves[1 - i], c], 1))
+            t, a = raw[:, 0::2], raw[:, 1::2]
+            s = clamp * 0.636 * torch.atan(a)
+            halves[i] = torch.exp(s) * halves[i] + t
+            logdet = logdet + s.sum(1)
+        x = torch.cat(halves, 1)
+    return x, logdet
+
+
+def freia_permutation(seed, d):
+    """FrEIA PermuteRandom(seed): np.random.seed(seed); np.random.permutation(d) (global state restored)."""
+    state = np.random.get_state()
+    np.random.seed(seed)
+    perm = np.random.permutation(d)
+    np.random.set_state(state)
+    return perm
+
+
+# ------------------------------------------------------------------ flow: FrEIA GLOW with soft clamp
+def test_soft_clamp_is_freias_atan_form_and_bounds_the_log_scale():
+    a = torch.tensor([-1e6, -3.0, -0.2, 0.0, 0.5, 4.0, 1e6], dtype=torch.float64)
+    for clamp in (2.0, 0.7):
+        t = SoftClampAffineTransform(torch.zeros_like(a), a, clamp=clamp)
+        want = clamp * 0.636 * np.arctan(a.numpy())  # FrEIA/modules/coupling_layers.py: 0.636 * atan(u)
+        np.testing.assert_allclose(t.log_scale.numpy(), want, rtol=1e-12)
+        assert t.log_scale.abs().max() < clamp
+        x = torch.randn(7, dtype=torch.float64)
+        np.testing.assert_allclose(t(x).numpy(), np.exp(want) * x.numpy(), rtol=1e-12)
+        np.testing.assert_allclose(t.inv(t(x)).numpy(), x.numpy(), rtol=1e-10)
+
+
+def test_glow_permutations_are_freias_permute_random():
+    f = build_flow(FlowSpec("glow", 10, 3, (8,), context=2, clamp=2.0))
+    assert len(f.transform.transforms) == 9  # per block: permutation, then the two half couplings
+    for k in range(3):
+        assert f.transform.transforms[3 * k]().order.tolist() == freia_permutation(k, 10).tolist()
+
+
+@pytest.mark.parametrize("kind,d,clamp", [("glow", 6, 2.0), ("glow", 5, 2.0), ("glow", 6, 0.0),
+                                          ("glow_checkered", 6, 0.0), ("glow_checkered", 6, 2.0)])
+def test_glow_logdet_equals_autograd_jacobian_and_zukos_transform(kind, d, clamp):
+    f = build_flow(FlowSpec(kind, d, 3, (16, 16), context=3, clamp=clamp))
+    torch.manual_seed(1)
+    for p in f.parameters():
+        if p.dim() > 0:
+            torch.nn.init.normal_(p, std=0.3)
+    f = f.double()
+    x = torch.randn(4, d, dtype=torch.float64)
+    c = torch.randn(4, 3, dtype=torch.float64)
+    y, ladj, _ = flow_forward(f, x, c)
+    want_y, want_ladj = f(c).transform.call_and_ladj(x)
+    torch.testing.assert_close(y, want_y, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ladj, want_ladj, rtol=0, atol=1e-12)
+    for i in range(4):
+        J = torch.autograd.functional.jacobian(lambda v, ci=c[i: i + 1]: flow_forward(f, v, ci)[0], x[i: i + 1])
+        assert float(ladj[i].detach()) == pytest.approx(float(torch.linalg.slogdet(J.reshape(d, d))[1]), abs=1e-9)
+    torch.testing.assert_close(f(c).transform.inv(y), x, rtol=0, atol=1e-9)
+
+
+def test_glow_is_the_official_normflow():
+    """Against FrEIA's GraphINN forward written out; sizes and parameter count as the official NormFlow
+    at d = 128 (5 blocks, subnet_fc(depth 8, width 128), condition of size d in every block)."""
+    reg, _ = make(d=6, blocks=3, hidden=16, layers=4)
+    f = reg.flow.double()
+    x = F.normalize(torch.randn(5, 6, dtype=torch.float64), dim=1)
+    c = torch.randn(5, 6, dtype=torch.float64)
+    z, ladj, _ = flow_forward(f, x, c)
+    want_z, want_ladj = freia_glow(f, x, c, clamp=2.0)
+    torch.testing.assert_close(z, want_z, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ladj, want_ladj, rtol=0, atol=1e-12)
+
+    big, _ = make(d=128, blocks=5, hidden=128, layers=8)
+    per_subnet = (64 + 128) * 128 + 128 + 7 * (128 * 128 + 128)  # Linear(192,128), 6×(128,128), (128,128)
+    assert sum(p.numel() for p in big.module.parameters()) == 5 * 2 * per_subnet
+    hyper = big.flow.transform.transforms[1].hyper
+    linears = [m for m in hyper if isinstance(m, zuko.nn.Linear)]
+    assert len(linears) == 8 and all(isinstance(m, torch.nn.ReLU) for m in list(hyper)[1::2])
+    assert {m.out_features for m in linears[:-1]} == {128}
+
+
+# ------------------------------------------------------------------ the objective
+def test_official_objective_equals_a_direct_computation():
+    """term = weight · mean exp(½‖z‖² − log|det|), z and log|det| from an autograd Jacobian of the
+    flow, the exp and the mean in numpy float64; with the base loss scaled by w_align the step's total is
+    the official mean exp(NLL) + w_align · proxy loss itself."""
+    reg, loss = make(d=6)
+    assert reg.params.variant == "official" and reg.weight == 1.0 and reg.base_loss_scale == 0.01
+    emb = torch.randn(8, 6)
+    y = torch.tensor([0, 0, 1, 1, 2, 3, 3, 4])
+    terms = reg.terms(ctx_of(emb, y, loss))
+
+    x = F.normalize(emb, dim=1).double()
+    c = loss.class_proxies().detach()[y].double()
+    f = reg.flow.double()
+    nll = []
+    for i in range(8):
+        def fwd(v, ci=c[i: i + 1]):
+            return freia_glow(f, v, ci, clamp=2.0)[0]
+        z = fwd(x[i: i + 1])[0].detach().numpy()
+        J = torch.autograd.functional.jacobian(fwd, x[i: i + 1]).reshape(6, 6).numpy()
+        nll.append(0.5 * (z ** 2).sum() - np.linalg.slogdet(J)[1])
+    nll = np.array(nll)
+    want = np.exp(nll).mean()
+    assert float(terms["nir"].detach()) == pytest.approx(want, rel=1e-5)
+    assert float(terms["nir_nll"]) == pytest.approx(nll.mean(), rel=1e-5, abs=1e-5)
+
+    base = float(loss(emb, y))
+    official = np.exp(nll).mean() + 0.01 * base  # criteria/nir.py: mean(exp(nll)) + w_align · proxy loss
+    assert reg.base_loss_scale * base + float(terms["nir"]) == pytest.approx(official, rel=1e-5)
+
+
+def test_official_exp_is_float32_without_a_guard_and_finite_at_init():
+    """The official code exponentiates the per-sample NLL as it is; at the official sizes and
+    initialisation the NLL of unit embeddings is a few nats, far from float32's exp limit (~88)."""
+    reg, loss = make(d=128, C=10, blocks=5, hidden=128, layers=8)
+    emb = torch.randn(32, 128)
+    y = torch.arange(32) % 10
+    nll = reg.nll(emb, y, loss.class_proxies())
+    assert nll.dtype == torch.float32 and nll.abs().max() < 20
+    assert float(reg.objective(nll)) == pytest.approx(float(torch.exp(nll.double()).mean()), rel=1e-5)
+    assert torch.isinf(reg.objective(torch.tensor([100.0])))  # no clamp: overflow shows, as in the official code
+
+
+def test_gradients_reach_flow_and_proxies():
+    reg, loss = make(d=6)
+    y = torch.tensor([0, 1, 1, 3])
+    reg.terms(ctx_of(torch.randn(4, 6), y, loss))["nir"].backward()
+    g = loss.proxy_parameters()[0].grad
+    assert g is not None and g[[0, 1, 3]].abs().sum() > 0 and g[[2, 4]].abs().sum() == 0
+    assert all(p.grad is not None for p in reg.flow.parameters())
+
+
+# ------------------------------------------------------------------ condition, noise, learning rates
+def test_condition_dense_and_dense_embed():
+    reg, loss = make(d=6)
+    assert reg.params.condition == "dense" and reg.embed is None  # parameters.py: --loss_nir_nf_cond_mode dense
+    p = loss.class_proxies()
+    assert torch.equal(reg.condition(p), p)
+
+    reg, loss = make(d=6, condition="dense_embed")  # criteria/nir.py: NormflowCondPrep('dense_embed')
+    e = reg.embed
+    assert [type(m) for m in e] == [torch.nn.Linear, torch.nn.ReLU, torch.nn.Linear]
+    assert (e[0].in_features, e[0].out_features, e[2].in_features, e[2].out_features) == (6, 6, 6, 6)
+    p = loss.class_proxies()
+    want = F.linear(torch.relu(F.linear(p, e[0].weight, e[0].bias)), e[2].weight, e[2].bias)
+    torch.testing.assert_close(reg.condition(p), want)
+    assert {id(q) for q in e.parameters()} <= {id(q) for q in reg.parameters()}  # trained at the flow's rate
+    emb, y = torch.randn(4, 6), torch.tensor([0, 1, 2, 3])
+    z, ladj = reg.residual(F.normalize(emb, dim=1), want[y])
+    nll = 0.5 * (z ** 2).sum(1) - ladj
+    assert float(reg.terms(ctx_of(emb, y, loss))["nir_nll"]) == pytest.approx(float(nll.mean()), rel=1e-6)
+
+
+def test_noise_is_uniform_renormalised_seeded_and_off_in_eval():
+    reg, _ = make(d=6)
+    assert reg.params.noise == 0.0  # parameters.py: --loss_nir_noise 0
+    emb = torch.randn(4, 6)
+    torch.testing.assert_close(reg.flow_input(emb, torch.Generator().manual_seed(0)), F.normalize(emb, dim=1))
+
+    reg, _ = make(d=6, noise=0.1)
+    a = reg.flow_input(emb, torch.Generator().manual_seed(3))
+    b = reg.flow_input(emb, torch.Generator().manual_seed(3))
+    u = torch.rand(emb.shape, generator=torch.Generator().manual_seed(3))  # criteria/nir.py: noise · torch.rand
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(a, F.normalize(F.normalize(emb, dim=1) + 0.1 * u, dim=1))
+    assert not torch.allclose(a, reg.flow_input(emb, torch.Generator().manual_seed(4)))
+    reg.module.eval()
+    torch.testing.assert_close(reg.flow_input(emb, torch.Generator().manual_seed(3)), F.normalize(emb, dim=1))
+
+
+def test_official_constants_and_optimizer_groups():
+    # parameters.py (nir_parameters): --loss_nir_w_align 0.01, --loss_nir_lrmulti 50,
+    # --loss_nir_proxy_lrmulti 4000 (the proxy loss alone: --loss_oproxy_lrmulti 2000),
+    # --loss_nir_nf_cblocks 5, --loss_nir_nf_fc_depth 8, --loss_nir_nf_fc_width 128, --loss_nir_nf_clamp_alpha 2
+    assert nir_mod.W_ALIGN == 0.01 and nir_mod.FLOW_LR_MULT == 50.0 and nir_mod.PROXY_LR_SCALE == 2.0
+    assert REGULARIZERS.get("nir").meta["weight"] == 1.0 and NIRParams().w_align == 0.01
+    p = NIRParams()
+    assert (p.blocks, p.hidden, p.layers, p.clamp, p.flow, p.variant, p.condition, p.noise, p.input) == (
+        5, 128, 8, 2.0, "glow", "official", "dense", 0.0, "unit")
+    for f in dataclasses.fields(NIRParams):  # each help names the official value
+        assert "official" in f.metadata["help"], f.name
+    with pytest.raises(UserError, match="nir.layers"):
+        REGULARIZERS.params("nir", {"layers": 1})
+
+    from model.backbones import build_backbone
+    from model.network import EmbeddingModel
+    from training.config import TrainConfig
+    from training.losses import build_loss
+    from training.regularizers import build_regularizers
+    from training.step import build_optimizer
+
+    def groups(reg_param=()):
+        cfg = TrainConfig(embed_dim=8, lr=1e-3, loss="proxy_anchor", regularizer=("nir",), reg_param=reg_param)
+        backbone = build_backbone("small_cnn", "none")
+        model = EmbeddingModel(backbone, cfg.embed_dim)
+        loss, _ = build_loss(cfg.loss, 4, cfg.embed_dim)
+        regs = build_regularizers(cfg, loss, backbone.dim)
+        opt = build_optimizer(cfg, model, loss, regs, 0)
+        return cfg, {g["name"]: g for g in opt.param_groups}
+
+    cfg, g = groups(("nir.condition=dense_embed",))
+    assert g["reg:nir"]["lr"] == pytest.approx(cfg.lr * 50) and g["reg:nir"]["weight_decay"] == 0.0
+    assert len(g["reg:nir"]["params"]) == 5 * 2 * 8 * 2 + 4  # flow: blocks × 2 couplings × 8 linears × (w, b); embedder
+    assert g["loss"]["lr"] == pytest.approx(cfg.lr * cfg.proxy_lr_mult * 2)
+    cfg, g = groups(("nir.proxy_lr_scale=1", "nir.flow_lr_mult=10"))
+    assert g["loss"]["lr"] == pytest.approx(cfg.lr * cfg.proxy_lr_mult)
+    assert g["reg:nir"]["lr"] == pytest.approx(cfg.lr * 10)
+
+
+# ------------------------------------------------------------------ the former variants
+def former_flow(d, blocks, hidden):
+    """The former NIR flow, built as the former build_flow built kind "glow"."""
+    layers = []
+    g = torch.Generator().manual_seed(0)
+    for i in range(blocks):
+        layers.append(GeneralCouplingTransform(d, d, mask=torch.arange(d) % 2 == i % 2, hidden_features=(hidden, hidden)))
+        if i < blocks - 1:
+            layers.append(UnconditionalTransform(PermutationTransform, torch.randperm(d, generator=g), buffer=True))
+    base = UnconditionalDistribution(zuko.distributions.DiagNormal, torch.zeros(d), torch.ones(d), buffer=True)
+    return Flow(layers, base)
+
+
+def test_former_flow_and_variants_compute_what_they_did():
+    reg, loss = make(d=6, weight=0.1, flow="glow_checkered", layers=3, clamp=0.0, blocks=5, hidden=16, variant="nll")
+    old = former_flow(6, 5, 16)
+    new_state, old_state = reg.flow.state_dict(), old.state_dict()
+    assert list(new_state) == list(old_state)
+    params = {n for n, _ in old.named_parameters()}
+    for n in old_state:  # the same masks and permutations
+        if n not in params:
+            assert torch.equal(new_state[n], old_state[n]), n
+    for n, p in reg.flow.named_parameters():  # and the near-identity start: last layer of each coupling net zero
+        if n.endswith(("hyper.4.weight", "hyper.4.bias")):
+            assert not p.any()
+    torch.manual_seed(2)
+    for p in reg.flow.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    old.load_state_dict(reg.flow.state_dict())
+    emb, y = torch.randn(6, 6), torch.tensor([0, 1, 1, 2, 3, 4])
+    x, c = F.normalize(emb, dim=1), loss.class_proxies()[y]
+    z, ladj = old(c).transform.call_and_ladj(x)
+    nll = 0.5 * (z ** 2).sum(1) - ladj
+
+    terms = reg.terms(ctx_of(emb, y, loss))
+    assert float(terms["nir"]) == pytest.approx(0.1 * float(nll.mean()), rel=1e-5)
+    reg.params = dataclasses.replace(reg.params, variant="exp")
+    terms = reg.terms(ctx_of(emb, y, loss))
+    assert float(terms["nir"]) == pytest.approx(0.1 * float(torch.exp(nll / 6).mean()), rel=1e-5)
+    assert float(terms["nir_nll"]) == pytest.approx(float(nll.mean()), rel=1e-5, abs=1e-6)
+
+
+def test_raw_input_skips_normalisation():
+    reg, loss = make(d=6, input="raw")
+    emb = 3 * torch.randn(4, 6)
+    torch.testing.assert_close(reg.flow_input(emb), emb)
+    assert math.isfinite(float(reg.terms(ctx_of(emb, torch.tensor([0, 1, 2, 3]), loss))["nir"]))
+
+
+def test_the_training_step_total_is_the_official_objective():
+    """Through the trainer's Step: total = mean exp(NLL) + w_align · proxy loss (the base loss scaled by
+    w_align, the NIR term at weight 1), and the logged `loss` stays the unscaled metric loss."""
+    from model.backbones import build_backbone
+    from model.network import EmbeddingModel
+    from training.step import Step
+
+    torch.manual_seed(0)
+    model = EmbeddingModel(build_backbone("small_cnn", weights="none"), 6)
+    reg, loss = make(d=6)
+    step = Step(model, loss, [reg], opt=None, grad_clip=0.0)
+    feats = torch.randn(8, model.trunk_dim)
+    y = torch.tensor([0, 0, 1, 1, 2, 3, 3, 4])
+    total, parts = step.forward(feats, y, torch.Generator().manual_seed(0))
+    emb = model.embed_features(feats)
+    base = float(loss(emb, y))
+    nir = float(reg.objective(reg.nll(emb, y, loss.class_proxies())))
+    assert float(total) == pytest.approx(nir + 0.01 * base, rel=1e-5)
+    assert parts["loss"] == pytest.approx(base, rel=1e-6)
