@@ -50,7 +50,9 @@ PLAN = [
      "chosen:determinant"),
     ("proxy_anchor", "nir control (weight 0)", "nir", (), 0.0),
     ("proxy_anchor", "nir", "nir", (), None),  # grid: set from the registry's default weight below
-    ("proxy_anchor", "nir, former NLL form", "nir", ("nir.variant=nll",), [0.001, 0.01, 0.1]),
+    ("proxy_anchor", "nir, former form (mean NLL, checkered 3-layer flow, no clamp, base loss unscaled)", "nir",
+     ("nir.variant=nll", "nir.flow=glow_checkered", "nir.layers=3", "nir.clamp=0", "nir.proxy_lr_scale=1",
+      "nir.w_align=1"), [0.001, 0.01, 0.1]),
     ("proxy_anchor", "skewed_mean control (weight 0)", "skewed_mean", (), 0.0),
     ("proxy_anchor", "skewed_mean", "skewed_mean", (), [0.1, 1.0, 10.0]),
     ("binomial", "plain", None, (), None),
