@@ -110,7 +110,7 @@ def main():
     args = ap.parse_args()
     setup_logging()
     seeds = [int(s) for s in args.seeds.split(",")]
-    setting = dict(mode="tail", train_blocks=args.train_blocks, epochs=args.epochs, device="cpu",
+    setting = dict(mode="tail", train_blocks=args.train_blocks, epochs=args.epochs, device="cpu", probe_epochs=30,
                    threads=args.threads)
     t0 = time.time()
     chosen: dict[str, float] = {}
