@@ -13,7 +13,7 @@ test classes.  For each regularizer, three arms on the same base loss:
              so a difference from plain is the architecture or the batches, not the term;
   chosen     the regularizer's default form (the paper's) at the weight chosen on validation MAP@R
              (seed 0) from a grid holding the paper's value;
-and the named variants against it, at the chosen weight: determinant logdet vs plus_one and ε = 0 vs
+and the named variants against it, at the chosen weight (the tail recipe's 30-epoch probe first): determinant logdet vs plus_one and ε = 0 vs
 0.4, NIR's former NLL form, CGML's former half-batches.  Each term's magnitude is logged next to
 the metric loss's (the last epoch's mean, from each run's log.jsonl).  Finished runs are reused,
 and results are written after every arm, so an interrupted run resumes.
@@ -39,23 +39,23 @@ from training.trainer import train_or_reuse  # noqa: E402
 KEYS = ("map@r", "recall@1", "nmi")
 # label, base loss, regularizer (None: plain), its params, weight: a grid (chosen on validation, seed 0),
 # a number, or "chosen:LABEL" (the weight chosen for that arm)
-PLAN = [  # controls and the papers' forms first, the former forms after: a partial run has the verdicts
+PLAN = [  # controls and the papers' forms first, the slow flows after them, the former forms last
     ("proxy_anchor", "plain", None, (), None),
-    ("proxy_anchor", "determinant control (flows, R off, ε = 0)", "determinant", ("determinant.epsilon=0",), 0.0),
-    ("proxy_anchor", "determinant", "determinant", (), [0.01, 0.05, 0.2]),
-    ("proxy_anchor", "nir control (weight 0)", "nir", (), 0.0),
-    ("proxy_anchor", "nir", "nir", (), None),  # grid: the registry's default weight and a decade either side
     ("proxy_anchor", "skewed_mean control (weight 0)", "skewed_mean", (), 0.0),
     ("proxy_anchor", "skewed_mean", "skewed_mean", (), [0.1, 1.0, 10.0]),
     ("binomial", "plain", None, (), None),
     ("binomial", "cgml control (two full batches, weight 0)", "cgml", (), 0.0),
-    ("binomial", "cgml", "cgml", (), None),
-    ("proxy_anchor", "determinant, logdet R", "determinant", ("determinant.variant=logdet",), "chosen:determinant"),
-    ("proxy_anchor", "determinant, ε = 0", "determinant", ("determinant.epsilon=0",), "chosen:determinant"),
+    ("binomial", "cgml", "cgml", (), None),  # grid: the registry's default weight and a decade either side
+    ("proxy_anchor", "nir control (weight 0)", "nir", (), 0.0),
+    ("proxy_anchor", "nir", "nir", (), None),
+    ("proxy_anchor", "determinant control (flows, R off, ε = 0)", "determinant", ("determinant.epsilon=0",), 0.0),
+    ("proxy_anchor", "determinant", "determinant", (), [0.01, 0.05, 0.2]),
+    ("binomial", "cgml, former half batches", "cgml", ("cgml.batches=split",), "chosen:cgml"),
     ("proxy_anchor", "nir, former form (mean NLL, checkered 3-layer flow, no clamp, base loss unscaled)", "nir",
      ("nir.variant=nll", "nir.flow=glow_checkered", "nir.layers=3", "nir.clamp=0", "nir.proxy_lr_scale=1",
       "nir.w_align=1"), 0.001),
-    ("binomial", "cgml, former half batches", "cgml", ("cgml.batches=split",), "chosen:cgml"),
+    ("proxy_anchor", "determinant, logdet R", "determinant", ("determinant.variant=logdet",), "chosen:determinant"),
+    ("proxy_anchor", "determinant, ε = 0", "determinant", ("determinant.epsilon=0",), "chosen:determinant"),
     ("proxy_anchor", "determinant, former form (logdet, tangent augmentation into the loss, no activation)",
      "determinant", ("determinant.variant=logdet", "determinant.augment=tangent", "determinant.activation=none"),
      "chosen:determinant"),
