@@ -33,7 +33,14 @@ def recorded_config(out: Path) -> dict | None:
         # core's reader turns the string "none" of an optional field into None, but `weights = "none"`
         # (no pretrained weights) is not `weights` unset (the backbone's default); keep the string
         raw = tomllib.loads((out / "config.toml").read_text(encoding="utf-8"))
-        return values | {k: v for k, v in raw.items() if isinstance(v, str) and v and values.get(k) is None}
+        values = values | {k: v for k, v in raw.items() if isinstance(v, str) and v and values.get(k) is None}
+        if values.get("probe_epochs", 0) < 0:  # "the mode's default" is the probe that ran: defaults change
+            try:
+                first = json.loads((out / "log.jsonl").read_text().splitlines()[0])
+                values["probe_epochs"] = first.get("probe_epochs", 0) if first.get("epoch") == 0 else 0
+            except (OSError, ValueError, IndexError):
+                pass  # no epoch logged yet: nothing there to reuse or resume
+        return values
     if (out / "config.json").is_file():
         try:
             return json.loads((out / "config.json").read_text())

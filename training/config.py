@@ -56,8 +56,12 @@ class TrainConfig(DataConfig):
     probe_epochs: int = field(default=-1, metadata={
         "help": "tail/finetune: epochs that train the neck and the loss alone, on cached frozen-trunk "
                 "features, before the trunk trains (linear probing, then fine-tuning: settled proxies keep "
-                "the first steps from distorting the pretrained trunk); -1: 30 for finetune from pretrained "
-                "weights, else 0"})
+                "the first steps from distorting the pretrained trunk); the probe's best epoch, as a "
+                "frozen-neck run selects it, is the first selection candidate (epoch 0), so the run never "
+                "selects a model below the frozen neck of the same seed on validation; -1: 30 for tail and "
+                "finetune from pretrained weights (without it a 2-stage tail fell below the frozen neck on "
+                "a 1,900-class icon folder: its random neck and proxies pull the trunk off its features "
+                "first), 0 from scratch"})
     grad_clip: float = field(default=10.0, metadata={"help": "gradient-norm clip (0 = off)"})
     schedule: Literal["cosine", "none"] = field(default="cosine", metadata={"help": "learning-rate schedule"})
     seed: int = field(default=0, metadata={"help": "training seed: same seed, same metrics"})
@@ -94,7 +98,7 @@ class TrainConfig(DataConfig):
         if mode == "frozen":
             return 0
         if self.probe_epochs < 0:  # there is nothing to preserve in random weights
-            return 30 if mode == "finetune" and self.pretrained() else 0
+            return 30 if self.pretrained() else 0
         return self.probe_epochs
 
     def resolved_mode(self) -> str:

@@ -44,8 +44,9 @@ from .batches import FrozenFeatures, ImageBatches, PrefixTail
 from . import distributed as ddp
 from .checkpoints import Checkpoints, check_out, recorded_config, same_identity, write_config
 from .config import TrainConfig
-from .losses import build_loss
+from .losses import build_loss, has_proxies
 from .regularizers import build_regularizers
+from .regularizers.skewed_mean import max_proxy_cosine
 from .samplers import epoch_batches
 from .selection import Selection, test_metrics, val_metrics
 from .step import Step, build_optimizer
@@ -128,6 +129,9 @@ class Run:
                 self.source = ImageBatches(self.backbone, self.splits, self.spec, self.dcfg, cfg.warmup_epochs,
                                            progress, n_train, cfg.freezes_bn(), dev)
             n_probe = 0 if resuming else cfg.resolved_probe_epochs()  # a resumed run has had its probe
+            probed = [p for m in (self.model.neck, self.loss, *[r.module for r in self.regs]) for p in m.parameters()]
+            if not any(p.requires_grad for p in probed):
+                n_probe = 0  # nothing for a probe to train: a neck held at its initialisation and a loss without proxies
             probe_source = (FrozenFeatures(self.backbone, self.splits, self.spec, self.dcfg, cfg.cache_dir, progress)
                             if n_probe else None)
         for m in (self.model, self.loss, *[r.module for r in self.regs]):  # what a regularizer owns is its module
@@ -155,22 +159,44 @@ class Run:
         regularizers train alone on cached frozen-trunk features, exactly as a frozen-neck run of
         `epochs` epochs would (the same epoch loop), with its own optimizer and cosine schedule.  The
         trunk then starts training under a settled neck and settled proxies, instead of under the
-        large, random gradients of a fresh loss.  Returns the log entry
-        (epoch 0: the starting point, not a selection candidate)."""
+        large, random gradients of a fresh loss.  Returns the log entry (epoch 0: the end state, where
+        the trunk starts).  Like a frozen-neck run it validates every epoch and keeps its best one, in
+        `self.probe_best` (val, probe epoch, state): the run's first selection candidate (see _fit)."""
         cfg, t0 = self.cfg, time.time()
         opt = build_optimizer(cfg, self.model, self.loss, self.regs, 0)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs)
         step = Step(self.model, self.loss, self.regs, opt, cfg.grad_clip, self.device, cfg.precision)
         parts: dict = {}
+        best = None
         for k in range(epochs):  # a frozen-neck run's epochs, exactly (tests/training/test_probe.py)
             parts = self.run_epoch(source, step, k, desc="probe epoch")
             sched.step()
-        val = val_metrics(self.model, source)
+            val = val_metrics(self.model, source)
+            if best is None or val["map@r"] > best[0]["map@r"]:  # the frozen-neck run's own selection rule
+                best = (val, k + 1, self.state())
+        self.probe_best = best
         if self.main:
-            log.info("probe: %d epochs on frozen-trunk features, val MAP@R %.4f", epochs, val["map@r"])
+            log.info("probe: %d epochs on frozen-trunk features, val MAP@R %.4f (best %.4f, probe epoch %d)",
+                     epochs, val["map@r"], best[0]["map@r"], best[1])
         return {"epoch": 0, "probe_epochs": epochs, **{f"train_{k}": v for k, v in parts.items()},
                 "val_map@r": val["map@r"], "val_recall@1": val["recall@1"], "val_r_precision": val["r_precision"],
+                "candidate_probe_epoch": best[1], "candidate_val_map@r": best[0]["map@r"],
                 "seconds": round(time.time() - t0, 3)}
+
+    def state(self) -> dict:
+        """A copy of what best.pt holds of the training state: the model's and the loss's tensors."""
+        return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                "loss": {k: v.detach().clone() for k, v in self.loss.state_dict().items()}}
+
+    def save_probe_candidate(self, sel: Selection) -> None:
+        """best.pt ← the probe's best epoch, then back to the probe's end state, where the trunk starts."""
+        val, _, state = self.probe_best
+        now = self.state()
+        self.model.load_state_dict(state["model"])
+        self.loss.load_state_dict(state["loss"])
+        self.checkpoints.save("best.pt", 0, sel.best, sel.best_epoch, sel.history, metrics={"val": val})
+        self.model.load_state_dict(now["model"])
+        self.loss.load_state_dict(now["loss"])
 
     # ------------------------------------------------------------ one epoch
     def train_epoch(self, epoch: int) -> dict:
@@ -242,6 +268,13 @@ class Run:
                 (self.out / "metrics.json").unlink(missing_ok=True)  # a replaced run's results are not this run's
                 shutil.rmtree(self.out / "tb", ignore_errors=True)  # nor its TensorBoard events
             write_config(self.out, cfg)
+        if self.probe_entry:  # (a resumed run has had its probe: restore() brings back its selection)
+            # the probe's best epoch (the frozen-neck run's selected model) is the first candidate: a
+            # trained trunk that never beats it on validation is not kept, so the run never selects a
+            # model below the frozen neck of the same seed and epochs
+            sel.best, sel.best_epoch = self.probe_best[0]["map@r"], 0
+            if self.main:
+                self.save_probe_candidate(sel)
         self.board = RunBoard(self.out, cfg.tensorboard and self.main)
         self.board.global_step = start * len(epoch_batches(self.source.labels, cfg.batch_size, cfg.m_per_class,
                                                            self.step.paired, np.random.RandomState(0)))
@@ -252,6 +285,8 @@ class Run:
             self.sched.step()
             # validation once (rank 0); every rank gets its result, so all take the same "best" decision
             val = ddp.broadcast(val_metrics(self.model, self.source) if self.main else None)
+            if has_proxies(cfg.loss):  # every proxy-loss run, regularized or not, logs the epoch's end value
+                parts["max_proxy_cos"] = float(max_proxy_cosine(self.loss.class_proxies()))
             improved = sel.record(epoch + 1, parts, val, time.time() - te)
             self.board.epoch(epoch + 1, val)
             if self.main:

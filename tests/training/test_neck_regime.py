@@ -77,3 +77,19 @@ def test_demo_paper_regime_config_is_paper_004s_regime():
     # the same data and loss as the demo's own model: the comparison changes only the regime
     assert cfg.data_config() == demo_tail_config().data_config() and cfg.loss == demo_tail_config().loss
     assert build_parser().parse_args(["--paper-regime"]).paper_regime
+
+
+def test_a_held_neck_with_a_loss_without_parameters_skips_the_probe(tmp_path, monkeypatch):
+    """Triplet has no proxies: with the neck held, a probe has nothing to train (it would build an optimizer
+    over no parameters); the run goes straight to the trunk."""
+    import training.trainer as trainer
+
+    calls = []
+    monkeypatch.setattr(trainer.Run, "probe", lambda self, source, epochs: calls.append(epochs))
+    cfg = tiny(tmp_path, out=str(tmp_path / "triplet"), loss="triplet", neck_lr_mult=0.0, probe_epochs=2, epochs=1)
+    train(cfg)
+    assert calls == []
+    cfg = tiny(tmp_path, out=str(tmp_path / "pa"), loss="proxy_anchor", neck_lr_mult=0.0, probe_epochs=2, epochs=1,
+               overwrite=True)
+    train(cfg)  # the stub's None stands for "no probe entry"
+    assert calls == [2]  # proxies to train: the probe runs

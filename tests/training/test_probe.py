@@ -1,6 +1,7 @@
 """Linear probing before fine-tuning (`--probe-epochs`): the probe is a frozen-neck run, exactly;
-a resumed run does not probe again; "auto" means 30 epochs for finetune from pretrained weights and none otherwise, and
-runs recorded before the flag existed (no probe) are not mistaken for probed ones."""
+its end state is the first selection candidate; a resumed run does not probe again; "auto" means 30
+epochs for tail and finetune from pretrained weights and none otherwise, and runs recorded before the
+flag existed (no probe) are not mistaken for probed ones."""
 import dataclasses
 import json
 
@@ -32,7 +33,7 @@ def test_the_probe_is_the_frozen_neck_run(tmp_path, kanji_root):  # noqa: F811
                                rtol=0, atol=1e-6)
 
 
-def test_the_probe_is_logged_as_epoch_0_not_selected_and_not_repeated_on_resume(tmp_path, kanji_root,  # noqa: F811
+def test_the_probe_is_logged_as_epoch_0_a_candidate_and_not_repeated_on_resume(tmp_path, kanji_root,  # noqa: F811
                                                                                 monkeypatch):
     cfg = tiny(tmp_path, kanji_root, mode="finetune", probe_epochs=2, epochs=2, device="cpu")
 
@@ -53,17 +54,18 @@ def test_the_probe_is_logged_as_epoch_0_not_selected_and_not_repeated_on_resume(
     m = train(dataclasses.replace(cfg, resume=True))
     log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert [h["epoch"] for h in log] == [0, 1, 2] and log[0]["probe_epochs"] == 2
-    assert m["selected_epoch"] == max(log[1:], key=lambda h: h["val_map@r"])["epoch"]  # never the probe
+    assert m["selected_epoch"] == max(log, key=lambda h: h["val_map@r"])["epoch"]  # the probe a candidate too
     assert m["train_seconds"] > 0
 
 
 def test_auto_probe_epochs_and_old_runs():
     assert TrainConfig(mode="finetune").identity()["probe_epochs"] == 30
     assert TrainConfig(mode="finetune", weights="none").identity()["probe_epochs"] == 0  # from scratch
-    assert TrainConfig(train_blocks=2).identity()["probe_epochs"] == 0
+    assert TrainConfig(train_blocks=2).identity()["probe_epochs"] == 30
+    assert TrainConfig(train_blocks=2, weights="none").identity()["probe_epochs"] == 0
     assert TrainConfig(train_blocks=2, probe_epochs=5).identity()["probe_epochs"] == 5
     assert TrainConfig(probe_epochs=5).identity()["probe_epochs"] == 0  # frozen: the whole run is the probe
-    for mode, same in (("finetune", False), ("tail", True)):
+    for mode, same in (("finetune", False), ("tail", False), ("frozen", True)):
         cfg = TrainConfig(mode=mode)
         old = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "probe_epochs"}  # before the flag
         assert same_identity(old, cfg) is same, mode
