@@ -28,7 +28,7 @@ from index.search import RESULT_FIELDS, Searcher
 from index.sweep import MAX_N as SWEEP_MAX_N
 from index.store import read_index
 
-from .compare import ap_scatter, class_colours, metric_features, project_2d, subsample, svg_scatter
+from .compare_view import ap_scatter, class_colours, metric_features, project_2d, subsample, svg_scatter
 
 log = logging.getLogger("app")
 

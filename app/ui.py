@@ -17,7 +17,7 @@ from core.errors import UserError  # noqa: E402
 from index.refinements import MODES, REFINEMENTS, SharedParam, file_params, shared_params, strategy_params  # noqa: E402
 from index.search import RESULT_FIELDS  # noqa: E402
 
-from .compare import MAP_METHODS, parse_state, state_query, write_exports  # noqa: E402
+from .compare_view import MAP_METHODS, parse_state, state_query, write_exports  # noqa: E402
 from .service import Panel, RetrievalService, Spec  # noqa: E402
 
 log = logging.getLogger("app")
@@ -338,7 +338,7 @@ def index_links(others) -> str:
 def search_tab(svc: RetrievalService, tabs: gr.Tabs) -> tuple[Shared, dict]:
     """The Search tab: query, metric controls, the two panels, share/export, examples, disagreements.
     Returns the shared components and this tab's own (wired by `wire_search`)."""
-    from app.compare import K_RANGE
+    from app.compare_view import K_RANGE
 
     example_ids = svc.examples()
     qstate = gr.State(None)
