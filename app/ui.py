@@ -14,8 +14,8 @@ import gradio as gr  # noqa: E402
 import numpy as np  # noqa: E402
 
 from core.errors import UserError  # noqa: E402
+from index.backends.search import RESULT_FIELDS  # noqa: E402
 from index.refinements import MODES, REFINEMENTS, SharedParam, file_params, shared_params, strategy_params  # noqa: E402
-from index.search import RESULT_FIELDS  # noqa: E402
 
 from .compare_view import MAP_METHODS, parse_state, state_query, write_exports  # noqa: E402
 from .service import Panel, RetrievalService, Spec  # noqa: E402
@@ -449,7 +449,7 @@ def wire_search(svc: RetrievalService, h: Handlers, sh: Shared, t: dict, analysi
 
 def compare_tab(svc: RetrievalService) -> dict:
     """The Compare tab: every test query under the trained metric against the chosen one."""
-    from index.compare import FILTERS
+    from index.analysis.compare import FILTERS
 
     cmp_ids, cmp_cursor, class_q_ids = gr.State([]), gr.State(-1), gr.State([])
     gr.Markdown("### Every test query: the trained M* (x) against the right-panel strategy (y)\n"

@@ -1,4 +1,4 @@
-"""Issue-13 §3: IVF with on-disk inverted lists (index/ondisk.py) on synthetic data.
+"""Issue-13 §3: IVF with on-disk inverted lists (index/backends/ondisk.py) on synthetic data.
 
   python bench/ondisk_bench.py --n 1000000 [--workdir /tmp/ondisk_bench] [--out bench/results/ondisk]
 
@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 import faiss  # noqa: E402
 
 from core.atomic import write_json, write_text  # noqa: E402
-from index.ondisk import OnDiskIVF, build_ondisk_ivf, default_nlist  # noqa: E402
+from index.backends.ondisk import OnDiskIVF, build_ondisk_ivf, default_nlist  # noqa: E402
 from index.refinements import refine  # noqa: E402
 
 D, K_EMB, CLASSES, SUB, K = 128, 32, 1000, 32, 10
@@ -318,7 +318,7 @@ def markdown(results: dict) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=1_000_000, help="gallery rows (default: %(default)s)")
-    ap.add_argument("--nlist", type=int, default=0, help="IVF lists (default 0: index.ondisk.default_nlist(N))")
+    ap.add_argument("--nlist", type=int, default=0, help="IVF lists (default 0: index.backends.ondisk.default_nlist(N))")
     ap.add_argument("--nprobe", default="4,8,16,32,64,128", help="nprobe values (default: %(default)s)")
     ap.add_argument("--single", type=int, default=50, help="single queries timed per setting (default: %(default)s)")
     ap.add_argument("--workdir", default="/tmp/ondisk_bench", help="scratch folder for data and index (default: %(default)s)")

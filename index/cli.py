@@ -68,8 +68,8 @@ def given_data(args) -> dict:
 
 
 def cmd_build(args) -> int:
+    from .backends.shard import distributed_rank
     from .build import writing_index
-    from .shard import distributed_rank
 
     if not args.out:
         raise UserError("give --out (the index directory to write), on the command line or in --config")
@@ -110,8 +110,8 @@ def _build(args) -> Path | None:
 
 
 def _build_dataset(args):
+    from .backends.shard import distributed_build, distributed_rank, parse_shard
     from .build import build_from_dataset
-    from .shard import distributed_build, distributed_rank, parse_shard
 
     def build(shard, out):
         return build_from_dataset(args.checkpoint, given_data(args), out, args.split, args.normalize,
@@ -131,8 +131,8 @@ def _build_dataset(args):
 
 
 def cmd_merge(args) -> int:
+    from .backends.shard import merge_shards
     from .build import writing_index
-    from .shard import merge_shards
 
     with writing_index(args.out, args.overwrite):
         path = merge_shards(args.shards, args.out, args.factory)
@@ -170,9 +170,9 @@ def cmd_remove(args) -> int:
 def cmd_search(args) -> int:
     if args.backend != "faiss":  # before the torch import below: feature queries need no model
         return cmd_search_backend(args)
+    from .backends.search import Searcher
+    from .backends.store import read_index
     from .embedder import ImageEmbedder
-    from .search import Searcher
-    from .store import read_index
 
     from .threads import serving_threads
 
@@ -214,7 +214,7 @@ def cmd_search(args) -> int:
 
 # ---------------------------------------------------------------- on-disk IVF and Milvus backends
 def cmd_ivf_build(args) -> int:
-    from .ondisk import MANIFEST, build_for_index, build_ondisk_ivf
+    from .backends.ondisk import MANIFEST, build_for_index, build_ondisk_ivf
 
     kw = {"nlist": args.nlist or None, "codec": args.codec, "shard_rows": args.shard_rows,
           "train_size": args.train_size or None, "seed": args.seed}
@@ -236,7 +236,7 @@ def cmd_ivf_build(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .milvus_store import export_index
+    from .backends.milvus_store import export_index
 
     if not (args.uri and args.collection):
         raise UserError("export --to milvus needs --uri and --collection")
@@ -254,12 +254,12 @@ def _milvus_token(args) -> str:
 def _open_backend(args):
     """The gallery `search --backend ondisk|milvus` reads."""
     if args.backend == "ondisk":
-        from .ondisk import OnDiskIVF
+        from .backends.ondisk import OnDiskIVF
 
         if not (args.ivf or args.index):
             raise UserError("--backend ondisk needs --ivf DIR (or --index IDX, whose IDX/ivf_ondisk is used)")
         return OnDiskIVF(args.ivf or Path(args.index) / "ivf_ondisk", nprobe=args.nprobe or None)
-    from .milvus_store import MilvusGallery
+    from .backends.milvus_store import MilvusGallery
 
     if not (args.uri and args.collection):
         raise UserError("--backend milvus needs --uri and --collection")
@@ -288,8 +288,8 @@ def cmd_search_backend(args) -> int:
     qm = gallery.strategy_metric(args.strategy, params, "bilinear")
     mode, note = args.mode, ""
     if mode == "cosine":  # as Searcher.resolve_mode: an indefinite M′ has no cosine
+        from .backends.search import COSINE_FALLBACK
         from .metric import matrix_report
-        from .search import COSINE_FALLBACK
 
         if matrix_report(qm.M)["psd"]:
             qm = gallery.strategy_metric(args.strategy, params, mode)
@@ -316,8 +316,8 @@ def _milvus_args(p) -> None:
 
 
 def cmd_info(args) -> int:
-    from .search import Searcher
-    from .store import read_index
+    from .backends.search import Searcher
+    from .backends.store import read_index
 
     data = read_index(args.index)
     rep = Searcher(data).metric(args.strategy, strategy_params_from(args)).report
@@ -330,8 +330,8 @@ def _narrowing(args) -> dict:
 
 
 def cmd_evaluate(args) -> int:
+    from .analysis.strategy_eval import counts_line, run_evaluation, table_markdown
     from .build import split_features
-    from .strategy_eval import counts_line, run_evaluation, table_markdown
 
     if args.json:
         check_file_target(args.json)
@@ -355,8 +355,8 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_select(args) -> int:
+    from .analysis.strategy_eval import counts_line, select_strategy
     from .build import split_features
-    from .strategy_eval import counts_line, select_strategy
 
     if args.json:
         check_file_target(args.json)
@@ -544,8 +544,8 @@ def main(argv=None) -> int:
 
 
 def cmd_report(args) -> int:
-    from .report import write_report
-    from .store import read_index
+    from .analysis.report import write_report
+    from .backends.store import read_index
 
     apply_threads(args.threads)
     analysis = Path(args.analysis) if args.analysis else None

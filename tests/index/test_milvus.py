@@ -1,4 +1,4 @@
-"""The Milvus backend (index/milvus_store.py) on Milvus Lite: the same top-k as FAISS Flat under
+"""The Milvus backend (index/backends/milvus_store.py) on Milvus Lite: the same top-k as FAISS Flat under
 every strategy, metric type IP only, and the export/search CLI."""
 import json
 
@@ -9,10 +9,10 @@ pytest.importorskip("pymilvus", reason="the Milvus backend needs pymilvus and mi
                                        "pip install -r requirements-milvus.txt")
 
 from core.errors import UserError  # noqa: E402
+from index.backends.milvus_store import MilvusGallery, export_index  # noqa: E402
+from index.backends.search import Searcher  # noqa: E402
+from index.backends.store import Items, read_index, write_index  # noqa: E402
 from index.cli import main  # noqa: E402
-from index.milvus_store import MilvusGallery, export_index  # noqa: E402
-from index.search import Searcher  # noqa: E402
-from index.store import Items, read_index, write_index  # noqa: E402
 
 N, DIM, K = 400, 16, 10
 STRATEGIES = [("trained", {}), ("identity", {}), ("diagonal", {"r": 0.5, "seed": 0}), ("random", {"r": 0.5, "seed": 1})]

@@ -1,4 +1,4 @@
-"""On-disk IVF (index/ondisk.py): built from shards through merge_ondisk, exact re-rank under M′."""
+"""On-disk IVF (index/backends/ondisk.py): built from shards through merge_ondisk, exact re-rank under M′."""
 import json
 import mmap
 
@@ -9,9 +9,9 @@ import pytest
 from core.errors import UserError
 from index.cli import main
 from dense_reference import m_norms
-from index.ondisk import OnDiskIVF, build_ondisk_ivf, build_for_index
+from index.backends.ondisk import OnDiskIVF, build_ondisk_ivf, build_for_index
+from index.backends.store import Items, write_index
 from index.refinements import refine
-from index.store import Items, write_index
 
 N, DIM, NLIST, K = 3000, 24, 8, 10
 STRATEGIES = [("trained", {}), ("identity", {}), ("diagonal", {"r": 0.5, "seed": 0}), ("random", {"r": 0.5, "seed": 1})]

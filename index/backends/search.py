@@ -19,9 +19,9 @@ import numpy as np
 from core.arrays import check_matrix, check_rankable, l2_normalize
 from core.errors import UserError
 
-from .metric import matrix_report, symmetrized
-from .operator import MetricOperator
-from .refinements import MODES, operator_kind, refine, strategy_key, strategy_label, strategy_params
+from ..metric import matrix_report, symmetrized
+from ..operator import MetricOperator
+from ..refinements import MODES, operator_kind, refine, strategy_key, strategy_label, strategy_params
 from .store import IndexData
 
 

@@ -40,7 +40,7 @@ the cell's members as tightly (negative eigen-directions reward being far from t
 query).  So the nprobe needed for a given recall grows with how far M′ is from the
 identity; bench/ondisk_bench.py measures it.  Cosine mode (PSD M′ only) fetches
 candidates by the inner product and divides by ‖x‖_M′ in the exact re-rank, so it
-fetches 4 × more candidates, as index.search's approximate path does.
+fetches 4 × more candidates, as index.backends.search's approximate path does.
 """
 from __future__ import annotations
 
@@ -66,9 +66,9 @@ from core.atomic import atomic_dir
 from core.errors import UserError
 from core.manifest import read_manifest
 
-from .metric import check_symmetric, matrix_report
-from .operator import MetricOperator, apply_norms
-from .refinements import operator_kind, refine, strategy_params
+from ..metric import check_symmetric, matrix_report
+from ..operator import MetricOperator, apply_norms
+from ..refinements import operator_kind, refine, strategy_params
 from .store import Items
 
 log = logging.getLogger("index")
@@ -122,7 +122,7 @@ class QueryMetric:
 
 def strategy_metric(W: np.ndarray, strategy: str, params: dict | None, mode: str = "bilinear") -> QueryMetric:
     """A refinement strategy's M′ from the neck W (M* = WᵀW), with its cheapest exact operator,
-    as index.search.Searcher.metric makes it."""
+    as index.backends.search.Searcher.metric makes it."""
     W64 = np.asarray(W, dtype=np.float64)
     M_star = W64.T @ W64
     p = strategy_params(strategy, params)

@@ -9,7 +9,7 @@ vectors and the query, and normalising M′φ(q) and φ(x) separately is not the
 under M′ (it silently drops the ‖·‖_M′ scaling and ranks by the wrong quantity).  Cosine
 mode under a PSD M′ (÷ ‖φ(q)‖_M′ ‖φ(x)‖_M′) fetches candidates by IP with their stored
 vectors and re-ranks them exactly, the M′-norms computed from those vectors, as the
-approximate path of index.search does.
+approximate path of index.backends.search does.
 
 URIs, through the same pymilvus MilvusClient code:
   PATH.db                    Milvus Lite, embedded in this process (tests, one machine)
@@ -151,7 +151,7 @@ class MilvusResult:
 
 
 class MilvusGallery:
-    """A collection written by export_*, searched under any M′ (index.ondisk.QueryMetric)."""
+    """A collection written by export_*, searched under any M′ (index.backends.ondisk.QueryMetric)."""
 
     def __init__(self, uri: str, collection: str, token: str = ""):
         self.pm = _pymilvus()
@@ -222,7 +222,7 @@ class MilvusGallery:
             else:
                 R[i, : len(rows)] = rows
                 S[i, : len(rows)] = [by_row[r]["distance"] for r in rows]
-            # the FAISS search's result fields (index.search.RESULT_FIELDS, less the class name), plus row
+            # the FAISS search's result fields (index.backends.search.RESULT_FIELDS, less the class name), plus row
             hits.append([{"rank": j + 1, "id": int(by_row[r]["id"]), "row": int(r),
                           "label": int(by_row[r]["entity"]["label"]), "score": float(s),
                           "relative_path": by_row[r]["entity"]["path"], "split": by_row[r]["entity"]["split"]}
