@@ -20,7 +20,7 @@ import numpy as np
 
 from core.arrays import l2_normalize
 from core.errors import UserError
-from index.backends.search import RESULT_FIELDS
+from index.backends.gallery import RESULT_FIELDS
 from index.refinements import MODES, REFINEMENTS, file_params, strategy_params
 
 MAP_METHODS = ("t-SNE", "PCA", "UMAP")

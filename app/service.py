@@ -23,7 +23,8 @@ from core.images import load_rgb
 from evaluation.evaluator import per_query_metrics
 from index.analysis.compare import Comparer, Comparison, item_image
 from index.analysis.sweep import MAX_N as SWEEP_MAX_N
-from index.backends.search import RESULT_FIELDS, Searcher
+from index.backends.gallery import RESULT_FIELDS
+from index.backends.search import Searcher
 from index.backends.store import read_index
 from index.embedder import ImageEmbedder
 from index.refinements import REFINEMENTS, file_params, strategy_key, strategy_label
@@ -134,7 +135,7 @@ class RetrievalService:
         mode, note = self.searcher.resolve_mode(spec.strategy, spec.params, spec.mode)
         extra = 1 if q.self_id is not None else 0
         res = self.searcher.search(q.feats, spec.strategy, spec.params, mode, k + extra)
-        results = [r for r in self.searcher.describe(res)[0] if r["id"] != q.self_id][:k]
+        results = [r for r in res.results()[0] if r["id"] != q.self_id][:k]
         for i, r in enumerate(results):
             r["rank"] = i + 1  # after the query's own item is left out
             r["correct"] = None if q.label is None else bool(r["label"] == q.label)

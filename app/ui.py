@@ -14,7 +14,7 @@ import gradio as gr  # noqa: E402
 import numpy as np  # noqa: E402
 
 from core.errors import UserError  # noqa: E402
-from index.backends.search import RESULT_FIELDS  # noqa: E402
+from index.backends.gallery import RESULT_FIELDS  # noqa: E402
 from index.refinements import MODES, REFINEMENTS, SharedParam, file_params, shared_params, strategy_params  # noqa: E402
 
 from .compare_view import MAP_METHODS, parse_state, state_query, write_exports  # noqa: E402

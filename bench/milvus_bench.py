@@ -58,14 +58,14 @@ def run(n: int, n_queries: int, wd: Path) -> dict:
     out = {"n": n, "d": X.shape[1], "queries": n_queries, "k": K, "export_s": export_s, "strategies": {}}
     for name, params, mode in STRATEGIES:
         qm = g.strategy_metric(name, params, mode)
-        s.search(Q[:1], name, params, mode, K), g.search(Q[:1], qm, K)  # warm: caches, first gRPC call
+        s.search(Q[:1], name, params, mode, K), g.search_metric(Q[:1], qm, K)  # warm: caches, first gRPC call
         t_f = t_m = 0.0
         agree = 0
         for q in Q[:, None]:
             t0 = time.perf_counter()
             f = s.search(q, name, params, mode, K)
             t1 = time.perf_counter()
-            m = g.search(q, qm, K)
+            m = g.search_metric(q, qm, K)
             t_f, t_m = t_f + t1 - t0, t_m + time.perf_counter() - t1
             agree += same_up_to_ties(f.rows[0], f.scores[0], m.rows[0], m.scores[0])
         out["strategies"][label((name, params, mode))] = {

@@ -182,7 +182,7 @@ def phase_search(wd: Path, n: int, nprobes: list[int], single: int) -> dict:
     recall = {}
     for (s, qm), tr in zip(qms, truth):
         for p in nprobes:
-            got = ivf.search(Q, qm, K, nprobe=p).rows
+            got = ivf.search_metric(Q, qm, K, nprobe=p).rows
             recall[f"{label(s)}|{p}"] = float(np.mean([len(set(a) & set(b)) / K for a, b in zip(got, tr)]))
     out = {"recall": recall, "nprobes": nprobes}
     # cosine candidates come by the inner product, blind to 1/‖x‖_M′: recall vs a larger pool
@@ -191,7 +191,7 @@ def phase_search(wd: Path, n: int, nprobes: list[int], single: int) -> dict:
     out["cosine_pool"] = {}
     for f in (10, 40, 160):
         t = time.perf_counter()
-        got = ivf.search(Q, cqm, K, nprobe=p_mid, rerank_factor=f).rows
+        got = ivf.search_metric(Q, cqm, K, nprobe=p_mid, rerank_factor=f).rows
         out["cosine_pool"][f] = {"recall": float(np.mean([len(set(a) & set(b)) / K for a, b in zip(got, ctr)])),
                                  "candidates": cqm.candidate_count(K, n, f), "nprobe": p_mid,
                                  "batch_ms_per_query": (time.perf_counter() - t) / len(Q) * 1e3}
@@ -201,10 +201,10 @@ def phase_search(wd: Path, n: int, nprobes: list[int], single: int) -> dict:
     ms = {}
     for s, qm in qms:
         for p in nprobes:
-            ivf.search(Q[:1], qm, K, nprobe=p)
+            ivf.search_metric(Q[:1], qm, K, nprobe=p)
             t = time.perf_counter()
             for i in range(single):
-                ivf.search(Q[i: i + 1], qm, K, nprobe=p)
+                ivf.search_metric(Q[i: i + 1], qm, K, nprobe=p)
             ms[f"{label(s)}|{p}"] = (time.perf_counter() - t) / single * 1e3
     out |= {"ms_per_query": ms, **mon.stop()}
     avail = status_meminfo("MemAvailable")
@@ -223,7 +223,7 @@ def phase_search(wd: Path, n: int, nprobes: list[int], single: int) -> dict:
         t_o = t_f = 0.0
         for i in range(single):
             q = Q[i: i + 1]
-            t = time.perf_counter(); ivf.search(q, qm, K, nprobe=p_mid); t_o += time.perf_counter() - t  # noqa: E702
+            t = time.perf_counter(); ivf.search_metric(q, qm, K, nprobe=p_mid); t_o += time.perf_counter() - t  # noqa: E702
             t = time.perf_counter(); flat.search(qm.transform(q), K); t_f += time.perf_counter() - t  # noqa: E702
         pairs[label(s)] = {"nprobe": p_mid, "ours_ms": t_o / single * 1e3, "flat_ms": t_f / single * 1e3,
                            "ratio": t_o / t_f}
@@ -256,7 +256,7 @@ def phase_cold(wd: Path, n: int, nprobe: int, single: int) -> dict:
     r1 = disk_read_bytes()
     t = time.perf_counter()
     for i in range(single):
-        ivf.search(Q[100 + i: 101 + i], qm, K, nprobe=nprobe)
+        ivf.search_metric(Q[100 + i: 101 + i], qm, K, nprobe=nprobe)
     ms = (time.perf_counter() - t) / single * 1e3
     blas.restore_original_limits()
     return {"strategy": label(s), "nprobe": nprobe, "open_s": open_s, "ms_per_query": ms,

@@ -167,44 +167,67 @@ def cmd_remove(args) -> int:
     return 0
 
 
-def cmd_search(args) -> int:
-    if args.backend != "faiss":  # before the torch import below: feature queries need no model
-        return cmd_search_backend(args)
-    from .backends.search import Searcher
-    from .backends.store import read_index
-    from .embedder import ImageEmbedder
+def open_gallery(args):
+    """The gallery `search --backend faiss|ondisk|milvus` reads: an index.backends.gallery.Gallery."""
+    if args.backend == "faiss":
+        from .backends.search import Searcher
+        from .backends.store import read_index
 
-    from .threads import serving_threads
+        if not args.index:
+            raise UserError("give --index (the index directory to search)")
+        return Searcher(read_index(args.index, verify=not args.no_verify))
+    if args.backend == "ondisk":
+        from .backends.ondisk import OnDiskIVF
 
-    if args.json:
-        check_file_target(args.json)
-    if not args.index:
-        raise UserError("give --index (the index directory to search)")
-    data = read_index(args.index, verify=not args.no_verify)
-    serving_threads(args.threads or None)  # BLAS on 1 thread for single queries; FAISS as asked
-    s = Searcher(data)
-    what = "query features"
+        if not (args.ivf or args.index):
+            raise UserError("--backend ondisk needs --ivf DIR (or --index IDX, whose IDX/ivf_ondisk is used)")
+        return OnDiskIVF(args.ivf or Path(args.index) / "ivf_ondisk", nprobe=args.nprobe or None,
+                         rerank_factor=args.rerank_factor)
+    from .backends.milvus_store import MilvusGallery
+
+    if not (args.uri and args.collection):
+        raise UserError("--backend milvus needs --uri and --collection")
+    return MilvusGallery(args.uri, args.collection, _milvus_token(args), nprobe=args.nprobe or None,
+                         rerank_factor=args.rerank_factor)
+
+
+def _queries(args, gallery) -> tuple[np.ndarray, list[str], str]:
+    """(query trunk features, a name per query, what error messages call them)."""
     if args.features:
         from core.arrays import check_matrix, load_npy
 
         what = f"query features file {args.features}"
         feats = check_matrix(load_npy(args.features, "query features"), what, allow_1d=True)
-        names = [f"{args.features}[{i}]" for i in range(len(feats))]
-    elif args.image:
-        emb = ImageEmbedder(args.checkpoint or data.manifest.get("checkpoint") or "", data.manifest,
-                            device=args.device)
-        feats = emb.features(args.image)
-        names = list(args.image)
-    else:
-        raise UserError("give --image PATH... or --features F.npy")
+        return feats, [f"{args.features}[{i}]" for i in range(len(feats))], what
+    if args.image:
+        from .embedder import ImageEmbedder  # torch: only image queries need a model
+
+        info = gallery.info
+        emb = ImageEmbedder(args.checkpoint or info.get("checkpoint") or "", info, device=args.device)
+        return emb.features(args.image), list(args.image), "query features"
+    raise UserError("give --image PATH... or --features F.npy")
+
+
+def cmd_search(args) -> int:
+    """One path for every backend: open the gallery, embed or load the queries, resolve the
+    mode (cosine falls back to bilinear for an indefinite M′), search, write the same JSON."""
+    from .threads import serving_threads
+
+    if args.json:
+        check_file_target(args.json)
+    if args.rerank_factor < 1:
+        raise UserError(f"--rerank-factor must be ≥ 1, got {args.rerank_factor}")
+    serving_threads(args.threads or None)  # BLAS on 1 thread for single queries; FAISS as asked
+    gallery = open_gallery(args)
+    feats, names, what = _queries(args, gallery)
     params = strategy_params_from(args)
-    mode, note = s.resolve_mode(args.strategy, params, args.mode)
+    mode, note = gallery.resolve_mode(args.strategy, params, args.mode)
     if note:
         print(f"note: {note}", file=sys.stderr)
-    res = s.search(feats, args.strategy, params, mode, args.k, what)
-    out = [{"query": n, "results": r} for n, r in zip(names, s.describe(res))]
-    payload = {"strategy": args.strategy, "params": {k: v for k, v in params.items() if v is not None},
-               "mode": mode, "k": int(res.rows.shape[1]), "note": note, "queries": out}
+    hits = gallery.search(feats, args.strategy, params, mode, args.k, what)
+    payload = {"backend": args.backend, "strategy": args.strategy,
+               "params": {k: v for k, v in params.items() if v is not None}, "mode": mode, "k": hits.k,
+               "note": note, "queries": [{"query": n, "results": r} for n, r in zip(names, hits.results())]}
     if args.json:
         write_json(args.json, payload)
     else:
@@ -249,62 +272,6 @@ def cmd_export(args) -> int:
 
 def _milvus_token(args) -> str:
     return args.token if args.token is not None else os.environ.get("MILVUS_TOKEN", "")
-
-
-def _open_backend(args):
-    """The gallery `search --backend ondisk|milvus` reads."""
-    if args.backend == "ondisk":
-        from .backends.ondisk import OnDiskIVF
-
-        if not (args.ivf or args.index):
-            raise UserError("--backend ondisk needs --ivf DIR (or --index IDX, whose IDX/ivf_ondisk is used)")
-        return OnDiskIVF(args.ivf or Path(args.index) / "ivf_ondisk", nprobe=args.nprobe or None)
-    from .backends.milvus_store import MilvusGallery
-
-    if not (args.uri and args.collection):
-        raise UserError("--backend milvus needs --uri and --collection")
-    return MilvusGallery(args.uri, args.collection, _milvus_token(args))
-
-
-def cmd_search_backend(args) -> int:
-    from .threads import serving_threads
-
-    serving_threads(args.threads or None)
-    gallery = _open_backend(args)
-    if args.image:
-        from .embedder import ImageEmbedder
-
-        man = gallery.source_manifest
-        feats = ImageEmbedder(args.checkpoint or man.get("checkpoint") or "", man).features(args.image)
-        names = list(args.image)
-    elif args.features:
-        from core.arrays import load_npy
-
-        feats = np.atleast_2d(load_npy(args.features, "query features"))
-        names = [f"{args.features}[{i}]" for i in range(len(feats))]
-    else:
-        raise UserError("give --image PATH... or --features F.npy")
-    params = strategy_params_from(args)
-    qm = gallery.strategy_metric(args.strategy, params, "bilinear")
-    mode, note = args.mode, ""
-    if mode == "cosine":  # as Searcher.resolve_mode: an indefinite M′ has no cosine
-        from .backends.search import COSINE_FALLBACK
-        from .metric import matrix_report
-
-        if matrix_report(qm.M)["psd"]:
-            qm = gallery.strategy_metric(args.strategy, params, mode)
-        else:
-            mode, note = "bilinear", COSINE_FALLBACK
-            print(f"note: {note}", file=sys.stderr)
-    if args.rerank_factor < 1:
-        raise UserError(f"--rerank-factor must be ≥ 1, got {args.rerank_factor}")
-    nprobe = {"nprobe": args.nprobe or None} if args.backend == "milvus" else {}
-    res = gallery.search(feats, qm, args.k, rerank_factor=args.rerank_factor, **nprobe)
-    payload = {"backend": args.backend, "strategy": args.strategy,
-               "params": {k: v for k, v in params.items() if v is not None}, "mode": mode, "k": args.k, "note": note,
-               "queries": [{"query": n, "results": r} for n, r in zip(names, gallery.describe(res))]}
-    write_json(args.json, payload) if args.json else print(json.dumps(payload, indent=1, ensure_ascii=False))
-    return 0
 
 
 def _milvus_args(p) -> None:

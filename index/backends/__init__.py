@@ -1,3 +1,4 @@
-"""Where a gallery lives and how it is searched: the index directory (`store`), exact search
-under M′ in RAM (`search`), IVF with on-disk inverted lists (`ondisk`), Milvus
-(`milvus_store`), and sharded builds (`shard`)."""
+"""Where a gallery lives and how it is searched.  Every backend is a `gallery.Gallery`
+answering with `gallery.Hits`: exact search under M′ in RAM over an index directory
+(`search`, `store`), IVF with on-disk inverted lists (`ondisk`) and Milvus (`milvus_store`);
+`shard` builds an index directory in shards."""

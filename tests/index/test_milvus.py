@@ -44,17 +44,18 @@ def assert_same_top_k(faiss_res, rows, scores):
 @pytest.mark.parametrize("name,params", STRATEGIES)
 def test_top_k_equals_faiss_flat(gallery, name, params):
     _, s, g, Q = gallery
-    res = g.search(Q, g.strategy_metric(name, params), K)
+    res = g.search_metric(Q, g.strategy_metric(name, params), K)
     assert_same_top_k(s.search(Q, name, params, "bilinear", K), res.rows, res.scores)
     # metadata comes back with each hit
-    h = res.hits[0][0]
+    h = res.results()[0][0]
     r = int(res.rows[0, 0])
-    assert h["row"] == r and h["id"] == int(s.data.items.ids[r]) and h["relative_path"] == f"img/{r}.png"
+    assert h["id"] == res.ids[0, 0] == int(s.data.items.ids[r]) and h["relative_path"] == f"img/{r}.png"
+    np.testing.assert_array_equal(res.labels, s.data.items.labels[res.rows])
 
 
 def test_cosine_under_psd_metric_re_ranks_exactly(gallery):
     _, s, g, Q = gallery
-    res = g.search(Q, g.strategy_metric("trained", {}, "cosine"), K)
+    res = g.search_metric(Q, g.strategy_metric("trained", {}, "cosine"), K)
     assert_same_top_k(s.search(Q, "trained", {}, "cosine", K), res.rows, res.scores)
     with pytest.raises(UserError, match="cosine mode needs a positive semi-definite M′"):
         g.strategy_metric("diagonal", {"r": 0.5}, "cosine")

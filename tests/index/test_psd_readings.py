@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from core.errors import UserError
-from index.backends.search import COSINE_FALLBACK, Searcher
+from index.backends.search import Searcher
 from index.backends.store import Items, in_memory_index, write_index
-from index.metric import symmetrized
+from index.metric import COSINE_FALLBACK, symmetrized
 from index.refinements import REFINEMENTS, refine, strategy_params
 from index.refinements.paper import R_GRID
 from index.refinements.psd import ReadingParams, psd_reading
