@@ -26,6 +26,7 @@ from .refinements import GRIDS, MODES, REFINEMENTS, file_params, shared_params
 log = logging.getLogger("index")
 
 
+# ---------------------------------------------------------------- strategy flags (search, info, report)
 def _strategy_args(p):
     g = p.add_argument_group("metric (refinement strategy; `python -m index list` shows each one's parameters)")
     REFINEMENTS.add_argument(g, "--strategy", default="trained", help="refinement strategy M* ↦ M′")
@@ -274,14 +275,7 @@ def _milvus_token(args) -> str:
     return args.token if args.token is not None else os.environ.get("MILVUS_TOKEN", "")
 
 
-def _milvus_args(p) -> None:
-    p.add_argument("--uri", help="Milvus: a file path ending in .db (Milvus Lite, embedded) or "
-                                 "http://host:19530 (a server or cluster)")
-    p.add_argument("--collection", help="Milvus collection name")
-    p.add_argument("--token", help="Milvus token, 'user:password' or an API key "
-                                   "(default: $MILVUS_TOKEN, else none)")
-
-
+# ---------------------------------------------------------------- inspection, strategy evaluation, report
 def cmd_info(args) -> int:
     from .backends.search import Searcher
     from .backends.store import read_index
@@ -343,11 +337,28 @@ def cmd_select(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from .analysis.report import write_report
+    from .backends.store import read_index
+
+    apply_threads(args.threads)
+    analysis = Path(args.analysis) if args.analysis else None
+    if analysis is not None and not analysis.is_dir():
+        raise UserError(f"--analysis folder not found: {analysis}")
+    if args.top < 1 or args.k < 1:
+        raise UserError("--top and --k must be at least 1")
+    out = write_report(read_index(args.index, verify=not args.no_verify), args.out, args.strategy,
+                       strategy_params_from(args), args.mode, top=args.top, k=args.k, analysis=analysis)
+    print(f"written: {out}")
+    return 0
+
+
 def cmd_list(args) -> int:
     print(REFINEMENTS.listing())
     return 0
 
 
+# ---------------------------------------------------------------- parsers, one per command
 INHERITED = "the checkpoint's"
 
 
@@ -376,10 +387,15 @@ def _splits(s: str) -> tuple[str, ...]:
     return names
 
 
-def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
-    """`defaults`: {command: values} from a --config file, replacing the field defaults."""
-    p, sub, defaults = command_parser("python -m index", __doc__, defaults)
+def _milvus_args(p) -> None:
+    p.add_argument("--uri", help="Milvus: a file path ending in .db (Milvus Lite, embedded) or "
+                                 "http://host:19530 (a server or cluster)")
+    p.add_argument("--collection", help="Milvus collection name")
+    p.add_argument("--token", help="Milvus token, 'user:password' or an API key "
+                                   "(default: $MILVUS_TOKEN, else none)")
 
+
+def _build_parser(sub, defaults: dict) -> None:
     b = sub.add_parser("build", help="build an index from a data-set split, an image folder, or features")
     b.add_argument("--config", help="TOML file with these settings (flags given here override it); "
                                     "the data-set fields may sit in a [data] table")
@@ -391,6 +407,8 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     _data_args(b, defaults.get("build"))
     b.set_defaults(func=cmd_build)
 
+
+def _merge_parser(sub) -> None:
     mg = sub.add_parser("merge", help="join shard indexes (`build --shard i/N`) into one index")
     mg.add_argument("shards", nargs="+", help="the shard index directories, in any order")
     mg.add_argument("--out", required=True, help="index directory to write (atomically)")
@@ -399,6 +417,8 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
                     help="replace an existing index at --out (never anything else) (default: off)")
     mg.set_defaults(func=cmd_merge)
 
+
+def _add_parser(sub) -> None:
     a = sub.add_parser("add", help="add images or feature vectors to an index")
     a.add_argument("--index", required=True, help="index directory to change (rewritten atomically)")
     a.add_argument("--images", nargs="+", help="image files to add")
@@ -408,12 +428,16 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     a.add_argument("--checkpoint", help="model to embed images (default: the index's own)")
     a.set_defaults(func=cmd_add)
 
+
+def _remove_parser(sub) -> None:
     r = sub.add_parser("remove", help="remove items by id")
     r.add_argument("--index", required=True, help="index directory to change (rewritten atomically)")
     r.add_argument("--ids", required=True, type=lambda s: [int(v) for v in s.split(",") if v.strip()],
                    help="comma-separated ids")
     r.set_defaults(func=cmd_remove)
 
+
+def _search_parser(sub) -> None:
     s = sub.add_parser("search", help="search by image file(s) or feature vectors under a refined metric")
     s.add_argument("--index", help="index directory to search (required with --backend faiss)")
     s.add_argument("--image", nargs="+", help="query image file(s)")
@@ -438,6 +462,8 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     _milvus_args(g)
     s.set_defaults(func=cmd_search)
 
+
+def _ivf_build_parser(sub) -> None:
     v = sub.add_parser("ivf-build", help="build an IVF index whose inverted lists live on disk (larger than RAM), "
                                          "searched with `search --backend ondisk`")
     v.add_argument("--index", help="index directory whose features.npy, neck W and metadata to use")
@@ -457,6 +483,8 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     v.add_argument("--seed", type=int, default=0, help="seed of the training sample (default: %(default)s)")
     v.set_defaults(func=cmd_ivf_build)
 
+
+def _export_parser(sub) -> None:
     x = sub.add_parser("export", help="copy an index directory's features and metadata into a vector database")
     x.add_argument("--to", choices=("milvus",), required=True, help="target database (a collection with metric IP)")
     x.add_argument("--index", required=True, help="index directory to export")
@@ -467,66 +495,61 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     x.add_argument("--overwrite", action="store_true", help="replace a collection of that name")
     x.set_defaults(func=cmd_export)
 
+
+def _info_parser(sub) -> None:
     i = sub.add_parser("info", help="show an index's manifest and a strategy's matrix properties")
     i.add_argument("--index", required=True, help="index directory")
     _strategy_args(i)
     i.set_defaults(func=cmd_info)
 
+
+def _list_parser(sub) -> None:
     ls = sub.add_parser("list", help="list the refinement strategies with their parameters and defaults")
     ls.set_defaults(func=cmd_list)
 
-    for name, func, hlp in (("evaluate", cmd_evaluate, "evaluate all strategies on a split (JSON, plots, table)"),
-                            ("select", cmd_select, "pick strategy and parameter by MAP@R on validation classes")):
-        e = sub.add_parser(name, help=hlp)
-        e.add_argument("--checkpoint", required=True,
-                       help="trained checkpoint whose features are evaluated (its data set, split and "
-                            "preprocessing are used unless the data flags below say otherwise)")
-        if name == "evaluate":
-            e.add_argument("--out", required=True, help="folder for strategies.json, table.md and plots")
-            e.add_argument("--splits", type=_splits, default=("test", "val"), metavar="SPLIT[,val]",
-                           help="the split to evaluate on, and val to add the validation-selected row "
-                                "(default: test,val)")
-        e.add_argument("--strategies", type=_strategy_list, default=None, metavar="NAME,...",
-                       help="only these strategies (default: every one that needs no file: "
-                            f"{', '.join(n for n in REFINEMENTS.names() if not file_params(n))})")
-        e.add_argument("--grid", choices=GRIDS, default="coarse",
-                       help="every other value of each strategy's parameter grid, or the whole grid "
-                            "(`index list`); full with --seeds 3 is the protocol of docs/refinement.md, about 3× "
-                            "the time (default: %(default)s)")
-        e.add_argument("--seeds", type=at_least(1, "--seeds"), default=1,
-                       help="seeds per random strategy setting, averaged (default: %(default)s)")
-        e.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True,
-                       help="L2-normalise φ(x), as indexes do by default (default: %(default)s)")
-        add_shared_args(e, "json", "threads", "progress", "cache_dir", "device")
-        _data_args(e)
-        e.set_defaults(func=func)
-    _add_report_parser(sub)
-    return p
+
+def _evaluate_parser(sub) -> None:
+    e = sub.add_parser("evaluate", help="evaluate all strategies on a split (JSON, plots, table)")
+    _checkpoint_arg(e)
+    e.add_argument("--out", required=True, help="folder for strategies.json, table.md and plots")
+    e.add_argument("--splits", type=_splits, default=("test", "val"), metavar="SPLIT[,val]",
+                   help="the split to evaluate on, and val to add the validation-selected row "
+                        "(default: test,val)")
+    _sweep_args(e)
+    e.set_defaults(func=cmd_evaluate)
 
 
-def main(argv=None) -> int:
-    args = parse_with_config_file(build_parser, argv, {"build": BuildConfig})
-    setup_logging(args.verbose)
-    return args.func(args)
+def _select_parser(sub) -> None:
+    e = sub.add_parser("select", help="pick strategy and parameter by MAP@R on validation classes")
+    _checkpoint_arg(e)
+    _sweep_args(e)
+    e.set_defaults(func=cmd_select)
 
 
-def cmd_report(args) -> int:
-    from .analysis.report import write_report
-    from .backends.store import read_index
-
-    apply_threads(args.threads)
-    analysis = Path(args.analysis) if args.analysis else None
-    if analysis is not None and not analysis.is_dir():
-        raise UserError(f"--analysis folder not found: {analysis}")
-    if args.top < 1 or args.k < 1:
-        raise UserError("--top and --k must be at least 1")
-    out = write_report(read_index(args.index, verify=not args.no_verify), args.out, args.strategy,
-                       strategy_params_from(args), args.mode, top=args.top, k=args.k, analysis=analysis)
-    print(f"written: {out}")
-    return 0
+def _checkpoint_arg(e) -> None:
+    e.add_argument("--checkpoint", required=True,
+                   help="trained checkpoint whose features are evaluated (its data set, split and "
+                        "preprocessing are used unless the data flags below say otherwise)")
 
 
-def _add_report_parser(sub) -> None:
+def _sweep_args(e) -> None:
+    """The flags evaluate and select share: which strategies and settings, and the features."""
+    e.add_argument("--strategies", type=_strategy_list, default=None, metavar="NAME,...",
+                   help="only these strategies (default: every one that needs no file: "
+                        f"{', '.join(n for n in REFINEMENTS.names() if not file_params(n))})")
+    e.add_argument("--grid", choices=GRIDS, default="coarse",
+                   help="every other value of each strategy's parameter grid, or the whole grid "
+                        "(`index list`); full with --seeds 3 is the protocol of docs/refinement.md, about 3× "
+                        "the time (default: %(default)s)")
+    e.add_argument("--seeds", type=at_least(1, "--seeds"), default=1,
+                   help="seeds per random strategy setting, averaged (default: %(default)s)")
+    e.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True,
+                   help="L2-normalise φ(x), as indexes do by default (default: %(default)s)")
+    add_shared_args(e, "json", "threads", "progress", "cache_dir", "device")
+    _data_args(e)
+
+
+def _report_parser(sub) -> None:
     rp = sub.add_parser("report", help="one self-contained HTML page: trained vs a strategy over every query")
     rp.add_argument("--index", required=True, help="index directory (every item is a query, leave-one-out)")
     rp.add_argument("--out", required=True, help="the HTML file to write (figures and thumbnails inlined)")
@@ -538,3 +561,19 @@ def _add_report_parser(sub) -> None:
     add_shared_args(rp, "threads")
     _strategy_args(rp)
     rp.set_defaults(func=cmd_report)
+
+
+def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
+    """`defaults`: {command: values} from a --config file, replacing the field defaults."""
+    p, sub, defaults = command_parser("python -m index", __doc__, defaults)
+    _build_parser(sub, defaults)
+    for add in (_merge_parser, _add_parser, _remove_parser, _search_parser, _ivf_build_parser, _export_parser,
+                _info_parser, _list_parser, _evaluate_parser, _select_parser, _report_parser):
+        add(sub)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parse_with_config_file(build_parser, argv, {"build": BuildConfig})
+    setup_logging(args.verbose)
+    return args.func(args)
