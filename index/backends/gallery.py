@@ -1,9 +1,9 @@
 """The one interface of every search backend, `Gallery`, and the one result, `Hits`.
 
 A gallery holds trunk features φ(x) and searches them under any refined M′:
-  search.Searcher          the index directory's FAISS index, in RAM
-  ondisk.OnDiskIVF         an IVF index whose inverted lists live on disk
-  milvus_store.MilvusGallery  a Milvus collection
+  search.Searcher              the index directory's FAISS index, in RAM
+  ondisk.OnDiskIVF             an IVF index whose inverted lists live on disk
+  milvus_store.MilvusGallery   a Milvus collection
 Each answers `search` with `Hits`, so `index search` reads all three through this
 interface alone.  Below the interface: what the on-disk IVF and Milvus share (they keep
 only the neck W, and re-rank candidates exactly under a `metric.QueryMetric`).
