@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from core.errors import UserError
-from index.search import RESULT_FIELDS
+from index.backends.gallery import RESULT_FIELDS
 
 from .service import RetrievalService
 from .ui import spec_from

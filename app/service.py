@@ -21,14 +21,15 @@ from PIL import Image, ImageDraw
 from core.errors import CorruptImageError, UserError
 from core.images import load_rgb
 from evaluation.evaluator import per_query_metrics
-from index.compare import Comparer, Comparison, item_image
+from index.analysis.compare import Comparer, Comparison, item_image
+from index.analysis.sweep import MAX_N as SWEEP_MAX_N
+from index.backends.gallery import RESULT_FIELDS
+from index.backends.search import Searcher
+from index.backends.store import read_index
 from index.embedder import ImageEmbedder
 from index.refinements import REFINEMENTS, file_params, strategy_key, strategy_label
-from index.search import RESULT_FIELDS, Searcher
-from index.sweep import MAX_N as SWEEP_MAX_N
-from index.store import read_index
 
-from .compare import ap_scatter, class_colours, metric_features, project_2d, subsample, svg_scatter
+from .compare_view import ap_scatter, class_colours, metric_features, project_2d, subsample, svg_scatter
 
 log = logging.getLogger("app")
 
@@ -134,7 +135,7 @@ class RetrievalService:
         mode, note = self.searcher.resolve_mode(spec.strategy, spec.params, spec.mode)
         extra = 1 if q.self_id is not None else 0
         res = self.searcher.search(q.feats, spec.strategy, spec.params, mode, k + extra)
-        results = [r for r in self.searcher.describe(res)[0] if r["id"] != q.self_id][:k]
+        results = [r for r in res.results()[0] if r["id"] != q.self_id][:k]
         for i, r in enumerate(results):
             r["rank"] = i + 1  # after the query's own item is left out
             r["correct"] = None if q.label is None else bool(r["label"] == q.label)
@@ -172,7 +173,7 @@ class RetrievalService:
     # ------------------------------------------------------------ the whole test set
     def per_query_ap(self, spec: Spec) -> np.ndarray:
         """MAP@R of every index item as a query (leave-one-out), under `spec`; one batched
-        pass, cached (index/compare.py)."""
+        pass, cached (index/analysis/compare.py)."""
         return self.comparer.per_query_ap(spec.strategy, spec.params, spec.mode)
 
     def comparison(self, right: Spec, left_mode: str = "cosine") -> Comparison:

@@ -14,10 +14,10 @@ import gradio as gr  # noqa: E402
 import numpy as np  # noqa: E402
 
 from core.errors import UserError  # noqa: E402
+from index.backends.gallery import RESULT_FIELDS  # noqa: E402
 from index.refinements import MODES, REFINEMENTS, SharedParam, file_params, shared_params, strategy_params  # noqa: E402
-from index.search import RESULT_FIELDS  # noqa: E402
 
-from .compare import MAP_METHODS, parse_state, state_query, write_exports  # noqa: E402
+from .compare_view import MAP_METHODS, parse_state, state_query, write_exports  # noqa: E402
 from .service import Panel, RetrievalService, Spec  # noqa: E402
 
 log = logging.getLogger("app")
@@ -338,7 +338,7 @@ def index_links(others) -> str:
 def search_tab(svc: RetrievalService, tabs: gr.Tabs) -> tuple[Shared, dict]:
     """The Search tab: query, metric controls, the two panels, share/export, examples, disagreements.
     Returns the shared components and this tab's own (wired by `wire_search`)."""
-    from app.compare import K_RANGE
+    from app.compare_view import K_RANGE
 
     example_ids = svc.examples()
     qstate = gr.State(None)
@@ -449,7 +449,7 @@ def wire_search(svc: RetrievalService, h: Handlers, sh: Shared, t: dict, analysi
 
 def compare_tab(svc: RetrievalService) -> dict:
     """The Compare tab: every test query under the trained metric against the chosen one."""
-    from index.compare import FILTERS
+    from index.analysis.compare import FILTERS
 
     cmp_ids, cmp_cursor, class_q_ids = gr.State([]), gr.State(-1), gr.State([])
     gr.Markdown("### Every test query: the trained M* (x) against the right-panel strategy (y)\n"

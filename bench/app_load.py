@@ -116,7 +116,7 @@ def main():
                     help="seconds to wait after the app answers, while it warms its strategies (default: %(default)s)")
     ap.add_argument("--out", default="bench/results/app_load.json")
     args = ap.parse_args()
-    from index.store import read_index
+    from index.backends.store import read_index
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -68,7 +68,7 @@ def search_breakdown(index: str, repeats: int) -> dict:
     from app.service import Query, RetrievalService, Spec
     from app.ui import gallery_items, report_md
     from core.images import load_rgb
-    from index.search import Searcher
+    from index.backends.search import Searcher
 
     svc = RetrievalService(index, verify=False)
     emb = svc.embedder

@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT))
 import faiss  # noqa: E402
 
 from core.atomic import write_json, write_text  # noqa: E402
-from index.search import Searcher  # noqa: E402
-from index.store import Items, IndexData, make_faiss_index  # noqa: E402
+from index.backends.search import Searcher  # noqa: E402
+from index.backends.store import Items, IndexData, make_faiss_index  # noqa: E402
 
 STRATEGIES = [("trained", {}), ("identity", {}), ("diagonal", {"r": 0.5, "seed": 0}),
               ("random", {"r": 0.5, "seed": 0}), ("shrink", {"alpha": 0.5}), ("spectral", {"p": 0.5})]

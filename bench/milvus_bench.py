@@ -6,7 +6,7 @@ Data: bench/ondisk_bench.py's synthetic gallery (N unit vectors, d = 128, 1000 c
 neck W 32 × 128), in an index directory (exact FAISS Flat) exported to a Milvus Lite
 collection (FLAT, metric IP) in a scratch folder.  Per strategy, each query is searched
 once by each backend, interleaved query by query so the shared machine's load hits both;
-FAISS (index.search.Searcher) and numpy BLAS run on 1 thread, as a serving process does.
+FAISS (index.backends.search.Searcher) and numpy BLAS run on 1 thread, as a serving process does.
 Milvus Lite answers from its own server process over gRPC, which the latency includes.
 The ratio of the two totals is the figure to read.  Agreement: the share of queries whose
 Milvus top-10 equals FAISS's, up to ties (equal scores).
@@ -27,9 +27,9 @@ sys.path.insert(0, str(ROOT))
 from ondisk_bench import K, STRATEGIES, draw, label, model  # noqa: E402  (the same gallery and strategies)
 
 from core.atomic import write_json, write_text  # noqa: E402
-from index.milvus_store import MilvusGallery, export_index  # noqa: E402
-from index.search import Searcher  # noqa: E402
-from index.store import Items, read_index, write_index  # noqa: E402
+from index.backends.milvus_store import MilvusGallery, export_index  # noqa: E402
+from index.backends.search import Searcher  # noqa: E402
+from index.backends.store import Items, read_index, write_index  # noqa: E402
 from index.threads import serving_threads  # noqa: E402
 
 
@@ -58,14 +58,14 @@ def run(n: int, n_queries: int, wd: Path) -> dict:
     out = {"n": n, "d": X.shape[1], "queries": n_queries, "k": K, "export_s": export_s, "strategies": {}}
     for name, params, mode in STRATEGIES:
         qm = g.strategy_metric(name, params, mode)
-        s.search(Q[:1], name, params, mode, K), g.search(Q[:1], qm, K)  # warm: caches, first gRPC call
+        s.search(Q[:1], name, params, mode, K), g.search_metric(Q[:1], qm, K)  # warm: caches, first gRPC call
         t_f = t_m = 0.0
         agree = 0
         for q in Q[:, None]:
             t0 = time.perf_counter()
             f = s.search(q, name, params, mode, K)
             t1 = time.perf_counter()
-            m = g.search(q, qm, K)
+            m = g.search_metric(q, qm, K)
             t_f, t_m = t_f + t1 - t0, t_m + time.perf_counter() - t1
             agree += same_up_to_ties(f.rows[0], f.scores[0], m.rows[0], m.scores[0])
         out["strategies"][label((name, params, mode))] = {

@@ -1,4 +1,4 @@
-"""Issue-13 §3: IVF with on-disk inverted lists (index/ondisk.py) on synthetic data.
+"""Issue-13 §3: IVF with on-disk inverted lists (index/backends/ondisk.py) on synthetic data.
 
   python bench/ondisk_bench.py --n 1000000 [--workdir /tmp/ondisk_bench] [--out bench/results/ondisk]
 
@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 import faiss  # noqa: E402
 
 from core.atomic import write_json, write_text  # noqa: E402
-from index.ondisk import OnDiskIVF, build_ondisk_ivf, default_nlist  # noqa: E402
+from index.backends.ondisk import OnDiskIVF, build_ondisk_ivf, default_nlist  # noqa: E402
 from index.refinements import refine  # noqa: E402
 
 D, K_EMB, CLASSES, SUB, K = 128, 32, 1000, 32, 10
@@ -182,7 +182,7 @@ def phase_search(wd: Path, n: int, nprobes: list[int], single: int) -> dict:
     recall = {}
     for (s, qm), tr in zip(qms, truth):
         for p in nprobes:
-            got = ivf.search(Q, qm, K, nprobe=p).rows
+            got = ivf.search_metric(Q, qm, K, nprobe=p).rows
             recall[f"{label(s)}|{p}"] = float(np.mean([len(set(a) & set(b)) / K for a, b in zip(got, tr)]))
     out = {"recall": recall, "nprobes": nprobes}
     # cosine candidates come by the inner product, blind to 1/‖x‖_M′: recall vs a larger pool
@@ -191,7 +191,7 @@ def phase_search(wd: Path, n: int, nprobes: list[int], single: int) -> dict:
     out["cosine_pool"] = {}
     for f in (10, 40, 160):
         t = time.perf_counter()
-        got = ivf.search(Q, cqm, K, nprobe=p_mid, rerank_factor=f).rows
+        got = ivf.search_metric(Q, cqm, K, nprobe=p_mid, rerank_factor=f).rows
         out["cosine_pool"][f] = {"recall": float(np.mean([len(set(a) & set(b)) / K for a, b in zip(got, ctr)])),
                                  "candidates": cqm.candidate_count(K, n, f), "nprobe": p_mid,
                                  "batch_ms_per_query": (time.perf_counter() - t) / len(Q) * 1e3}
@@ -201,10 +201,10 @@ def phase_search(wd: Path, n: int, nprobes: list[int], single: int) -> dict:
     ms = {}
     for s, qm in qms:
         for p in nprobes:
-            ivf.search(Q[:1], qm, K, nprobe=p)
+            ivf.search_metric(Q[:1], qm, K, nprobe=p)
             t = time.perf_counter()
             for i in range(single):
-                ivf.search(Q[i: i + 1], qm, K, nprobe=p)
+                ivf.search_metric(Q[i: i + 1], qm, K, nprobe=p)
             ms[f"{label(s)}|{p}"] = (time.perf_counter() - t) / single * 1e3
     out |= {"ms_per_query": ms, **mon.stop()}
     avail = status_meminfo("MemAvailable")
@@ -223,7 +223,7 @@ def phase_search(wd: Path, n: int, nprobes: list[int], single: int) -> dict:
         t_o = t_f = 0.0
         for i in range(single):
             q = Q[i: i + 1]
-            t = time.perf_counter(); ivf.search(q, qm, K, nprobe=p_mid); t_o += time.perf_counter() - t  # noqa: E702
+            t = time.perf_counter(); ivf.search_metric(q, qm, K, nprobe=p_mid); t_o += time.perf_counter() - t  # noqa: E702
             t = time.perf_counter(); flat.search(qm.transform(q), K); t_f += time.perf_counter() - t  # noqa: E702
         pairs[label(s)] = {"nprobe": p_mid, "ours_ms": t_o / single * 1e3, "flat_ms": t_f / single * 1e3,
                            "ratio": t_o / t_f}
@@ -256,7 +256,7 @@ def phase_cold(wd: Path, n: int, nprobe: int, single: int) -> dict:
     r1 = disk_read_bytes()
     t = time.perf_counter()
     for i in range(single):
-        ivf.search(Q[100 + i: 101 + i], qm, K, nprobe=nprobe)
+        ivf.search_metric(Q[100 + i: 101 + i], qm, K, nprobe=nprobe)
     ms = (time.perf_counter() - t) / single * 1e3
     blas.restore_original_limits()
     return {"strategy": label(s), "nprobe": nprobe, "open_s": open_s, "ms_per_query": ms,
@@ -318,7 +318,7 @@ def markdown(results: dict) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=1_000_000, help="gallery rows (default: %(default)s)")
-    ap.add_argument("--nlist", type=int, default=0, help="IVF lists (default 0: index.ondisk.default_nlist(N))")
+    ap.add_argument("--nlist", type=int, default=0, help="IVF lists (default 0: index.backends.ondisk.default_nlist(N))")
     ap.add_argument("--nprobe", default="4,8,16,32,64,128", help="nprobe values (default: %(default)s)")
     ap.add_argument("--single", type=int, default=50, help="single queries timed per setting (default: %(default)s)")
     ap.add_argument("--workdir", default="/tmp/ondisk_bench", help="scratch folder for data and index (default: %(default)s)")

@@ -67,8 +67,8 @@ def strategy_eval(ck: Path, out: Path, cache_dir: str, grid: str, seeds: int) ->
     """`index evaluate --checkpoint ck --out out --grid GRID --no-progress` in-process,
     reused when the checkpoint (hash), grid and seeds are unchanged."""
     from core.hashing import sha256_file
+    from index.analysis.strategy_eval import run_evaluation
     from index.build import split_features
-    from index.strategy_eval import run_evaluation
 
     from index.refinements import REFINEMENTS
 
@@ -99,7 +99,7 @@ def metric_norms(ck: Path) -> dict:
 
 
 def pick(rows, strategy, mode, **params):
-    from index.strategy_eval import find
+    from index.analysis.strategy_eval import find
 
     return find(rows, strategy, mode, **params)
 
@@ -139,10 +139,10 @@ def summarize_run(res: dict) -> dict:
 def indefinite_table(ck: Path, cache_dir: str, r_values) -> list[dict]:
     """Diagonal restraint (restraint seed 0) on one run's test features: how often φᵢᵀM′φⱼ < 0
     (i ≠ j) and φᵢᵀM′φᵢ < 0, and MAP@R ranked bilinearly vs by the M′-cosine."""
+    from index.analysis.sweep import GramSweep
+    from index.backends.search import Searcher
+    from index.backends.store import in_memory_index
     from index.build import split_features
-    from index.search import Searcher
-    from index.store import in_memory_index
-    from index.sweep import GramSweep
     import torch
 
     f, y, W = split_features(ck, None, "test", cache_dir, False)

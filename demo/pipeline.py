@@ -155,8 +155,8 @@ def build_demo_index(tcfg: TrainConfig, out: Path, times: dict, suffix: str = ""
     """The demo index (test split) and strategy evaluation, rebuilt only when the model changed."""
     import json
 
+    from index.analysis.strategy_eval import run_evaluation
     from index.build import build_from_dataset, split_features
-    from index.strategy_eval import run_evaluation
     from core.hashing import sha256_file
 
     ck = Path(tcfg.out) / "best.pt"

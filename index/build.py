@@ -19,7 +19,7 @@ from model.features import embed_split, embed_subset
 from model.device import resolve_device
 from model.preprocess import transform_for
 
-from .store import Items, is_index, read_index, write_index
+from .backends.store import Items, is_index, read_index, write_index
 
 log = logging.getLogger("index")
 

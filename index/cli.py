@@ -26,6 +26,7 @@ from .refinements import GRIDS, MODES, REFINEMENTS, file_params, shared_params
 log = logging.getLogger("index")
 
 
+# ---------------------------------------------------------------- strategy flags (search, info, report)
 def _strategy_args(p):
     g = p.add_argument_group("metric (refinement strategy; `python -m index list` shows each one's parameters)")
     REFINEMENTS.add_argument(g, "--strategy", default="trained", help="refinement strategy M* ↦ M′")
@@ -68,8 +69,8 @@ def given_data(args) -> dict:
 
 
 def cmd_build(args) -> int:
+    from .backends.shard import distributed_rank
     from .build import writing_index
-    from .shard import distributed_rank
 
     if not args.out:
         raise UserError("give --out (the index directory to write), on the command line or in --config")
@@ -110,8 +111,8 @@ def _build(args) -> Path | None:
 
 
 def _build_dataset(args):
+    from .backends.shard import distributed_build, distributed_rank, parse_shard
     from .build import build_from_dataset
-    from .shard import distributed_build, distributed_rank, parse_shard
 
     def build(shard, out):
         return build_from_dataset(args.checkpoint, given_data(args), out, args.split, args.normalize,
@@ -131,8 +132,8 @@ def _build_dataset(args):
 
 
 def cmd_merge(args) -> int:
+    from .backends.shard import merge_shards
     from .build import writing_index
-    from .shard import merge_shards
 
     with writing_index(args.out, args.overwrite):
         path = merge_shards(args.shards, args.out, args.factory)
@@ -167,44 +168,67 @@ def cmd_remove(args) -> int:
     return 0
 
 
-def cmd_search(args) -> int:
-    if args.backend != "faiss":  # before the torch import below: feature queries need no model
-        return cmd_search_backend(args)
-    from .embedder import ImageEmbedder
-    from .search import Searcher
-    from .store import read_index
+def open_gallery(args):
+    """The gallery `search --backend faiss|ondisk|milvus` reads: an index.backends.gallery.Gallery."""
+    if args.backend == "faiss":
+        from .backends.search import Searcher
+        from .backends.store import read_index
 
-    from .threads import serving_threads
+        if not args.index:
+            raise UserError("give --index (the index directory to search)")
+        return Searcher(read_index(args.index, verify=not args.no_verify))
+    if args.backend == "ondisk":
+        from .backends.ondisk import OnDiskIVF
 
-    if args.json:
-        check_file_target(args.json)
-    if not args.index:
-        raise UserError("give --index (the index directory to search)")
-    data = read_index(args.index, verify=not args.no_verify)
-    serving_threads(args.threads or None)  # BLAS on 1 thread for single queries; FAISS as asked
-    s = Searcher(data)
-    what = "query features"
+        if not (args.ivf or args.index):
+            raise UserError("--backend ondisk needs --ivf DIR (or --index IDX, whose IDX/ivf_ondisk is used)")
+        return OnDiskIVF(args.ivf or Path(args.index) / "ivf_ondisk", nprobe=args.nprobe or None,
+                         rerank_factor=args.rerank_factor)
+    from .backends.milvus_store import MilvusGallery
+
+    if not (args.uri and args.collection):
+        raise UserError("--backend milvus needs --uri and --collection")
+    return MilvusGallery(args.uri, args.collection, _milvus_token(args), nprobe=args.nprobe or None,
+                         rerank_factor=args.rerank_factor)
+
+
+def _queries(args, gallery) -> tuple[np.ndarray, list[str], str]:
+    """(query trunk features, a name per query, what error messages call them)."""
     if args.features:
         from core.arrays import check_matrix, load_npy
 
         what = f"query features file {args.features}"
         feats = check_matrix(load_npy(args.features, "query features"), what, allow_1d=True)
-        names = [f"{args.features}[{i}]" for i in range(len(feats))]
-    elif args.image:
-        emb = ImageEmbedder(args.checkpoint or data.manifest.get("checkpoint") or "", data.manifest,
-                            device=args.device)
-        feats = emb.features(args.image)
-        names = list(args.image)
-    else:
-        raise UserError("give --image PATH... or --features F.npy")
+        return feats, [f"{args.features}[{i}]" for i in range(len(feats))], what
+    if args.image:
+        from .embedder import ImageEmbedder  # torch: only image queries need a model
+
+        info = gallery.info
+        emb = ImageEmbedder(args.checkpoint or info.get("checkpoint") or "", info, device=args.device)
+        return emb.features(args.image), list(args.image), "query features"
+    raise UserError("give --image PATH... or --features F.npy")
+
+
+def cmd_search(args) -> int:
+    """One path for every backend: open the gallery, embed or load the queries, resolve the
+    mode (cosine falls back to bilinear for an indefinite M′), search, write the same JSON."""
+    from .threads import serving_threads
+
+    if args.json:
+        check_file_target(args.json)
+    if args.rerank_factor < 1:
+        raise UserError(f"--rerank-factor must be ≥ 1, got {args.rerank_factor}")
+    serving_threads(args.threads or None)  # BLAS on 1 thread for single queries; FAISS as asked
+    gallery = open_gallery(args)
+    feats, names, what = _queries(args, gallery)
     params = strategy_params_from(args)
-    mode, note = s.resolve_mode(args.strategy, params, args.mode)
+    mode, note = gallery.resolve_mode(args.strategy, params, args.mode)
     if note:
         print(f"note: {note}", file=sys.stderr)
-    res = s.search(feats, args.strategy, params, mode, args.k, what)
-    out = [{"query": n, "results": r} for n, r in zip(names, s.describe(res))]
-    payload = {"strategy": args.strategy, "params": {k: v for k, v in params.items() if v is not None},
-               "mode": mode, "k": int(res.rows.shape[1]), "note": note, "queries": out}
+    hits = gallery.search(feats, args.strategy, params, mode, args.k, what)
+    payload = {"backend": args.backend, "strategy": args.strategy,
+               "params": {k: v for k, v in params.items() if v is not None}, "mode": mode, "k": hits.k,
+               "note": note, "queries": [{"query": n, "results": r} for n, r in zip(names, hits.results())]}
     if args.json:
         write_json(args.json, payload)
     else:
@@ -214,7 +238,7 @@ def cmd_search(args) -> int:
 
 # ---------------------------------------------------------------- on-disk IVF and Milvus backends
 def cmd_ivf_build(args) -> int:
-    from .ondisk import MANIFEST, build_for_index, build_ondisk_ivf
+    from .backends.ondisk import MANIFEST, build_for_index, build_ondisk_ivf
 
     kw = {"nlist": args.nlist or None, "codec": args.codec, "shard_rows": args.shard_rows,
           "train_size": args.train_size or None, "seed": args.seed}
@@ -236,7 +260,7 @@ def cmd_ivf_build(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .milvus_store import export_index
+    from .backends.milvus_store import export_index
 
     if not (args.uri and args.collection):
         raise UserError("export --to milvus needs --uri and --collection")
@@ -251,73 +275,10 @@ def _milvus_token(args) -> str:
     return args.token if args.token is not None else os.environ.get("MILVUS_TOKEN", "")
 
 
-def _open_backend(args):
-    """The gallery `search --backend ondisk|milvus` reads."""
-    if args.backend == "ondisk":
-        from .ondisk import OnDiskIVF
-
-        if not (args.ivf or args.index):
-            raise UserError("--backend ondisk needs --ivf DIR (or --index IDX, whose IDX/ivf_ondisk is used)")
-        return OnDiskIVF(args.ivf or Path(args.index) / "ivf_ondisk", nprobe=args.nprobe or None)
-    from .milvus_store import MilvusGallery
-
-    if not (args.uri and args.collection):
-        raise UserError("--backend milvus needs --uri and --collection")
-    return MilvusGallery(args.uri, args.collection, _milvus_token(args))
-
-
-def cmd_search_backend(args) -> int:
-    from .threads import serving_threads
-
-    serving_threads(args.threads or None)
-    gallery = _open_backend(args)
-    if args.image:
-        from .embedder import ImageEmbedder
-
-        man = gallery.source_manifest
-        feats = ImageEmbedder(args.checkpoint or man.get("checkpoint") or "", man).features(args.image)
-        names = list(args.image)
-    elif args.features:
-        from core.arrays import load_npy
-
-        feats = np.atleast_2d(load_npy(args.features, "query features"))
-        names = [f"{args.features}[{i}]" for i in range(len(feats))]
-    else:
-        raise UserError("give --image PATH... or --features F.npy")
-    params = strategy_params_from(args)
-    qm = gallery.strategy_metric(args.strategy, params, "bilinear")
-    mode, note = args.mode, ""
-    if mode == "cosine":  # as Searcher.resolve_mode: an indefinite M′ has no cosine
-        from .metric import matrix_report
-        from .search import COSINE_FALLBACK
-
-        if matrix_report(qm.M)["psd"]:
-            qm = gallery.strategy_metric(args.strategy, params, mode)
-        else:
-            mode, note = "bilinear", COSINE_FALLBACK
-            print(f"note: {note}", file=sys.stderr)
-    if args.rerank_factor < 1:
-        raise UserError(f"--rerank-factor must be ≥ 1, got {args.rerank_factor}")
-    nprobe = {"nprobe": args.nprobe or None} if args.backend == "milvus" else {}
-    res = gallery.search(feats, qm, args.k, rerank_factor=args.rerank_factor, **nprobe)
-    payload = {"backend": args.backend, "strategy": args.strategy,
-               "params": {k: v for k, v in params.items() if v is not None}, "mode": mode, "k": args.k, "note": note,
-               "queries": [{"query": n, "results": r} for n, r in zip(names, gallery.describe(res))]}
-    write_json(args.json, payload) if args.json else print(json.dumps(payload, indent=1, ensure_ascii=False))
-    return 0
-
-
-def _milvus_args(p) -> None:
-    p.add_argument("--uri", help="Milvus: a file path ending in .db (Milvus Lite, embedded) or "
-                                 "http://host:19530 (a server or cluster)")
-    p.add_argument("--collection", help="Milvus collection name")
-    p.add_argument("--token", help="Milvus token, 'user:password' or an API key "
-                                   "(default: $MILVUS_TOKEN, else none)")
-
-
+# ---------------------------------------------------------------- inspection, strategy evaluation, report
 def cmd_info(args) -> int:
-    from .search import Searcher
-    from .store import read_index
+    from .backends.search import Searcher
+    from .backends.store import read_index
 
     data = read_index(args.index)
     rep = Searcher(data).metric(args.strategy, strategy_params_from(args)).report
@@ -330,8 +291,8 @@ def _narrowing(args) -> dict:
 
 
 def cmd_evaluate(args) -> int:
+    from .analysis.strategy_eval import counts_line, run_evaluation, table_markdown
     from .build import split_features
-    from .strategy_eval import counts_line, run_evaluation, table_markdown
 
     if args.json:
         check_file_target(args.json)
@@ -355,8 +316,8 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_select(args) -> int:
+    from .analysis.strategy_eval import counts_line, select_strategy
     from .build import split_features
-    from .strategy_eval import counts_line, select_strategy
 
     if args.json:
         check_file_target(args.json)
@@ -376,11 +337,28 @@ def cmd_select(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from .analysis.report import write_report
+    from .backends.store import read_index
+
+    apply_threads(args.threads)
+    analysis = Path(args.analysis) if args.analysis else None
+    if analysis is not None and not analysis.is_dir():
+        raise UserError(f"--analysis folder not found: {analysis}")
+    if args.top < 1 or args.k < 1:
+        raise UserError("--top and --k must be at least 1")
+    out = write_report(read_index(args.index, verify=not args.no_verify), args.out, args.strategy,
+                       strategy_params_from(args), args.mode, top=args.top, k=args.k, analysis=analysis)
+    print(f"written: {out}")
+    return 0
+
+
 def cmd_list(args) -> int:
     print(REFINEMENTS.listing())
     return 0
 
 
+# ---------------------------------------------------------------- parsers, one per command
 INHERITED = "the checkpoint's"
 
 
@@ -409,10 +387,15 @@ def _splits(s: str) -> tuple[str, ...]:
     return names
 
 
-def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
-    """`defaults`: {command: values} from a --config file, replacing the field defaults."""
-    p, sub, defaults = command_parser("python -m index", __doc__, defaults)
+def _milvus_args(p) -> None:
+    p.add_argument("--uri", help="Milvus: a file path ending in .db (Milvus Lite, embedded) or "
+                                 "http://host:19530 (a server or cluster)")
+    p.add_argument("--collection", help="Milvus collection name")
+    p.add_argument("--token", help="Milvus token, 'user:password' or an API key "
+                                   "(default: $MILVUS_TOKEN, else none)")
 
+
+def _build_parser(sub, defaults: dict) -> None:
     b = sub.add_parser("build", help="build an index from a data-set split, an image folder, or features")
     b.add_argument("--config", help="TOML file with these settings (flags given here override it); "
                                     "the data-set fields may sit in a [data] table")
@@ -424,6 +407,8 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     _data_args(b, defaults.get("build"))
     b.set_defaults(func=cmd_build)
 
+
+def _merge_parser(sub) -> None:
     mg = sub.add_parser("merge", help="join shard indexes (`build --shard i/N`) into one index")
     mg.add_argument("shards", nargs="+", help="the shard index directories, in any order")
     mg.add_argument("--out", required=True, help="index directory to write (atomically)")
@@ -432,6 +417,8 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
                     help="replace an existing index at --out (never anything else) (default: off)")
     mg.set_defaults(func=cmd_merge)
 
+
+def _add_parser(sub) -> None:
     a = sub.add_parser("add", help="add images or feature vectors to an index")
     a.add_argument("--index", required=True, help="index directory to change (rewritten atomically)")
     a.add_argument("--images", nargs="+", help="image files to add")
@@ -441,12 +428,16 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     a.add_argument("--checkpoint", help="model to embed images (default: the index's own)")
     a.set_defaults(func=cmd_add)
 
+
+def _remove_parser(sub) -> None:
     r = sub.add_parser("remove", help="remove items by id")
     r.add_argument("--index", required=True, help="index directory to change (rewritten atomically)")
     r.add_argument("--ids", required=True, type=lambda s: [int(v) for v in s.split(",") if v.strip()],
                    help="comma-separated ids")
     r.set_defaults(func=cmd_remove)
 
+
+def _search_parser(sub) -> None:
     s = sub.add_parser("search", help="search by image file(s) or feature vectors under a refined metric")
     s.add_argument("--index", help="index directory to search (required with --backend faiss)")
     s.add_argument("--image", nargs="+", help="query image file(s)")
@@ -471,6 +462,8 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     _milvus_args(g)
     s.set_defaults(func=cmd_search)
 
+
+def _ivf_build_parser(sub) -> None:
     v = sub.add_parser("ivf-build", help="build an IVF index whose inverted lists live on disk (larger than RAM), "
                                          "searched with `search --backend ondisk`")
     v.add_argument("--index", help="index directory whose features.npy, neck W and metadata to use")
@@ -490,6 +483,8 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     v.add_argument("--seed", type=int, default=0, help="seed of the training sample (default: %(default)s)")
     v.set_defaults(func=cmd_ivf_build)
 
+
+def _export_parser(sub) -> None:
     x = sub.add_parser("export", help="copy an index directory's features and metadata into a vector database")
     x.add_argument("--to", choices=("milvus",), required=True, help="target database (a collection with metric IP)")
     x.add_argument("--index", required=True, help="index directory to export")
@@ -500,66 +495,61 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     x.add_argument("--overwrite", action="store_true", help="replace a collection of that name")
     x.set_defaults(func=cmd_export)
 
+
+def _info_parser(sub) -> None:
     i = sub.add_parser("info", help="show an index's manifest and a strategy's matrix properties")
     i.add_argument("--index", required=True, help="index directory")
     _strategy_args(i)
     i.set_defaults(func=cmd_info)
 
+
+def _list_parser(sub) -> None:
     ls = sub.add_parser("list", help="list the refinement strategies with their parameters and defaults")
     ls.set_defaults(func=cmd_list)
 
-    for name, func, hlp in (("evaluate", cmd_evaluate, "evaluate all strategies on a split (JSON, plots, table)"),
-                            ("select", cmd_select, "pick strategy and parameter by MAP@R on validation classes")):
-        e = sub.add_parser(name, help=hlp)
-        e.add_argument("--checkpoint", required=True,
-                       help="trained checkpoint whose features are evaluated (its data set, split and "
-                            "preprocessing are used unless the data flags below say otherwise)")
-        if name == "evaluate":
-            e.add_argument("--out", required=True, help="folder for strategies.json, table.md and plots")
-            e.add_argument("--splits", type=_splits, default=("test", "val"), metavar="SPLIT[,val]",
-                           help="the split to evaluate on, and val to add the validation-selected row "
-                                "(default: test,val)")
-        e.add_argument("--strategies", type=_strategy_list, default=None, metavar="NAME,...",
-                       help="only these strategies (default: every one that needs no file: "
-                            f"{', '.join(n for n in REFINEMENTS.names() if not file_params(n))})")
-        e.add_argument("--grid", choices=GRIDS, default="coarse",
-                       help="every other value of each strategy's parameter grid, or the whole grid "
-                            "(`index list`); full with --seeds 3 is the protocol of docs/refinement.md, about 3× "
-                            "the time (default: %(default)s)")
-        e.add_argument("--seeds", type=at_least(1, "--seeds"), default=1,
-                       help="seeds per random strategy setting, averaged (default: %(default)s)")
-        e.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True,
-                       help="L2-normalise φ(x), as indexes do by default (default: %(default)s)")
-        add_shared_args(e, "json", "threads", "progress", "cache_dir", "device")
-        _data_args(e)
-        e.set_defaults(func=func)
-    _add_report_parser(sub)
-    return p
+
+def _evaluate_parser(sub) -> None:
+    e = sub.add_parser("evaluate", help="evaluate all strategies on a split (JSON, plots, table)")
+    _checkpoint_arg(e)
+    e.add_argument("--out", required=True, help="folder for strategies.json, table.md and plots")
+    e.add_argument("--splits", type=_splits, default=("test", "val"), metavar="SPLIT[,val]",
+                   help="the split to evaluate on, and val to add the validation-selected row "
+                        "(default: test,val)")
+    _sweep_args(e)
+    e.set_defaults(func=cmd_evaluate)
 
 
-def main(argv=None) -> int:
-    args = parse_with_config_file(build_parser, argv, {"build": BuildConfig})
-    setup_logging(args.verbose)
-    return args.func(args)
+def _select_parser(sub) -> None:
+    e = sub.add_parser("select", help="pick strategy and parameter by MAP@R on validation classes")
+    _checkpoint_arg(e)
+    _sweep_args(e)
+    e.set_defaults(func=cmd_select)
 
 
-def cmd_report(args) -> int:
-    from .report import write_report
-    from .store import read_index
-
-    apply_threads(args.threads)
-    analysis = Path(args.analysis) if args.analysis else None
-    if analysis is not None and not analysis.is_dir():
-        raise UserError(f"--analysis folder not found: {analysis}")
-    if args.top < 1 or args.k < 1:
-        raise UserError("--top and --k must be at least 1")
-    out = write_report(read_index(args.index, verify=not args.no_verify), args.out, args.strategy,
-                       strategy_params_from(args), args.mode, top=args.top, k=args.k, analysis=analysis)
-    print(f"written: {out}")
-    return 0
+def _checkpoint_arg(e) -> None:
+    e.add_argument("--checkpoint", required=True,
+                   help="trained checkpoint whose features are evaluated (its data set, split and "
+                        "preprocessing are used unless the data flags below say otherwise)")
 
 
-def _add_report_parser(sub) -> None:
+def _sweep_args(e) -> None:
+    """The flags evaluate and select share: which strategies and settings, and the features."""
+    e.add_argument("--strategies", type=_strategy_list, default=None, metavar="NAME,...",
+                   help="only these strategies (default: every one that needs no file: "
+                        f"{', '.join(n for n in REFINEMENTS.names() if not file_params(n))})")
+    e.add_argument("--grid", choices=GRIDS, default="coarse",
+                   help="every other value of each strategy's parameter grid, or the whole grid "
+                        "(`index list`); full with --seeds 3 is the protocol of docs/refinement.md, about 3× "
+                        "the time (default: %(default)s)")
+    e.add_argument("--seeds", type=at_least(1, "--seeds"), default=1,
+                   help="seeds per random strategy setting, averaged (default: %(default)s)")
+    e.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True,
+                   help="L2-normalise φ(x), as indexes do by default (default: %(default)s)")
+    add_shared_args(e, "json", "threads", "progress", "cache_dir", "device")
+    _data_args(e)
+
+
+def _report_parser(sub) -> None:
     rp = sub.add_parser("report", help="one self-contained HTML page: trained vs a strategy over every query")
     rp.add_argument("--index", required=True, help="index directory (every item is a query, leave-one-out)")
     rp.add_argument("--out", required=True, help="the HTML file to write (figures and thumbnails inlined)")
@@ -571,3 +561,19 @@ def _add_report_parser(sub) -> None:
     add_shared_args(rp, "threads")
     _strategy_args(rp)
     rp.set_defaults(func=cmd_report)
+
+
+def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
+    """`defaults`: {command: values} from a --config file, replacing the field defaults."""
+    p, sub, defaults = command_parser("python -m index", __doc__, defaults)
+    _build_parser(sub, defaults)
+    for add in (_merge_parser, _add_parser, _remove_parser, _search_parser, _ivf_build_parser, _export_parser,
+                _info_parser, _list_parser, _evaluate_parser, _select_parser, _report_parser):
+        add(sub)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parse_with_config_file(build_parser, argv, {"build": BuildConfig})
+    setup_logging(args.verbose)
+    return args.func(args)

@@ -1,4 +1,5 @@
-"""Similarity under a metric matrix, and the matrix properties the paper's principles use.
+"""Similarity under a metric matrix, the matrix properties the paper's principles use, and
+what every search backend shares of it: the modes, the cosine fallback, `QueryMetric`.
 
 Bilinear:  s(q, x) = φ(q)ᵀ M′ φ(x), for any symmetric M′ (PSD or indefinite).
   Exact with one inner-product index over φ(x): search it with the query M′φ(q).
@@ -7,11 +8,18 @@ Cosine:    s(q, x) / (‖φ(q)‖_M′ ‖φ(x)‖_M′), ‖v‖_M′ = sqrt(v�
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import numpy as np
 
 from core.errors import UserError
 
+from .operator import MetricOperator, apply_norms
+
 PSD_TOL = 1e-8
+MODES = ("bilinear", "cosine")
+COSINE_FALLBACK = "cosine is undefined for this indefinite M′: showing bilinear"
 
 
 def symmetrized(M: np.ndarray) -> np.ndarray:
@@ -60,3 +68,52 @@ def matrix_report(M: np.ndarray, eigenvalues: np.ndarray | None = None) -> dict:
     }
 
 
+
+
+def resolve_mode(mode: str, is_psd: Callable[[], bool]) -> tuple[str, str]:
+    """(mode actually used, note): cosine is undefined for an indefinite M′, which is then
+    ranked bilinearly, and said so.  Every backend resolves through this, so the CLI, the API
+    and the app fall back alike.  `is_psd` is called only when it matters (cosine)."""
+    if mode == "cosine" and not is_psd():
+        return "bilinear", COSINE_FALLBACK
+    return mode, ""
+
+
+@dataclass(eq=False)
+class QueryMetric:
+    """M′ prepared for querying: q ↦ M′q (cosine: divided by ‖q‖_M′) and candidates' ‖x‖_M′.
+    The backends that re-rank candidates read from disk or a database (on-disk IVF, Milvus)
+    search with it; the in-memory Searcher keeps its own cached RefinedMetric."""
+    M: np.ndarray                              # d × d, symmetric, float64
+    mode: str
+    apply: Callable[[np.ndarray], np.ndarray]  # rows Q ↦ rows of Q M′, float32
+
+    @classmethod
+    def build(cls, M: np.ndarray, mode: str = "bilinear", d: int | None = None,
+              apply: Callable[[np.ndarray], np.ndarray] | None = None) -> "QueryMetric":
+        """`apply` may be a structured MetricOperator's (cheaper for low-rank M′); dense otherwise."""
+        if mode not in MODES:
+            raise UserError(f"mode must be one of {MODES}, got {mode!r}")
+        M = check_symmetric(M, d, "M′")
+        if mode == "cosine":
+            rep = matrix_report(M)
+            if not rep["psd"]:
+                raise UserError(f"cosine mode needs a positive semi-definite M′; this one is indefinite "
+                                f"(min eigenvalue {rep['min_eigenvalue']:.3g}). Use mode bilinear.")
+        return cls(M, mode, apply or MetricOperator(M).apply)
+
+    def transform(self, Q: np.ndarray) -> np.ndarray:
+        qt = self.apply(Q)
+        if self.mode == "bilinear":
+            return qt
+        qn = np.sqrt(np.maximum(np.einsum("ij,ij->i", qt.astype(np.float64), Q.astype(np.float64)), 0))
+        return (qt / np.maximum(qn, 1e-30)[:, None]).astype(np.float32)
+
+    def norms(self, X: np.ndarray) -> np.ndarray | None:
+        """‖x‖_M′ of the given rows (cosine), None in bilinear mode."""
+        return apply_norms(self.apply, X) if self.mode == "cosine" else None
+
+    def candidate_count(self, k: int, n_items: int, rerank_factor: int) -> int:
+        # cosine candidates come from the raw inner product, blind to 1/‖x‖_M′: fetch more
+        factor = rerank_factor * (4 if self.mode == "cosine" else 1)
+        return min(n_items, max(k * factor, 64))

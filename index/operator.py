@@ -12,7 +12,7 @@ declares its kind in its registry entry (`operator=`):
                                               from M′'s eigendecomposition, else dense)
   dense             M′q                      (anything else)
 The structured forms are exact (float32 round-off aside).  The batched sweep
-(index/sweep.py) uses the same structure for Φ M′ Φᵀ.
+(index/analysis/sweep.py) uses the same structure for Φ M′ Φᵀ.
 """
 from __future__ import annotations
 

@@ -32,10 +32,9 @@ import numpy as np
 
 from core.registry import Registry
 
-from ..metric import symmetrized
+from ..metric import MODES, symmetrized
 
 REFINEMENTS = Registry("refinement strategy", "refinement strategies")
-MODES = ("bilinear", "cosine")
 
 
 def strategy_params(name: str, given: dict | None = None):

@@ -7,14 +7,14 @@ import urllib.parse
 import numpy as np
 import pytest
 
-from app.compare import parse_state, state_query, tick_label, write_exports
+from app.compare_view import parse_state, state_query, tick_label, write_exports
 from app.service import RetrievalService, Spec
 from conftest import run_module
 from core.arrays import l2_normalize
 from core.errors import UserError
 from evaluation.evaluator import evaluate_ranking
 from evaluation.knn import flat_index
-from index.search import RESULT_FIELDS
+from index.backends.gallery import RESULT_FIELDS
 
 CONTROLS = {"r": 0.5, "seed": 0, "alpha": 0.5, "p": 0.5, "path": None}  # every parameter control
 

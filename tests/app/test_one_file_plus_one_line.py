@@ -39,8 +39,8 @@ def cli(capsys, *argv) -> str:
 
 
 def test_new_strategy_reaches_the_index_cli(lift_registered, tiny_index, tmp_path, capsys):
-    from index.search import Searcher
-    from index.store import read_index
+    from index.backends.search import Searcher
+    from index.backends.store import read_index
 
     helptext = " ".join(cli(capsys, "search", "--help").split())
     assert "lift: Lift: M* + γ·I (a test-only strategy)." in helptext
@@ -61,7 +61,7 @@ def test_new_strategy_reaches_the_index_cli(lift_registered, tiny_index, tmp_pat
 
 
 def test_new_strategy_reaches_the_sweep(lift_registered):
-    from index.strategy_eval import evaluate_configs, is_trained_equivalent, label, sweep_configs
+    from index.analysis.strategy_eval import evaluate_configs, is_trained_equivalent, label, sweep_configs
 
     configs = [c for c in sweep_configs(seeds=2) if c[0] == "lift"]
     assert configs == [("lift", {"gamma": 0.0}, "bilinear"), ("lift", {"gamma": 0.0}, "cosine"),

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, run_module
-from index.search import RESULT_FIELDS
+from index.backends.gallery import RESULT_FIELDS
 
 
 def free_port() -> int:

@@ -12,16 +12,16 @@ import pytest
 from conftest import ROOT, run_module
 from core.atomic import cleanup_stale
 from core.locks import exclusive_lock
+from index.backends.store import read_index
 from index.build import add_features
-from index.store import read_index
 
-# Writes an index of n rows at `path` (index.store only: no torch import, so it starts fast);
+# Writes an index of n rows at `path` (index.backends.store only: no torch import, so it starts fast);
 # "two-renames" takes the fallback route for systems without renameat2.
 WRITE_INDEX = """
 import sys
 import numpy as np
 import core.atomic
-from index.store import Items, write_index
+from index.backends.store import Items, write_index
 path, n, route = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 if route == "two-renames":
     core.atomic._exchange = lambda a, b: False

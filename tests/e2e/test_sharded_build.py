@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from conftest import run_module
-from index.search import Searcher
-from index.store import read_index
+from index.backends.search import Searcher
+from index.backends.store import read_index
 
 
 def same_index(a, b):

@@ -1,14 +1,14 @@
-"""index/compare.py: per-query AP of a whole index in one pass, and the paired statistics."""
+"""index/analysis/compare.py: per-query AP of a whole index in one pass, and the paired statistics."""
 import math
 
 import numpy as np
 import pytest
 
-import index.compare as compare
+import index.analysis.compare as compare
 from evaluation.evaluator import per_query_metrics
-from index.compare import Comparer, Comparison, bootstrap_ci, sign_test
-from index.search import Searcher
-from index.store import in_memory_index
+from index.analysis.compare import Comparer, Comparison, bootstrap_ci, sign_test
+from index.backends.search import Searcher
+from index.backends.store import in_memory_index
 
 SETTINGS = [("trained", {}, "cosine"), ("identity", {}, "cosine"), ("spectral", {"p": 0.5}, "cosine"),
             ("random", {"r": 0.6, "seed": 2}, "bilinear"), ("diagonal", {"r": 0.3, "seed": 1}, "bilinear")]

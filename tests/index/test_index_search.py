@@ -3,10 +3,10 @@ import numpy as np
 import pytest
 
 from core.errors import UserError
+from index.backends.search import Searcher
+from index.backends.store import Items, read_index, write_index
 from index.metric import matrix_report
 from index.refinements import REFINEMENTS, refine
-from index.search import Searcher
-from index.store import Items, read_index, write_index
 
 from dense_reference import m_norms  # noqa: E402  (tests/index, on the test path)
 

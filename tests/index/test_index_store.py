@@ -7,9 +7,9 @@ import pytest
 
 from conftest import run_module
 from core.errors import UserError
+from index.backends.search import Searcher
+from index.backends.store import FILES, Items, read_index, write_index
 from index.build import add_features, build_from_dataset, build_from_features, remove_ids
-from index.search import Searcher
-from index.store import FILES, Items, read_index, write_index
 
 
 
@@ -66,7 +66,7 @@ def test_refuses_corrupt_manifest_truncated_and_corrupted_files(tmp_path):
 
 def test_interrupted_rewrite_keeps_previous_index(tmp_path, monkeypatch):
     small_index(tmp_path / "i")
-    import index.store as st
+    import index.backends.store as st
 
     def boom(*a, **k):
         raise KeyboardInterrupt
@@ -159,7 +159,7 @@ def test_build_search_cli_matches_api_and_refuses_other_model(tiny_run, tmp_path
 
 
 def test_strategy_evaluation_outputs(tmp_path):
-    from index.strategy_eval import is_trained_equivalent, run_evaluation
+    from index.analysis.strategy_eval import is_trained_equivalent, run_evaluation
 
     rng = np.random.default_rng(0)
     centers = rng.normal(size=(10, 16))

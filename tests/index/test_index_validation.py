@@ -11,9 +11,9 @@ import pytest
 
 from core.cli import run_cli
 from core.errors import UserError
+from index.backends.store import Items, read_index, write_index
 from index.cli import main
 from index.refinements import strategy_params
-from index.store import Items, read_index, write_index
 
 N, D = 20, 6
 

@@ -1,4 +1,4 @@
-"""The Milvus backend (index/milvus_store.py) on Milvus Lite: the same top-k as FAISS Flat under
+"""The Milvus backend (index/backends/milvus_store.py) on Milvus Lite: the same top-k as FAISS Flat under
 every strategy, metric type IP only, and the export/search CLI."""
 import json
 
@@ -9,10 +9,10 @@ pytest.importorskip("pymilvus", reason="the Milvus backend needs pymilvus and mi
                                        "pip install -r requirements-milvus.txt")
 
 from core.errors import UserError  # noqa: E402
+from index.backends.milvus_store import MilvusGallery, export_index  # noqa: E402
+from index.backends.search import Searcher  # noqa: E402
+from index.backends.store import Items, read_index, write_index  # noqa: E402
 from index.cli import main  # noqa: E402
-from index.milvus_store import MilvusGallery, export_index  # noqa: E402
-from index.search import Searcher  # noqa: E402
-from index.store import Items, read_index, write_index  # noqa: E402
 
 N, DIM, K = 400, 16, 10
 STRATEGIES = [("trained", {}), ("identity", {}), ("diagonal", {"r": 0.5, "seed": 0}), ("random", {"r": 0.5, "seed": 1})]
@@ -44,17 +44,18 @@ def assert_same_top_k(faiss_res, rows, scores):
 @pytest.mark.parametrize("name,params", STRATEGIES)
 def test_top_k_equals_faiss_flat(gallery, name, params):
     _, s, g, Q = gallery
-    res = g.search(Q, g.strategy_metric(name, params), K)
+    res = g.search_metric(Q, g.strategy_metric(name, params), K)
     assert_same_top_k(s.search(Q, name, params, "bilinear", K), res.rows, res.scores)
     # metadata comes back with each hit
-    h = res.hits[0][0]
+    h = res.results()[0][0]
     r = int(res.rows[0, 0])
-    assert h["row"] == r and h["id"] == int(s.data.items.ids[r]) and h["relative_path"] == f"img/{r}.png"
+    assert h["id"] == res.ids[0, 0] == int(s.data.items.ids[r]) and h["relative_path"] == f"img/{r}.png"
+    np.testing.assert_array_equal(res.labels, s.data.items.labels[res.rows])
 
 
 def test_cosine_under_psd_metric_re_ranks_exactly(gallery):
     _, s, g, Q = gallery
-    res = g.search(Q, g.strategy_metric("trained", {}, "cosine"), K)
+    res = g.search_metric(Q, g.strategy_metric("trained", {}, "cosine"), K)
     assert_same_top_k(s.search(Q, "trained", {}, "cosine", K), res.rows, res.scores)
     with pytest.raises(UserError, match="cosine mode needs a positive semi-definite M′"):
         g.strategy_metric("diagonal", {"r": 0.5}, "cosine")

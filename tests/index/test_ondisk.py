@@ -1,4 +1,4 @@
-"""On-disk IVF (index/ondisk.py): built from shards through merge_ondisk, exact re-rank under M′."""
+"""On-disk IVF (index/backends/ondisk.py): built from shards through merge_ondisk, exact re-rank under M′."""
 import json
 import mmap
 
@@ -9,9 +9,9 @@ import pytest
 from core.errors import UserError
 from index.cli import main
 from dense_reference import m_norms
-from index.ondisk import OnDiskIVF, build_ondisk_ivf, build_for_index
+from index.backends.ondisk import OnDiskIVF, build_ondisk_ivf, build_for_index
+from index.backends.store import Items, write_index
 from index.refinements import refine
-from index.store import Items, write_index
 
 N, DIM, NLIST, K = 3000, 24, 8, 10
 STRATEGIES = [("trained", {}), ("identity", {}), ("diagonal", {"r": 0.5, "seed": 0}), ("random", {"r": 0.5, "seed": 1})]
@@ -71,7 +71,7 @@ def test_all_lists_probed_is_exact(built, name, params):
     t, X, Q, M_star = built
     ivf = OnDiskIVF(t / "ivf")
     M = refine(name, M_star, params)
-    res = ivf.search(Q, ivf.metric(M), K, nprobe=NLIST)
+    res = ivf.search_metric(Q, ivf.metric(M), K, nprobe=NLIST)
     S = exact_scores(X, Q, M)
     assert recall_up_to_ties(S, res.rows) == 1.0
     np.testing.assert_allclose(res.scores, np.take_along_axis(S, res.rows, 1), rtol=1e-4, atol=1e-5)
@@ -82,7 +82,7 @@ def test_fewer_lists_probed_lose_some_recall_for_a_non_identity_metric(built):
     t, X, Q, M_star = built
     ivf = OnDiskIVF(t / "ivf", nprobe=1)
     M = refine("diagonal", M_star, {"r": 0.5, "seed": 0})
-    assert recall_up_to_ties(exact_scores(X, Q, M), ivf.search(Q, ivf.metric(M), K).rows) < 1.0
+    assert recall_up_to_ties(exact_scores(X, Q, M), ivf.search_metric(Q, ivf.metric(M), K).rows) < 1.0
 
 
 def test_cosine_divides_by_candidate_m_norms(built):
@@ -90,7 +90,7 @@ def test_cosine_divides_by_candidate_m_norms(built):
     ivf = OnDiskIVF(t / "ivf")
     S = exact_scores(X, Q, M_star, cosine=True)
     # every row a candidate: the re-rank alone decides, so it must be the exact cosine top-k
-    res = ivf.search(Q, ivf.metric(M_star, "cosine"), K, nprobe=NLIST, rerank_factor=N)
+    res = ivf.search_metric(Q, ivf.metric(M_star, "cosine"), K, nprobe=NLIST, rerank_factor=N)
     assert recall_up_to_ties(S, res.rows) == 1.0
     np.testing.assert_allclose(res.scores, np.take_along_axis(S, res.rows, 1), rtol=1e-4, atol=1e-5)
     with pytest.raises(UserError, match="cosine mode needs a positive semi-definite M′"):
@@ -116,7 +116,7 @@ def test_rerank_reads_only_candidate_rows_in_order(built):
     kc = qm.candidate_count(K, N, 10)
     _, cand = ivf._search(qm.transform(Q / np.linalg.norm(Q, axis=1, keepdims=True)), kc,
                                params=faiss.SearchParametersIVF(nprobe=2))
-    res = ivf.search(Q, qm, K)
+    res = ivf.search_metric(Q, qm, K)
     (read,) = ivf.features.reads   # one sorted read for the whole block of queries
     np.testing.assert_array_equal(read, np.unique(cand[cand >= 0]))
     assert len(read) < N / 2 and np.isin(res.rows, read).all()
@@ -132,11 +132,11 @@ def test_for_index_directory_and_refusals(tmp_path):
     assert out == idx / "ivf_ondisk" and ivf.manifest["normalize"] is True
     # queries are L2-normalised like the stored features: a scaled query ranks the same
     M = np.eye(DIM)
-    np.testing.assert_array_equal(ivf.search(Q * 5, ivf.metric(M), K).rows, ivf.search(Q, ivf.metric(M), K).rows)
+    np.testing.assert_array_equal(ivf.search_metric(Q * 5, ivf.metric(M), K).rows, ivf.search_metric(Q, ivf.metric(M), K).rows)
     with pytest.raises(UserError, match="nprobe must be in"):
-        ivf.search(Q, ivf.metric(M), K, nprobe=NLIST + 1)
-    with pytest.raises(UserError, match="query features have shape"):
-        ivf.search(Q[:, :5], ivf.metric(M), K)
+        ivf.search_metric(Q, ivf.metric(M), K, nprobe=NLIST + 1)
+    with pytest.raises(UserError, match="query features have dimension 5"):
+        ivf.search_metric(Q[:, :5], ivf.metric(M), K)
     np.save(tmp_path / "other.npy", X[::-1].copy())
     with pytest.raises(UserError, match="is not the one this on-disk index was built from"):
         OnDiskIVF(out, features=tmp_path / "other.npy")
@@ -201,5 +201,5 @@ def test_search_works_after_faiss_torch_utils_patched_index_search(built):
 
     t, X, Q, M_star = built
     ivf = OnDiskIVF(t / "ivf")
-    res = ivf.search(Q, ivf.metric(M_star), K, nprobe=NLIST)
+    res = ivf.search_metric(Q, ivf.metric(M_star), K, nprobe=NLIST)
     assert recall_up_to_ties(exact_scores(X, Q, M_star), res.rows) == 1.0

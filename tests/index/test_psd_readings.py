@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from core.errors import UserError
-from index.metric import symmetrized
+from index.backends.search import Searcher
+from index.backends.store import Items, in_memory_index, write_index
+from index.metric import COSINE_FALLBACK, symmetrized
 from index.refinements import REFINEMENTS, refine, strategy_params
 from index.refinements.paper import R_GRID
 from index.refinements.psd import ReadingParams, psd_reading
-from index.search import COSINE_FALLBACK, Searcher
-from index.store import Items, in_memory_index, write_index
 
 D, K = 8, 3  # M* = WᵀW of rank 3 < d: zeroing a diagonal entry makes it indefinite
 RAW = {"diagonal-psd": "diagonal", "random-psd": "random"}
@@ -132,7 +132,7 @@ def test_raw_restraint_still_falls_back_to_bilinear(W):
 
 
 def test_the_sweep_measures_both_readings_in_both_modes_and_the_table_reports_them(W):
-    from index.strategy_eval import READING_ROWS, aggregate, evaluate_configs, summary_table, sweep_configs
+    from index.analysis.strategy_eval import READING_ROWS, aggregate, evaluate_configs, summary_table, sweep_configs
 
     configs = sweep_configs(1, ("trained", "diagonal", "diagonal-psd"), "coarse")
     coarse_r = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
@@ -147,7 +147,7 @@ def test_the_sweep_measures_both_readings_in_both_modes_and_the_table_reports_th
     rows = evaluate_configs(X, y, W, configs, progress=False)
     read = [r for r in rows if r["strategy"] == "diagonal-psd"]
     assert len(read) == 24 and all(r["M_psd"] for r in read)  # every cosine setting scored, none skipped
-    # batched scores (index/sweep.py) rank as the search path does
+    # batched scores (index/analysis/sweep.py) rank as the search path does
     from evaluation.evaluator import evaluate_ranking
 
     s = Searcher(in_memory_index(X, y, W))
@@ -193,8 +193,8 @@ def index_dir(tmp_path, W):
 
 def test_cli_searches_a_reading_in_cosine_and_refuses_it_on_the_raw_restraint(index_dir, capsys):
     from core.cli import run_cli
+    from index.backends.store import read_index
     from index.cli import main
-    from index.store import read_index
 
     t = index_dir
     argv = ["search", "--index", str(t / "idx"), "--features", str(t / "q.npy"), "--k", "5", "--mode", "cosine"]

@@ -2,8 +2,8 @@
 from html.parser import HTMLParser
 
 from conftest import run_module
-from index.compare import Comparer
-from index.store import read_index
+from index.analysis.compare import Comparer
+from index.backends.store import read_index
 
 
 class Page(HTMLParser):

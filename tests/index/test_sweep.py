@@ -1,14 +1,14 @@
-"""index/sweep.py: the batched sweep ranks exactly like the search path, for every strategy and mode."""
+"""index/analysis/sweep.py: the batched sweep ranks exactly like the search path, for every strategy and mode."""
 import numpy as np
 import pytest
 import torch
 
 from evaluation.evaluator import evaluate_ranking
-from index.search import Searcher
-from index.store import in_memory_index
+from index.analysis.sweep import GramSweep, symmetric_product
+from index.backends.search import Searcher
+from index.backends.store import in_memory_index
 from index.refinements import refine
 from index.refinements.paper import R_GRID
-from index.sweep import GramSweep, symmetric_product
 
 SETTINGS = [("trained", {}), ("identity", {}), ("diagonal", {"r": 0.3, "seed": 1}), ("diagonal", {"r": 1.0}),
             ("random", {"r": 0.6, "seed": 2}), ("shrink", {"alpha": 0.3}), ("spectral", {"p": 0.5})]

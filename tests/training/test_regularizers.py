@@ -222,9 +222,9 @@ def test_refusals(tmp_path):
                              "nir.clamp=0", "nir.condition=dense_embed", "nir.noise=0.05"), None),
 ])
 def test_several_regularizers_train_and_checkpoint_serves_the_index(tmp_path, loss, regs, params, head):
+    from index.backends.search import Searcher
+    from index.backends.store import read_index
     from index.build import build_from_dataset
-    from index.search import Searcher
-    from index.store import read_index
     from model.checkpoint import load_model, read_checkpoint
     from training.trainer import train
 

@@ -9,7 +9,7 @@ vectors and the query, and normalising M′φ(q) and φ(x) separately is not the
 under M′ (it silently drops the ‖·‖_M′ scaling and ranks by the wrong quantity).  Cosine
 mode under a PSD M′ (÷ ‖φ(q)‖_M′ ‖φ(x)‖_M′) fetches candidates by IP with their stored
 vectors and re-ranks them exactly, the M′-norms computed from those vectors, as the
-approximate path of index.search does.
+approximate path of index.backends.search does.
 
 URIs, through the same pymilvus MilvusClient code:
   PATH.db                    Milvus Lite, embedded in this process (tests, one machine)
@@ -20,8 +20,12 @@ Collection layout:
   row     INT64 position in the source index (= FAISS row; results report it)
   vector  FLOAT_VECTOR(d): φ(x) as stored by the index (L2-normalised when it was)
   label   INT64;  path, split  VARCHAR
-  properties: dml.info (JSON: dims, normalisation, model facts) and dml.neck (the neck W,
-  base64 float32 k × d, so that M* = WᵀW travels with the gallery)
+  properties: dml.info (JSON: dims, normalisation, model facts), dml.neck (the neck W,
+  base64 float32 k × d, so that M* = WᵀW travels with the gallery) and dml.classes (JSON:
+  label → class name; absent from collections exported before it, whose class names are
+  then the labels)
+
+MilvusGallery is a `gallery.Gallery`; `search_metric` searches under any symmetric M′.
 
 pymilvus and milvus-lite are an optional extra (requirements-milvus.txt), imported only here.
 """
@@ -29,14 +33,15 @@ from __future__ import annotations
 
 import base64
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from core.errors import UserError
 
-from .ondisk import QueryMetric, exact_top, prepare_queries, strategy_metric
+from ..metric import QueryMetric
+from .gallery import Hits, NeckGallery, exact_top, prepare_queries
+from .store import Items
 
 METRIC = "IP"            # never "COSINE": see the module docstring
 EXACT_INDEX = "FLAT"     # exact: bilinear scores come straight from Milvus
@@ -90,7 +95,8 @@ def _schema(pm, dim: int):
 
 
 def export_features(uri: str, collection: str, features: np.ndarray, items, W: np.ndarray, *, normalize: bool,
-                    info: dict | None = None, overwrite: bool = False, token: str = "",
+                    info: dict | None = None, class_names: dict | None = None, overwrite: bool = False,
+                    token: str = "",
                     index_type: str = EXACT_INDEX, index_params: dict | None = None, batch: int = 5000) -> int:
     """Store the rows of `features` (φ(x) as the index stores them) with `items`' metadata
     (ids, labels, paths, splits) in a new collection; returns the number of rows stored.
@@ -118,7 +124,8 @@ def export_features(uri: str, collection: str, features: np.ndarray, items, W: n
                 "index_type": index_type, **(info or {})}
         client.alter_collection_properties(collection, properties={
             "dml.info": json.dumps(meta),
-            "dml.neck": base64.b64encode(np.ascontiguousarray(W, dtype="<f4").tobytes()).decode()})
+            "dml.neck": base64.b64encode(np.ascontiguousarray(W, dtype="<f4").tobytes()).decode(),
+            "dml.classes": json.dumps({str(k): v for k, v in (class_names or {}).items()})})
         for s in range(0, n, batch):
             x = np.asarray(features[s: s + batch], dtype=np.float32)
             client.insert(collection, [
@@ -133,29 +140,26 @@ def export_features(uri: str, collection: str, features: np.ndarray, items, W: n
 
 
 def export_index(index_dir, uri: str, collection: str, **kw) -> int:
-    """Export an index directory (features, metadata, neck W, model facts) to a collection."""
+    """Export an index directory (features, metadata, class names, neck W, model facts) to a collection."""
     from .store import read_index
 
     data = read_index(index_dir)
     m = data.manifest
     info = {k: m[k] for k in MODEL_FACTS if k in m}
     return export_features(uri, collection, data.features, data.items, data.W, normalize=bool(m["normalize"]),
-                           info=info, **kw)
+                           info=info, class_names=data.class_names, **kw)
 
 
-@dataclass
-class MilvusResult:
-    rows: np.ndarray            # n × k positions in the source index (−1 = no result)
-    scores: np.ndarray          # n × k similarities under M′, best first
-    hits: list[list[dict]]      # per query: id, row, label, path, split, score
+class MilvusGallery(NeckGallery):
+    """A collection written by export_*, searched under any M′ (metric.QueryMetric).  `nprobe`
+    (IVF_* collections; None: Milvus's own) and `rerank_factor` are the defaults of every
+    search (each search may override them)."""
 
-
-class MilvusGallery:
-    """A collection written by export_*, searched under any M′ (index.ondisk.QueryMetric)."""
-
-    def __init__(self, uri: str, collection: str, token: str = ""):
+    def __init__(self, uri: str, collection: str, token: str = "", nprobe: int | None = None,
+                 rerank_factor: int = 10):
         self.pm = _pymilvus()
         self.uri, self.collection = str(uri), collection
+        self.nprobe, self.rerank_factor = nprobe, rerank_factor
         self.client = connect(uri, token)
         try:
             if not self.client.has_collection(collection):
@@ -166,6 +170,7 @@ class MilvusGallery:
             self.info = json.loads(props["dml.info"])
             self.W = np.frombuffer(base64.b64decode(props["dml.neck"]), dtype="<f4").reshape(
                 self.info["embed_dim"], self.info["dim"])
+            self.class_names = {int(k): v for k, v in json.loads(props.get("dml.classes", "{}")).items()}
             metric = self.client.describe_index(collection, "vector").get("metric_type")
             if metric != METRIC:
                 raise UserError(f"Milvus collection {collection!r} indexes with metric {metric}; "
@@ -178,28 +183,19 @@ class MilvusGallery:
     def dim(self) -> int:
         return int(self.info["dim"])
 
-    @property
-    def source_manifest(self) -> dict:
-        """The exported index's model facts (for embedding query images)."""
-        return self.info
-
     def __len__(self) -> int:
         return int(self.info["count"])
 
-    def metric(self, M: np.ndarray, mode: str = "bilinear", apply=None) -> QueryMetric:
-        return QueryMetric.build(M, mode, self.dim, apply)
-
-    def strategy_metric(self, strategy: str, params: dict | None = None, mode: str = "bilinear") -> QueryMetric:
-        return strategy_metric(self.W, strategy, params, mode)
-
-    def search(self, feats: np.ndarray, metric: QueryMetric, k: int = 10, rerank_factor: int = 10,
-               nprobe: int | None = None) -> MilvusResult:
+    def search_metric(self, feats: np.ndarray, metric: QueryMetric, k: int = 10, nprobe: int | None = None,
+                      rerank_factor: int | None = None, what: str = "query features") -> Hits:
         """Top-k under `metric`.  Bilinear on a FLAT collection: Milvus's IP scores are exact.
         Otherwise candidates come back with their vectors and are re-ranked exactly
         (`nprobe`: lists probed in an IVF_* collection; HNSW searches with ef = the pool size)."""
         if not 1 <= k <= MAX_TOPK:
             raise UserError(f"k must be in [1, {MAX_TOPK}], got {k}")
-        qt = metric.transform(prepare_queries(feats, self.dim, bool(self.info["normalize"])))
+        nprobe = self.nprobe if nprobe is None else nprobe
+        rerank_factor = self.rerank_factor if rerank_factor is None else rerank_factor
+        qt = metric.transform(prepare_queries(feats, self.dim, bool(self.info["normalize"]), what))
         index_type = self.info["index_type"]
         rerank = metric.mode == "cosine" or index_type != EXACT_INDEX
         limit = min(MAX_TOPK, metric.candidate_count(k, len(self), rerank_factor)) if rerank else min(k, len(self))
@@ -212,7 +208,8 @@ class MilvusGallery:
             raise UserError(f"Milvus search in {self.collection!r} failed: {e.message}") from None
         R = np.full((len(qt), k), -1, dtype=np.int64)
         S = np.full((len(qt), k), -np.inf, dtype=np.float32)
-        hits = []
+        at = np.full((len(qt), k), -1, dtype=np.int64)
+        found_hits = []   # the metadata of every hit kept, in order: Hits.items, `at` points into it
         for i, found in enumerate(res):
             by_row = {h["entity"]["row"]: h for h in found}
             rows = np.fromiter(by_row, dtype=np.int64, count=len(by_row))
@@ -222,15 +219,14 @@ class MilvusGallery:
             else:
                 R[i, : len(rows)] = rows
                 S[i, : len(rows)] = [by_row[r]["distance"] for r in rows]
-            # the FAISS search's result fields (index.search.RESULT_FIELDS, less the class name), plus row
-            hits.append([{"rank": j + 1, "id": int(by_row[r]["id"]), "row": int(r),
-                          "label": int(by_row[r]["entity"]["label"]), "score": float(s),
-                          "relative_path": by_row[r]["entity"]["path"], "split": by_row[r]["entity"]["split"]}
-                         for j, (r, s) in enumerate((r, s) for r, s in zip(R[i], S[i]) if r >= 0)])
-        return MilvusResult(R, S, hits)
-
-    def describe(self, res: MilvusResult) -> list[list[dict]]:
-        return res.hits
+            for j, r in enumerate(R[i]):
+                if r >= 0:
+                    at[i, j] = len(found_hits)
+                    found_hits.append(by_row[r])
+        items = Items(np.array([h["id"] for h in found_hits], dtype=np.int64),
+                      np.array([h["entity"]["label"] for h in found_hits], dtype=np.int64),
+                      [h["entity"]["path"] for h in found_hits], [h["entity"]["split"] for h in found_hits])
+        return Hits(R, S, items, at, self.class_names)
 
     def close(self) -> None:
         self.client.close()

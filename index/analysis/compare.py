@@ -3,7 +3,7 @@
 Every index item is a query against the rest (leave-one-out), scored by MAP@R
 (the evaluator's per-query metric).  One strategy's per-query AP over the
 whole index is one batched computation: up to `sweep.MAX_N` items the score
-matrix S = Φ M′ Φᵀ of the batched sweep (index/sweep.py, equal to the search
+matrix S = Φ M′ Φᵀ of the batched sweep (index/analysis/sweep.py, equal to the search
 path up to floating-point ties) ranked by one top-R per row; above, one
 chunked exact search through `Searcher.query_view`.  Results are cached per
 (strategy, parameters, mode).  The app's Compare tab and `index report` use it.
@@ -22,9 +22,9 @@ from core.errors import CorruptImageError
 from core.images import load_rgb
 from evaluation.evaluator import evaluate_ranking, per_query_metrics
 
-from .refinements import strategy_key, strategy_label
-from .search import Searcher
-from .store import IndexData
+from ..backends.search import Searcher
+from ..backends.store import IndexData
+from ..refinements import strategy_key, strategy_label
 from .sweep import MAX_N, GramSweep
 
 FILTERS = ("all", "improved", "worsened")

@@ -40,7 +40,9 @@ the cell's members as tightly (negative eigen-directions reward being far from t
 query).  So the nprobe needed for a given recall grows with how far M′ is from the
 identity; bench/ondisk_bench.py measures it.  Cosine mode (PSD M′ only) fetches
 candidates by the inner product and divides by ‖x‖_M′ in the exact re-rank, so it
-fetches 4 × more candidates, as index.search's approximate path does.
+fetches 4 × more candidates, as index.backends.search's approximate path does.
+
+OnDiskIVF is a `gallery.Gallery`; `search_metric` searches under any symmetric M′.
 """
 from __future__ import annotations
 
@@ -53,109 +55,29 @@ import logging
 import mmap
 import os
 import sys
-from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
-from typing import Callable
 
 import faiss
 import numpy as np
 from faiss.contrib.ondisk import merge_ondisk
 
-from core.arrays import l2_normalize, load_npy
+from core.arrays import load_npy
 from core.atomic import atomic_dir
 from core.errors import UserError
 from core.manifest import read_manifest
 
-from .metric import check_symmetric, matrix_report
-from .operator import MetricOperator, apply_norms
-from .refinements import operator_kind, refine, strategy_params
+from ..metric import QueryMetric
+from .gallery import Hits, NeckGallery, exact_top, prepare_queries
 from .store import Items
 
 log = logging.getLogger("index")
 
 FORMAT = "dml-ondisk-ivf"
 VERSION = 1
-MODES = ("bilinear", "cosine")
 INDEX_FILE, DATA_FILE, NECK_FILE, MANIFEST = "ivf.index", "ivf.ivfdata", "W.npy", "ondisk.json"
 DEFAULT_NPROBE = 32
 _QUERY_BLOCK = 256  # queries re-ranked together: one sorted read of their candidates' rows
-
-
-# ---------------------------------------------------------------- query side (shared with milvus_store)
-@dataclass(eq=False)
-class QueryMetric:
-    """M′ prepared for querying: q ↦ M′q (cosine: divided by ‖q‖_M′) and candidates' ‖x‖_M′."""
-    M: np.ndarray                              # d × d, symmetric, float64
-    mode: str
-    apply: Callable[[np.ndarray], np.ndarray]  # rows Q ↦ rows of Q M′, float32
-
-    @classmethod
-    def build(cls, M: np.ndarray, mode: str = "bilinear", d: int | None = None,
-              apply: Callable[[np.ndarray], np.ndarray] | None = None) -> "QueryMetric":
-        """`apply` may be a structured MetricOperator's (cheaper for low-rank M′); dense otherwise."""
-        if mode not in MODES:
-            raise UserError(f"mode must be one of {MODES}, got {mode!r}")
-        M = check_symmetric(M, d, "M′")
-        if mode == "cosine":
-            rep = matrix_report(M)
-            if not rep["psd"]:
-                raise UserError(f"cosine mode needs a positive semi-definite M′; this one is indefinite "
-                                f"(min eigenvalue {rep['min_eigenvalue']:.3g}). Use mode bilinear.")
-        return cls(M, mode, apply or MetricOperator(M).apply)
-
-    def transform(self, Q: np.ndarray) -> np.ndarray:
-        qt = self.apply(Q)
-        if self.mode == "bilinear":
-            return qt
-        qn = np.sqrt(np.maximum(np.einsum("ij,ij->i", qt.astype(np.float64), Q.astype(np.float64)), 0))
-        return (qt / np.maximum(qn, 1e-30)[:, None]).astype(np.float32)
-
-    def norms(self, X: np.ndarray) -> np.ndarray | None:
-        """‖x‖_M′ of the given rows (cosine), None in bilinear mode."""
-        return apply_norms(self.apply, X) if self.mode == "cosine" else None
-
-    def candidate_count(self, k: int, n_items: int, rerank_factor: int) -> int:
-        # cosine candidates come from the raw inner product, blind to 1/‖x‖_M′: fetch more
-        factor = rerank_factor * (4 if self.mode == "cosine" else 1)
-        return min(n_items, max(k * factor, 64))
-
-
-def strategy_metric(W: np.ndarray, strategy: str, params: dict | None, mode: str = "bilinear") -> QueryMetric:
-    """A refinement strategy's M′ from the neck W (M* = WᵀW), with its cheapest exact operator,
-    as index.search.Searcher.metric makes it."""
-    W64 = np.asarray(W, dtype=np.float64)
-    M_star = W64.T @ W64
-    p = strategy_params(strategy, params)
-    M = refine(strategy, M_star, p)
-    return QueryMetric.build(M, mode, W64.shape[1], MetricOperator.build(operator_kind(strategy), M, W64, M_star).apply)
-
-
-@dataclass
-class TopK:
-    rows: np.ndarray      # n × k row positions (−1 = no result)
-    scores: np.ndarray    # n × k exact similarities under M′, best first (−inf = no result)
-
-
-def prepare_queries(feats: np.ndarray, dim: int, normalize: bool) -> np.ndarray:
-    """Query trunk features as the stored features were: float32, checked, L2-normalised if they were."""
-    q = np.atleast_2d(np.asarray(feats, dtype=np.float32))
-    if q.ndim != 2 or q.shape[1] != dim:
-        raise UserError(f"query features have shape {q.shape}; this index holds {dim}-d features")
-    if not np.isfinite(q).all():
-        raise UserError("query features contain NaN or inf")
-    return l2_normalize(q) if normalize else q
-
-
-def exact_top(qt: np.ndarray, rows: np.ndarray, X: np.ndarray, norms: np.ndarray | None, k: int):
-    """One query's exact top-k among candidate `rows` (their features X): (rows, scores), padded."""
-    s = X @ qt
-    if norms is not None:
-        s = np.where(norms > 0, s / np.maximum(norms, 1e-30), -np.inf)
-    top = np.argsort(-s, kind="stable")[:k]
-    out_r = np.full(k, -1, dtype=np.int64)
-    out_s = np.full(k, -np.inf, dtype=np.float32)
-    out_r[: len(top)], out_s[: len(top)] = rows[top], s[top]
-    return out_r, out_s
 
 
 # ---------------------------------------------------------------- helpers
@@ -325,11 +247,13 @@ def build_for_index(index_dir, out=None, **kw) -> Path:
 
 
 # ---------------------------------------------------------------- search
-class OnDiskIVF:
-    """An on-disk IVF index plus its memory-mapped features; search(…) re-ranks exactly under M′."""
+class OnDiskIVF(NeckGallery):
+    """An on-disk IVF index plus its memory-mapped features; search(…) re-ranks exactly under M′.
+    `nprobe` and `rerank_factor` are the defaults of every search (each search may override them)."""
 
-    def __init__(self, path, features=None, nprobe: int | None = None):
+    def __init__(self, path, features=None, nprobe: int | None = None, rerank_factor: int = 10):
         self.path = Path(path)
+        self.rerank_factor = rerank_factor
         man = read_manifest(self.path / MANIFEST, FORMAT, VERSION, f"{self.path} (an on-disk IVF index?)")
         for f, want in man["files"].items():
             p = self.path / f
@@ -356,9 +280,6 @@ class OnDiskIVF:
         if self.W.shape != (man["embed_dim"], man["dim"]):
             raise UserError(f"{NECK_FILE} is {self.W.shape}, the manifest says ({man['embed_dim']}, {man['dim']})")
 
-    def strategy_metric(self, strategy: str, params: dict | None = None, mode: str = "bilinear") -> QueryMetric:
-        return strategy_metric(self.W, strategy, params, mode)
-
     def _source(self, name: str) -> dict:
         """A JSON file of the index directory this was built from ({} when built from bare features)."""
         src = self.manifest.get("source_index")
@@ -371,30 +292,20 @@ class OnDiskIVF:
             raise UserError(f"cannot read the source index's {p}: {e}") from None
 
     @property
-    def source_manifest(self) -> dict:
+    def info(self) -> dict:
         """The source index's manifest (model facts for embedding query images), or {}."""
         return self._source("manifest.json")
 
-    def describe(self, res: TopK) -> list[list[dict]]:
-        """Per query, its results: row and score, plus id, label, class name, path and split
-        when the index was built from an index directory."""
+    @cached_property
+    def _metadata(self) -> tuple[Items | None, dict[int, str]]:
+        """The source index's items (id, label, path, split per row) and class names; (None, {})
+        when built from bare features.  Read once, at the first search."""
         meta = self._source("metadata.json")
         items = Items.from_json(meta) if meta else None
         if items is not None and len(items) != len(self):
             raise UserError(f"the source index now has {len(items)} items, this on-disk index {len(self)}: "
                             f"rebuild it")
-        names = {int(k): v for k, v in meta.get("class_names", {}).items()}
-        out = []
-        for rows, scores in zip(res.rows, res.scores):
-            hits = [{"rank": i + 1, "row": int(r), "score": float(s)}
-                    for i, (r, s) in enumerate((r, s) for r, s in zip(rows, scores) if r >= 0)]
-            if items is not None:
-                for h in hits:
-                    lab = int(items.labels[h["row"]])
-                    h |= {"id": int(items.ids[h["row"]]), "label": lab, "class_name": names.get(lab, str(lab)),
-                          "relative_path": items.paths[h["row"]], "split": items.splits[h["row"]]}
-            out.append(hits)
-        return out
+        return items, {int(k): v for k, v in meta.get("class_names", {}).items()}
 
     @property
     def nprobe(self) -> int:
@@ -416,19 +327,16 @@ class OnDiskIVF:
     def __len__(self) -> int:
         return int(self.manifest["count"])
 
-    def metric(self, M: np.ndarray, mode: str = "bilinear", apply=None) -> QueryMetric:
-        return QueryMetric.build(M, mode, self.dim, apply)
-
-    def search(self, feats: np.ndarray, metric: QueryMetric, k: int = 10, nprobe: int | None = None,
-               rerank_factor: int = 10) -> TopK:
+    def search_metric(self, feats: np.ndarray, metric: QueryMetric, k: int = 10, nprobe: int | None = None,
+                      rerank_factor: int | None = None, what: str = "query features") -> Hits:
         """Top-k rows under `metric` with exact scores; candidates from the `nprobe` lists
         whose centroids score highest against the transformed query."""
         if k < 1:
             raise UserError(f"k must be ≥ 1, got {k}")
         # per-call parameters, not index.nprobe: concurrent searches may probe differently
         params = faiss.SearchParametersIVF(nprobe=self._nprobe if nprobe is None else self._checked_nprobe(nprobe))
-        qt = metric.transform(prepare_queries(feats, self.dim, bool(self.manifest["normalize"])))
-        kc = metric.candidate_count(k, len(self), rerank_factor)
+        qt = metric.transform(prepare_queries(feats, self.dim, bool(self.manifest["normalize"]), what))
+        kc = metric.candidate_count(k, len(self), self.rerank_factor if rerank_factor is None else rerank_factor)
         R = np.full((len(qt), k), -1, dtype=np.int64)
         S = np.full((len(qt), k), -np.inf, dtype=np.float32)
         for b in range(0, len(qt), _QUERY_BLOCK):
@@ -441,4 +349,5 @@ class OnDiskIVF:
                 pos = np.searchsorted(uniq, c[c >= 0])
                 R[b + i], S[b + i] = exact_top(block[i], uniq[pos], X[pos],
                                                None if norms is None else norms[pos], k)
-        return TopK(R, S)
+        items, names = self._metadata
+        return Hits(R, S, items, class_names=names)

@@ -20,8 +20,8 @@ import numpy as np
 
 from core.arrays import l2_normalize
 from core.errors import UserError
+from index.backends.gallery import RESULT_FIELDS
 from index.refinements import MODES, REFINEMENTS, file_params, strategy_params
-from index.search import RESULT_FIELDS
 
 MAP_METHODS = ("t-SNE", "PCA", "UMAP")
 MAX_MAP_POINTS = 10_000

@@ -19,9 +19,9 @@ from PIL import Image, ImageDraw
 from core.atomic import write_text
 from core.errors import UserError
 
+from ..backends.search import Searcher
+from ..backends.store import IndexData
 from .compare import Comparer, Comparison, item_image
-from .search import Searcher
-from .store import IndexData
 
 CSS = """body{font-family:system-ui,sans-serif;margin:24px;max-width:1300px;color:#222}
 table{border-collapse:collapse;margin:8px 0 20px}td,th{border:1px solid #ccc;padding:3px 6px;font-size:13px}

@@ -5,7 +5,7 @@ once and switching strategy costs one (structured) d × d product per query.
 Cosine mode (PSD M′ only) divides by ‖φ(x)‖_M′; those norms, and the
 norm-scaled copy of the database the exact cosine search uses, are cached per
 strategy.  Approximate indexes fetch candidates and re-rank them exactly.
-FAISS reads are thread-safe; the caches are guarded by a lock.
+FAISS reads are thread-safe; the caches are guarded by a lock.  A `gallery.Gallery`.
 """
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 import faiss
 import numpy as np
 
-from core.arrays import check_matrix, check_rankable, l2_normalize
 from core.errors import UserError
 
-from .metric import matrix_report, symmetrized
-from .operator import MetricOperator
-from .refinements import MODES, operator_kind, refine, strategy_key, strategy_label, strategy_params
+from ..metric import MODES, matrix_report, resolve_mode, symmetrized
+from ..operator import MetricOperator
+from ..refinements import operator_kind, refine, strategy_key, strategy_label, strategy_params
+from .gallery import Hits, prepare_queries
 from .store import IndexData
 
 
@@ -43,17 +43,6 @@ class RefinedMetric:
         return self._report
 
 
-COSINE_FALLBACK = "cosine is undefined for this indefinite M′: showing bilinear"
-# one search result, the same in `index search --json` and the app's API
-RESULT_FIELDS = ("rank", "id", "label", "class_name", "score", "relative_path")
-
-
-@dataclass
-class SearchResult:
-    rows: np.ndarray      # n × k positions into the index (−1 = no result)
-    scores: np.ndarray    # n × k similarities (higher is more similar)
-
-
 class Searcher:
     def __init__(self, data: IndexData, cache_size: int = 8, rerank_factor: int = 10, per_strategy: int = 2):
         self.data = data
@@ -71,6 +60,18 @@ class Searcher:
         self._M_star = symmetrized(data.M_star)  # exactly: refine need not average each M′ with M′ᵀ
         if not self.exact and hasattr(data.faiss_index, "hnsw"):
             data.faiss_index.hnsw.efSearch = max(data.faiss_index.hnsw.efSearch, 128)
+
+    @property
+    def dim(self) -> int:
+        return self.data.dim
+
+    @property
+    def info(self) -> dict:
+        """The index manifest (its model facts embed query images)."""
+        return self.data.manifest
+
+    def __len__(self) -> int:
+        return len(self.data.items)
 
     # ------------------------------------------------------------ metrics
     def metric(self, strategy: str = "trained", params: dict | None = None) -> RefinedMetric:
@@ -120,12 +121,7 @@ class Searcher:
     def prepare_queries(self, feats: np.ndarray, what: str = "query features") -> np.ndarray:
         """Queries as float32 rows; refused when not numeric, not 1-D or 2-D, empty, of another
         dimension, not finite, all zeros or too large to rank by."""
-        feats = check_matrix(feats, what, allow_1d=True)
-        if feats.shape[1] != self.data.dim:
-            raise UserError(f"{what} have dimension {feats.shape[1]}; this index holds "
-                            f"{self.data.dim}-d features")
-        check_rankable(feats, what)
-        return l2_normalize(feats) if self.normalize else feats
+        return prepare_queries(feats, self.data.dim, self.normalize, what)
 
     def query_view(self, strategy: str = "trained", params: dict | None = None, mode: str = "bilinear"):
         """(transform, index): searching `index` with `transform(φ(q))` by inner product ranks
@@ -144,12 +140,12 @@ class Searcher:
 
         return transform, cos_index, norms
 
-    def search(self, feats: np.ndarray, strategy: str = "trained", params: dict | None = None,
-               mode: str = "bilinear", k: int = 10, what: str = "query features") -> SearchResult:
+    def search(self, queries: np.ndarray, strategy: str = "trained", params: dict | None = None,
+               mode: str = "bilinear", k: int = 10, what: str = "query features") -> Hits:
         """The top min(k, index size) items per query (k is capped before anything is allocated)."""
         if k < 1:
             raise UserError(f"k must be ≥ 1, got {k}")
-        q = self.prepare_queries(feats, what)
+        q = self.prepare_queries(queries, what)
         transform, index, norms = self.query_view(strategy, params, mode)
         qt = transform(q)
         k = min(k, self.data.faiss_index.ntotal)
@@ -157,7 +153,7 @@ class Searcher:
             D, I = index.search(qt, k)
         else:
             D, I = self._rerank(qt, k, norms)
-        return SearchResult(I.astype(np.int64), D.astype(np.float32))
+        return Hits(I.astype(np.int64), D.astype(np.float32), self.data.items, class_names=self.data.class_names)
 
     def _rerank(self, qt: np.ndarray, k: int, norms: np.ndarray | None):
         """Approximate candidates from the ANN index, then exact scores under M′."""
@@ -177,23 +173,7 @@ class Searcher:
             I[i, : len(top)] = c[top]
         return D, I
 
-    # ------------------------------------------------------------ results
-    def resolve_mode(self, strategy: str, params: dict, mode: str) -> tuple[str, str]:
+    def resolve_mode(self, strategy: str, params: dict | None, mode: str) -> tuple[str, str]:
         """(mode actually used, note): cosine is undefined for an indefinite M′, which is then
         ranked bilinearly, and said so (the CLI, the API and the app do the same)."""
-        if mode == "cosine" and not self.metric(strategy, params).report["psd"]:
-            return "bilinear", COSINE_FALLBACK
-        return mode, ""
-
-    def describe(self, res: SearchResult) -> list[list[dict]]:
-        """Each query's results as RESULT_FIELDS dicts (the CLI's and the API's JSON)."""
-        items, names = self.data.items, self.data.class_names
-        out = []
-        for rows, scores in zip(res.rows, res.scores):
-            kept = [(r, s) for r, s in zip(rows, scores) if r >= 0]
-            out.append([{"rank": i + 1, "id": int(items.ids[r]), "label": int(items.labels[r]),
-                         "class_name": names.get(int(items.labels[r]), str(int(items.labels[r]))),
-                         "score": float(s), "relative_path": items.paths[r]}
-                        for i, (r, s) in enumerate(kept)])
-        return out
-
+        return resolve_mode(mode, lambda: self.metric(strategy, params).report["psd"])

@@ -1,4 +1,4 @@
-"""Refinements beyond the paper: shrinkage towards the identity, and spectral powers."""
+"""Refinements beyond the paper: shrinkage towards the identity (`shrink`), and spectral powers (`spectral`)."""
 from __future__ import annotations
 
 import hashlib

@@ -21,9 +21,9 @@ from tqdm import tqdm
 from core.atomic import write_json, write_text, write_with
 from evaluation.evaluator import DEFAULT_KS, evaluate_ranking
 
-from .refinements import REFINEMENTS, coarse, grid, ranks_like_trained, seeded, strategy_label, sweep, sweepable
-from .search import Searcher
-from .store import in_memory_index
+from ..backends.search import Searcher
+from ..backends.store import in_memory_index
+from ..refinements import REFINEMENTS, coarse, grid, ranks_like_trained, seeded, strategy_label, sweep, sweepable
 from .sweep import MAX_N, GramSweep
 
 log = logging.getLogger("index")
@@ -74,7 +74,7 @@ def evaluate_splits(splits: dict, W, configs, normalize=True, progress=True, des
     """{split: each setting's metrics, query = gallery, in the order of `configs`} for
     splits = {name: (features, labels)}.  Each M′ is built once (its eigendecomposition and
     matrix report do not depend on the split) and scored on every split.  Up to sweep.MAX_N
-    items a split shares one batched score computation across settings (index/sweep.py,
+    items a split shares one batched score computation across settings (index/analysis/sweep.py,
     equal to the search path); above, each setting is searched through the search path."""
     parts = {}
     for name, (features, labels) in splits.items():
@@ -83,7 +83,7 @@ def evaluate_splits(splits: dict, W, configs, normalize=True, progress=True, des
         y = s.data.items.labels
         parts[name] = (s, q, y, GramSweep(q, y, s.data.W) if len(y) <= MAX_N else None)
     maker = next(iter(parts.values()))[0]  # M′ depends only on W: any split's searcher builds it
-    # one seed's settings in a row: diagonal restraint's draws are nested in r (index/sweep.py)
+    # one seed's settings in a row: diagonal restraint's draws are nested in r (index/analysis/sweep.py)
     order = sorted(range(len(configs)), key=lambda i: (configs[i][0], configs[i][1].get("seed", -1)))
     rows = {name: {} for name in splits}
     like_trained = {name: {} for name in splits}
