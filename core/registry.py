@@ -11,11 +11,12 @@ with `@REG.register(...)` plus one import line.
 from __future__ import annotations
 
 import dataclasses
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from .errors import UserError
+# convert: index/cli.py imports it from here
+from .params import build_params, convert, field_default, parse_items  # noqa: F401
 
 
 @dataclass
@@ -32,92 +33,15 @@ class Entry:
     meta: dict = field(default_factory=dict)
 
     def param_defaults(self) -> dict:
-        return {f.name: _default(f) for f in dataclasses.fields(self.params)}
+        return {f.name: field_default(f) for f in dataclasses.fields(self.params)}
 
     def param_help(self) -> dict:
         return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(self.params)}
 
 
-def _default(f: dataclasses.Field):
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return f.default_factory()  # type: ignore[misc]
-    return None
-
-
 def first_line(text: str | None) -> str:
     lines = (text or "").strip().splitlines()
     return lines[0].strip() if lines else ""
-
-
-def convert(value, t, what: str):
-    """Convert a string (or value) to the field type `t` (bool, int, float, str, Optional[...])."""
-    origin = typing.get_origin(t)
-    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
-        inner = next(a for a in typing.get_args(t) if a is not type(None))
-        # "" is None for every optional; "none" only where it cannot be a value (not for strings:
-        # `weights = "none"` means no pretrained weights, not the default)
-        if value is None or (isinstance(value, str) and (value == "" or (value.lower() == "none"
-                                                                          and inner is not str))):
-            return None
-        t = inner
-    if origin is typing.Literal:
-        choices = typing.get_args(t)
-        if value not in choices:
-            raise UserError(f"{what}: {value!r} is not one of {list(choices)}")
-        return value
-    if t is bool:
-        if isinstance(value, bool):
-            return value
-        s = str(value).lower()
-        if s not in ("1", "true", "yes", "0", "false", "no"):
-            raise UserError(f"{what}: {value!r} is not a boolean (true/false)")
-        return s in ("1", "true", "yes")
-    try:
-        return t(value)
-    except (TypeError, ValueError):
-        kind = {int: "an integer", float: "a number", str: "a string"}.get(t, f"a {getattr(t, '__name__', t)}")
-        raise UserError(f"{what}: {value!r} is not {kind}") from None
-
-
-def build_params(cls: type, given: dict | None, what: str, *, ignore_unknown: bool = False):
-    """The dataclass `cls` from a dict of raw values, each converted to its field's type.
-    Unknown keys are refused (with the valid ones) unless `ignore_unknown`; a
-    `validate()` method on the dataclass runs last."""
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kw = {}
-    for k, v in (given or {}).items():
-        key = str(k).strip().replace("-", "_")
-        if key not in names:
-            if ignore_unknown:
-                continue
-            raise UserError(f"{what}: no parameter {key!r}; valid: {names or 'none'}")
-        if v is None:
-            continue
-        kw[key] = convert(v, hints[key], f"{what}: {key}")
-    p = cls(**kw)
-    if hasattr(p, "validate"):
-        p.validate()
-    return p
-
-
-def parse_items(items: Iterable[str], what: str, prefix: str | None = None) -> dict:
-    """`key=value` (or `prefix.key=value`, keeping only those for `prefix`) → dict of strings."""
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise UserError(f"{what}: want key=value, got {item!r}")
-        key, value = item.split("=", 1)
-        if prefix is not None:
-            if "." not in key:
-                raise UserError(f"{what}: want name.key=value, got {item!r}")
-            owner, key = key.split(".", 1)
-            if owner != prefix:
-                continue
-        out[key.strip()] = value.strip()
-    return out
 
 
 class Registry:

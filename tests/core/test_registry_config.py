@@ -140,7 +140,7 @@ def test_flags_override_the_config_file(tmp_path):
 
 
 def test_none_is_a_value_for_optional_strings_and_empty_means_unset():
-    from core.registry import convert
+    from core.params import convert
 
     assert convert("none", str | None, "weights") == "none"   # --weights none: no pretrained weights
     assert convert("", str | None, "weights") is None

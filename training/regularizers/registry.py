@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from core.errors import UserError
-from core.registry import Registry, parse_items
+from core.params import parse_items
+from core.registry import Registry
 
 from .base import Regularizer
 
