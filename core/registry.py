@@ -1,27 +1,54 @@
 """The one registry shape behind every user choice: backbones, data sets, losses,
 regularizers and refinement strategies.
 
-An entry is a name, a builder, a parameter dataclass and a one-line doc (plus
-free-form `meta` a registry may need, e.g. a regularizer's default weight).
-From the entries come argparse `choices`, `--help` text that lists every name
-with its doc, typed `key=value` parsing that refuses unknown keys with the
-valid ones, and the `list` subcommands' output.  A new choice is one module
-with `@REG.register(...)` plus one import line.
+An entry is a name, a builder, a parameter dataclass, a one-line doc and the registry's
+typed metadata (its `Spec`, e.g. a regularizer's default weight).  From the entries come
+argparse `choices`, `--help` text that lists every name with its doc, typed `key=value`
+parsing that refuses unknown keys with the valid ones, and the `list` subcommands' output.
+A new choice is one module with `@REG.register(...)` plus one import line.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from .errors import UserError
 # convert: index/cli.py imports it from here
-from .params import build_params, convert, field_default, parse_items  # noqa: F401
+from .params import build_params, conforms, convert, field_default, parse_items  # noqa: F401
 
 
 @dataclass
 class NoParams:
     """For entries without parameters."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spec:
+    """What a registry records about each entry beyond its builder, parameters and doc.
+
+    Each registry declares a subclass (a frozen, keyword-only dataclass) with typed fields;
+    `register(name, Params, doc=..., field=value, ...)` fills it, and an unknown keyword, a
+    missing required one or a value of the wrong type is an error when the module registering
+    it is imported.  This base has no fields: a registry without metadata."""
+
+    def check(self, entry: "Entry") -> None:
+        """Refuse metadata that does not fit the entry (called at registration).  The base
+        checks every field's value against its annotation; a subclass adds its own rules."""
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not conforms(value, hints[f.name]):
+                raise ValueError(f"{entry.what}: {f.name}={value!r} is not {_type_name(hints[f.name])}")
+
+    def listing_lines(self) -> list[str]:
+        """Lines the `list` subcommands show under the entry's doc line."""
+        return []
+
+
+def _type_name(t) -> str:
+    return getattr(t, "__name__", None) or str(t).replace("typing.", "")
 
 
 @dataclass(frozen=True)
@@ -30,7 +57,12 @@ class Entry:
     builder: Callable[..., Any]
     params: type
     doc: str
-    meta: dict = field(default_factory=dict)
+    spec: Spec
+    kind: str  # the registry's, for messages
+
+    @property
+    def what(self) -> str:
+        return f"{self.kind} {self.name!r}"
 
     def param_defaults(self) -> dict:
         return {f.name: field_default(f) for f in dataclasses.fields(self.params)}
@@ -45,21 +77,44 @@ def first_line(text: str | None) -> str:
 
 
 class Registry:
-    """name → Entry(builder, params dataclass, doc, meta)."""
+    """name → Entry(builder, params dataclass, doc, spec).  `spec`: the registry's metadata
+    type, a `Spec` subclass (the base: no metadata)."""
 
-    def __init__(self, kind: str, plural: str | None = None):
+    def __init__(self, kind: str, plural: str | None = None, *, spec: type[Spec] = Spec):
+        if not (isinstance(spec, type) and issubclass(spec, Spec) and spec.__dataclass_params__.frozen):
+            raise TypeError(f"{kind} registry: spec must be a frozen dataclass derived from Spec, got {spec!r}")
         self.kind = kind
         self.plural = plural or kind + "s"
+        self.spec_type = spec
         self._entries: dict[str, Entry] = {}
 
     # ------------------------------------------------------------ registration
-    def register(self, name: str, params: type = NoParams, doc: str | None = None, **meta):
-        """Decorator: `@REG.register("name", Params, doc="...", **meta)` over the builder."""
+    def register(self, name: str, params: type = NoParams, doc: str | None = None, **spec):
+        """Decorator: `@REG.register("name", Params, doc="...", **spec_fields)` over the builder.
+        The keywords are the fields of the registry's spec type; any other is a TypeError, a
+        value of the wrong type or a name registered already a ValueError."""
+        what = f"{self.kind} {name!r}"
         if not dataclasses.is_dataclass(params):
-            raise TypeError(f"{self.kind} {name!r}: params must be a dataclass")
+            raise TypeError(f"{what}: params must be a dataclass")
+        fields = {f.name: f for f in dataclasses.fields(self.spec_type) if f.init}
+        unknown = sorted(set(spec) - set(fields))
+        if unknown:
+            raise TypeError(f"{what}: unknown keyword {', '.join(map(repr, unknown))} for "
+                            f"{self.spec_type.__name__}; it takes {', '.join(fields) or 'none'}")
+        missing = [n for n, f in fields.items() if n not in spec and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]  # type: ignore[misc]
+        if missing:
+            raise TypeError(f"{what}: {self.spec_type.__name__} needs {', '.join(map(repr, missing))}")
+        filled = self.spec_type(**spec)
 
         def deco(fn):
-            self._entries[name] = Entry(name, fn, params, doc or first_line(fn.__doc__), dict(meta))
+            if name in self._entries:
+                first = self._entries[name].builder
+                by = f"{getattr(first, '__module__', '?')}.{getattr(first, '__qualname__', first)}"
+                raise ValueError(f"{what} is registered already (by {by}); choose another name")
+            entry = Entry(name, fn, params, doc or first_line(fn.__doc__), filled, self.kind)
+            filled.check(entry)
+            self._entries[name] = entry
             return fn
         return deco
 
@@ -124,8 +179,7 @@ class Registry:
         lines = [f"{self.plural}:"]
         for e in self.entries():
             lines.append(f"  {e.name:<20} {e.doc}")
-            if "stages" in e.meta:  # backbones: what --train-blocks counts, from the end
-                lines.append(f"      stages: {', '.join(e.meta['stages'])}")
+            lines += [f"      {line}" for line in e.spec.listing_lines()]
             helps = e.param_help()
             for k, v in e.param_defaults().items():
                 h = f"  {helps[k]}" if helps[k] else ""
