@@ -72,7 +72,7 @@ def default_grid(reg: str) -> list[float]:
     """The registry's default weight (the paper's value) with a decade either side."""
     from training.regularizers import REGULARIZERS
 
-    w = float(REGULARIZERS.get(reg).meta["weight"])
+    w = float(REGULARIZERS.get(reg).spec.weight)
     return [w / 10, w, w * 10]
 
 

@@ -16,27 +16,14 @@ import typing
 from pathlib import Path
 
 from .errors import UserError
-from .registry import build_params, convert, parse_items
+from .params import build_params, convert, field_default, parse_items, tuple_items, unwrap_optional
 
 
 def _parse_tuple(elem_type):
     def parse(s: str):
-        return tuple(elem_type(v) for v in s.split(",") if v.strip())
+        return tuple(elem_type(v) for v in tuple_items(s))
     parse.__name__ = f"comma-separated {elem_type.__name__}s"
     return parse
-
-
-def _unwrap_optional(t):
-    origin = typing.get_origin(t)
-    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
-        t = next(a for a in typing.get_args(t) if a is not type(None))
-    return t
-
-
-def field_default(f: dataclasses.Field):
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    return f.default_factory()  # type: ignore[misc]
 
 
 def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (),
@@ -51,7 +38,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] 
     for f in dataclasses.fields(cls):
         if f.name in skip or f.metadata.get("cli") is False:
             continue
-        t = _unwrap_optional(hints[f.name])
+        t = unwrap_optional(hints[f.name])
         flag = "--" + f.name.replace("_", "-")
         default = (defaults or {}).get(f.name, None if inherit else field_default(f))
         hlp = f.metadata.get("help", "")
@@ -110,13 +97,7 @@ def read_config_file(cls, path) -> dict:
         key = k.replace("-", "_")
         if key not in fields:
             raise UserError(f"config file {p}: unknown setting {k!r}; valid: {sorted(fields)}")
-        t = _unwrap_optional(hints[key])
-        if typing.get_origin(t) is tuple:
-            elem = typing.get_args(t)[0]
-            seq = v if isinstance(v, list) else [s for s in str(v).split(",") if s.strip()]
-            out[key] = tuple(convert(x, elem, f"config file {p}: {k}") for x in seq)
-        else:
-            out[key] = convert(v, hints[key], f"config file {p}: {k}")
+        out[key] = convert(v, hints[key], f"config file {p}: {k}")  # a tuple: a list or "a,b"
     return out
 
 

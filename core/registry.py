@@ -1,26 +1,54 @@
 """The one registry shape behind every user choice: backbones, data sets, losses,
 regularizers and refinement strategies.
 
-An entry is a name, a builder, a parameter dataclass and a one-line doc (plus
-free-form `meta` a registry may need, e.g. a regularizer's default weight).
-From the entries come argparse `choices`, `--help` text that lists every name
-with its doc, typed `key=value` parsing that refuses unknown keys with the
-valid ones, and the `list` subcommands' output.  A new choice is one module
-with `@REG.register(...)` plus one import line.
+An entry is a name, a builder, a parameter dataclass, a one-line doc and the registry's
+typed metadata (its `Spec`, e.g. a regularizer's default weight).  From the entries come
+argparse `choices`, `--help` text that lists every name with its doc, typed `key=value`
+parsing that refuses unknown keys with the valid ones, and the `list` subcommands' output.
+A new choice is one module with `@REG.register(...)` plus one import line.
 """
 from __future__ import annotations
 
 import dataclasses
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from .errors import UserError
+# convert: index/cli.py imports it from here
+from .params import build_params, conforms, convert, field_default, parse_items  # noqa: F401
 
 
 @dataclass
 class NoParams:
     """For entries without parameters."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spec:
+    """What a registry records about each entry beyond its builder, parameters and doc.
+
+    Each registry declares a subclass (a frozen, keyword-only dataclass) with typed fields;
+    `register(name, Params, doc=..., field=value, ...)` fills it, and an unknown keyword, a
+    missing required one or a value of the wrong type is an error when the module registering
+    it is imported.  This base has no fields: a registry without metadata."""
+
+    def check(self, entry: "Entry") -> None:
+        """Refuse metadata that does not fit the entry (called at registration).  The base
+        checks every field's value against its annotation; a subclass adds its own rules."""
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not conforms(value, hints[f.name]):
+                raise ValueError(f"{entry.what}: {f.name}={value!r} is not {_type_name(hints[f.name])}")
+
+    def listing_lines(self) -> list[str]:
+        """Lines the `list` subcommands show under the entry's doc line."""
+        return []
+
+
+def _type_name(t) -> str:
+    return getattr(t, "__name__", None) or str(t).replace("typing.", "")
 
 
 @dataclass(frozen=True)
@@ -29,21 +57,18 @@ class Entry:
     builder: Callable[..., Any]
     params: type
     doc: str
-    meta: dict = field(default_factory=dict)
+    spec: Spec
+    kind: str  # the registry's, for messages
+
+    @property
+    def what(self) -> str:
+        return f"{self.kind} {self.name!r}"
 
     def param_defaults(self) -> dict:
-        return {f.name: _default(f) for f in dataclasses.fields(self.params)}
+        return {f.name: field_default(f) for f in dataclasses.fields(self.params)}
 
     def param_help(self) -> dict:
         return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(self.params)}
-
-
-def _default(f: dataclasses.Field):
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return f.default_factory()  # type: ignore[misc]
-    return None
 
 
 def first_line(text: str | None) -> str:
@@ -51,91 +76,45 @@ def first_line(text: str | None) -> str:
     return lines[0].strip() if lines else ""
 
 
-def convert(value, t, what: str):
-    """Convert a string (or value) to the field type `t` (bool, int, float, str, Optional[...])."""
-    origin = typing.get_origin(t)
-    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
-        inner = next(a for a in typing.get_args(t) if a is not type(None))
-        # "" is None for every optional; "none" only where it cannot be a value (not for strings:
-        # `weights = "none"` means no pretrained weights, not the default)
-        if value is None or (isinstance(value, str) and (value == "" or (value.lower() == "none"
-                                                                          and inner is not str))):
-            return None
-        t = inner
-    if origin is typing.Literal:
-        choices = typing.get_args(t)
-        if value not in choices:
-            raise UserError(f"{what}: {value!r} is not one of {list(choices)}")
-        return value
-    if t is bool:
-        if isinstance(value, bool):
-            return value
-        s = str(value).lower()
-        if s not in ("1", "true", "yes", "0", "false", "no"):
-            raise UserError(f"{what}: {value!r} is not a boolean (true/false)")
-        return s in ("1", "true", "yes")
-    try:
-        return t(value)
-    except (TypeError, ValueError):
-        kind = {int: "an integer", float: "a number", str: "a string"}.get(t, f"a {getattr(t, '__name__', t)}")
-        raise UserError(f"{what}: {value!r} is not {kind}") from None
-
-
-def build_params(cls: type, given: dict | None, what: str, *, ignore_unknown: bool = False):
-    """The dataclass `cls` from a dict of raw values, each converted to its field's type.
-    Unknown keys are refused (with the valid ones) unless `ignore_unknown`; a
-    `validate()` method on the dataclass runs last."""
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kw = {}
-    for k, v in (given or {}).items():
-        key = str(k).strip().replace("-", "_")
-        if key not in names:
-            if ignore_unknown:
-                continue
-            raise UserError(f"{what}: no parameter {key!r}; valid: {names or 'none'}")
-        if v is None:
-            continue
-        kw[key] = convert(v, hints[key], f"{what}: {key}")
-    p = cls(**kw)
-    if hasattr(p, "validate"):
-        p.validate()
-    return p
-
-
-def parse_items(items: Iterable[str], what: str, prefix: str | None = None) -> dict:
-    """`key=value` (or `prefix.key=value`, keeping only those for `prefix`) → dict of strings."""
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise UserError(f"{what}: want key=value, got {item!r}")
-        key, value = item.split("=", 1)
-        if prefix is not None:
-            if "." not in key:
-                raise UserError(f"{what}: want name.key=value, got {item!r}")
-            owner, key = key.split(".", 1)
-            if owner != prefix:
-                continue
-        out[key.strip()] = value.strip()
-    return out
-
-
 class Registry:
-    """name → Entry(builder, params dataclass, doc, meta)."""
+    """name → Entry(builder, params dataclass, doc, spec).  `spec`: the registry's metadata
+    type, a `Spec` subclass (the base: no metadata)."""
 
-    def __init__(self, kind: str, plural: str | None = None):
+    def __init__(self, kind: str, plural: str | None = None, *, spec: type[Spec] = Spec):
+        if not (isinstance(spec, type) and issubclass(spec, Spec) and spec.__dataclass_params__.frozen):
+            raise TypeError(f"{kind} registry: spec must be a frozen dataclass derived from Spec, got {spec!r}")
         self.kind = kind
         self.plural = plural or kind + "s"
+        self.spec_type = spec
         self._entries: dict[str, Entry] = {}
 
     # ------------------------------------------------------------ registration
-    def register(self, name: str, params: type = NoParams, doc: str | None = None, **meta):
-        """Decorator: `@REG.register("name", Params, doc="...", **meta)` over the builder."""
+    def register(self, name: str, params: type = NoParams, doc: str | None = None, **spec):
+        """Decorator: `@REG.register("name", Params, doc="...", **spec_fields)` over the builder.
+        The keywords are the fields of the registry's spec type; any other is a TypeError, a
+        value of the wrong type or a name registered already a ValueError."""
+        what = f"{self.kind} {name!r}"
         if not dataclasses.is_dataclass(params):
-            raise TypeError(f"{self.kind} {name!r}: params must be a dataclass")
+            raise TypeError(f"{what}: params must be a dataclass")
+        fields = {f.name: f for f in dataclasses.fields(self.spec_type) if f.init}
+        unknown = sorted(set(spec) - set(fields))
+        if unknown:
+            raise TypeError(f"{what}: unknown keyword {', '.join(map(repr, unknown))} for "
+                            f"{self.spec_type.__name__}; it takes {', '.join(fields) or 'none'}")
+        missing = [n for n, f in fields.items() if n not in spec and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]  # type: ignore[misc]
+        if missing:
+            raise TypeError(f"{what}: {self.spec_type.__name__} needs {', '.join(map(repr, missing))}")
+        filled = self.spec_type(**spec)
 
         def deco(fn):
-            self._entries[name] = Entry(name, fn, params, doc or first_line(fn.__doc__), dict(meta))
+            if name in self._entries:
+                first = self._entries[name].builder
+                by = f"{getattr(first, '__module__', '?')}.{getattr(first, '__qualname__', first)}"
+                raise ValueError(f"{what} is registered already (by {by}); choose another name")
+            entry = Entry(name, fn, params, doc or first_line(fn.__doc__), filled, self.kind)
+            filled.check(entry)
+            self._entries[name] = entry
             return fn
         return deco
 
@@ -200,8 +179,7 @@ class Registry:
         lines = [f"{self.plural}:"]
         for e in self.entries():
             lines.append(f"  {e.name:<20} {e.doc}")
-            if "stages" in e.meta:  # backbones: what --train-blocks counts, from the end
-                lines.append(f"      stages: {', '.join(e.meta['stages'])}")
+            lines += [f"      {line}" for line in e.spec.listing_lines()]
             helps = e.param_help()
             for k, v in e.param_defaults().items():
                 h = f"  {helps[k]}" if helps[k] else ""

@@ -51,18 +51,19 @@ class DataConfig:
             if not ok:
                 raise UserError(msg)
 
-    def _meta(self) -> dict:
-        from .registry import DATASETS
+    def dataset_spec(self):
+        """The data set's registered `DatasetSpec` (the defaults for a name not registered)."""
+        from .registry import DATASETS, DatasetSpec
 
-        return DATASETS.get(self.dataset).meta if self.dataset in DATASETS else {}
+        return DATASETS.get(self.dataset).spec if self.dataset in DATASETS else DatasetSpec()
 
     def resolved_image_size(self) -> int:
-        return self.image_size or int(self._meta().get("image_size", DEFAULT_IMAGE_SIZE))
+        return self.image_size or self.dataset_spec().image_size
 
     def resolved_resize_mode(self) -> str:
         if self.resize_mode != "auto":
             return self.resize_mode
-        return self._meta().get("resize_mode", DEFAULT_RESIZE_MODE)
+        return self.dataset_spec().resize_mode
 
     @classmethod
     def from_dict(cls, d: dict) -> "DataConfig":
@@ -106,7 +107,7 @@ def resolve(cfg: DataConfig, splits) -> DataConfig:
     size, how = cfg.image_size, "given"
     if not size:
         size, how = cfg.resolved_image_size(), "the data set's default"
-        if cfg._meta().get("size_from_images"):
+        if cfg.dataset_spec().size_from_images:
             side = largest_image_side(splits, size)
             if side:
                 size, how = side, f"every image is at most {side} px (default {DEFAULT_IMAGE_SIZE})"
@@ -139,7 +140,7 @@ def with_overrides(recorded: DataConfig, given: dict | DataConfig | None, source
                   "the model sees other images than it was trained on; results will differ", file=sys.stderr)
     cfg = dataclasses.replace(recorded, **given)
     if ("data_root" not in given and cfg.data_root and not Path(cfg.data_root).exists()
-            and not cfg._meta().get("renders")):
+            and not cfg.dataset_spec().renders):
         from core.errors import UserError
 
         raise UserError(f"{source} records the data root {cfg.data_root}, which is not there: "

@@ -2,17 +2,45 @@
 plus one import line in `data/__init__.py`.
 
 A builder takes the typed `DataConfig` and returns class-disjoint `DatasetSplits`.
-An entry's meta may set `image_size` and `resize_mode` (the preprocessing its
-images want by default; see `data.config.DataConfig`).
+Its registration fills `DatasetSpec`: the preprocessing its images want by default
+(see `data.config.DataConfig`) and how its images may be augmented.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from core.errors import UserError
-from core.registry import Registry
+from core.registry import Registry, Spec
 
-DATASETS = Registry("data set")
+from .config import DEFAULT_IMAGE_SIZE, DEFAULT_RESIZE_MODE
+
+
+@dataclass(frozen=True, kw_only=True)
+class DatasetSpec(Spec):
+    """A data set's registration.
+
+    image_size: the input size in pixels when `--image-size` is 0.
+    resize_mode: how its images reach the square input with `--resize-mode auto`.
+    size_from_images: with `--image-size` 0, take the largest image side when every image is
+        smaller than `image_size` (small icons are not blown up).
+    renders: the loader makes its images itself: a recorded data root that is gone is no error.
+    flip: horizontal flips in augmentation (False: its images are not mirror-symmetric).
+    """
+    image_size: int = DEFAULT_IMAGE_SIZE
+    resize_mode: Literal["crop", "resize", "pad"] = DEFAULT_RESIZE_MODE
+    size_from_images: bool = False
+    renders: bool = False
+    flip: bool = True
+
+    def check(self, entry) -> None:
+        super().check(entry)
+        if not 16 <= self.image_size <= 2048:  # what --image-size accepts
+            raise ValueError(f"{entry.what}: image_size must be 16 … 2048, got {self.image_size}")
+
+
+DATASETS = Registry("data set", spec=DatasetSpec)
 
 
 def require_root(cfg) -> Path:

@@ -84,6 +84,6 @@ def transform_for(backbone, dcfg, augment: bool = False) -> TransformSpec:
     size = dcfg.resolved_image_size()
     mode = dcfg.resolved_resize_mode()
     resize = int(round(size * CROP_RATIO)) if mode == "crop" else size
-    flip = augment and DATASETS.get(dcfg.dataset).meta.get("flip", True)
+    flip = augment and DATASETS.get(dcfg.dataset).spec.flip
     return TransformSpec(size, resize, tuple(backbone.mean), tuple(backbone.std), augment,
                          "pad" if mode == "pad" else "", bool(flip))

@@ -11,19 +11,46 @@ split for evaluation.
                   a step runs the last N stages (the trained tail), the neck and the loss;
   ImageBatches    augmented images through the whole network (fine-tuning).
 
-Which stages train is decided in one place, `set_trainable`: the frozen part is in
-eval mode (its BatchNorm statistics stay the pretrained ones) and gets no gradient.
+Every source is built from one `SourceConfig`.  Which stages train is decided in one place,
+`set_trainable`: the frozen part is in eval mode (its BatchNorm statistics stay the
+pretrained ones) and gets no gradient.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from model.features import backbone_features, cached_prefix, embed_subset
 
+if TYPE_CHECKING:
+    from data.config import DataConfig
+    from data.splits import DatasetSplits
+    from model.backbones.base import Backbone
+    from model.preprocess import TransformSpec
+
 log = logging.getLogger("training")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceConfig:
+    """What a batch source is built from; each source reads the values it needs."""
+    backbone: Backbone
+    splits: DatasetSplits
+    spec: TransformSpec       # the evaluation transform (no augmentation)
+    dcfg: DataConfig          # resolved: concrete image size and resize mode
+    cache_dir: str            # cached backbone features and prefix maps
+    progress: bool
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    n_train: int | None = None  # stages that train, counted from the end; None: all of them
+    warmup_epochs: int = 0      # epochs before the trained stages start training
+    bn_freeze: bool = False     # the trained stages' BatchNorm stays in eval mode too
+
+    def train_stages(self) -> int:
+        return len(self.backbone.stages()) if self.n_train is None else self.n_train
 
 
 def set_trainable(backbone, n_train: int, trainable: bool = True, bn_freeze: bool = False) -> None:
@@ -46,12 +73,12 @@ def set_trainable(backbone, n_train: int, trainable: bool = True, bn_freeze: boo
 
 
 class FrozenFeatures:
-    def __init__(self, backbone, splits, spec, dcfg, cache_dir: str, progress: bool):
-        self.backbone, self.splits, self.spec, self.dcfg = backbone, splits, spec, dcfg
-        self.cache_dir, self.progress = cache_dir, progress
-        self.cache = {name: self._features(splits.get(name)) for name in ("train", "val")}
+    def __init__(self, cfg: SourceConfig):
+        self.backbone, self.splits, self.spec, self.dcfg = cfg.backbone, cfg.splits, cfg.spec, cfg.dcfg
+        self.cache_dir, self.progress = cfg.cache_dir, cfg.progress
+        self.cache = {name: self._features(self.splits.get(name)) for name in ("train", "val")}
         self.labels = self.cache["train"][1]
-        for p in backbone.parameters():
+        for p in self.backbone.parameters():
             p.requires_grad_(False)
 
     def _features(self, subset) -> tuple[torch.Tensor, np.ndarray]:
@@ -79,13 +106,13 @@ class FrozenFeatures:
 class PrefixTail:
     """Inputs are the frozen prefix's cached output maps; `encode` runs the trained tail."""
 
-    def __init__(self, backbone, n_train: int, splits, spec, dcfg, cache_dir: str, progress: bool,
-                 device: torch.device, warmup_epochs: int = 0, bn_freeze: bool = False):
-        self.backbone, self.splits, self.spec, self.dcfg = backbone, splits, spec, dcfg
-        self.n_train, self.n_prefix = n_train, len(backbone.stages()) - n_train
-        self.cache_dir, self.progress, self.device = cache_dir, progress, device
-        self.warmup_epochs, self.bn_freeze = warmup_epochs, bn_freeze
-        self.cache = {name: self._maps(splits.get(name)) for name in ("train", "val")}
+    def __init__(self, cfg: SourceConfig):
+        self.backbone, self.splits, self.spec, self.dcfg = cfg.backbone, cfg.splits, cfg.spec, cfg.dcfg
+        self.n_train = cfg.train_stages()
+        self.n_prefix = len(self.backbone.stages()) - self.n_train
+        self.cache_dir, self.progress, self.device = cfg.cache_dir, cfg.progress, cfg.device
+        self.warmup_epochs, self.bn_freeze = cfg.warmup_epochs, cfg.bn_freeze
+        self.cache = {name: self._maps(self.splits.get(name)) for name in ("train", "val")}
         self.labels = self.cache["train"].labels
 
     def _maps(self, subset):
@@ -117,13 +144,12 @@ class PrefixTail:
 
 
 class ImageBatches:
-    def __init__(self, backbone, splits, spec, dcfg, warmup_epochs: int, progress: bool,
-                 n_train: int | None = None, bn_freeze: bool = False, device: torch.device | None = None):
-        self.backbone, self.splits, self.spec, self.dcfg = backbone, splits, spec, dcfg
-        self.warmup_epochs, self.progress = warmup_epochs, progress
-        self.n_train = len(backbone.stages()) if n_train is None else n_train
-        self.bn_freeze, self.device = bn_freeze, device or torch.device("cpu")
-        self.labels = np.asarray(splits.train.labels)
+    def __init__(self, cfg: SourceConfig):
+        self.backbone, self.splits, self.spec, self.dcfg = cfg.backbone, cfg.splits, cfg.spec, cfg.dcfg
+        self.warmup_epochs, self.progress = cfg.warmup_epochs, cfg.progress
+        self.n_train = cfg.train_stages()
+        self.bn_freeze, self.device = cfg.bn_freeze, cfg.device
+        self.labels = np.asarray(self.splits.train.labels)
 
     def start_epoch(self, epoch: int, model) -> None:
         model.train()

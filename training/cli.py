@@ -279,7 +279,7 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
     _append_help(st, "loss_param", f"Keys per loss: {LOSSES.params_help()}")
     _append_help(st, "reg_param", f"Keys per regularizer: {REGULARIZERS.params_help()}")
     _append_help(st, "reg_weight", "Defaults: " + ", ".join(
-        f"{e.name} {e.meta['weight']}" for e in REGULARIZERS.entries()))
+        f"{e.name} {e.spec.weight}" for e in REGULARIZERS.entries()))
     st.set_defaults(func=cmd_train)
 
     sl = sub.add_parser("list", help="list backbones, data sets, losses and regularizers with their parameters")

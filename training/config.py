@@ -117,7 +117,7 @@ class TrainConfig(DataConfig):
     def pretrained(self) -> bool:
         from model.backbones import BACKBONES
 
-        return (self.weights or BACKBONES.get(self.backbone).meta.get("default_weights", "imagenet")) != "none"
+        return (self.weights or BACKBONES.get(self.backbone).spec.default_weights) != "none"
 
     def freezes_bn(self) -> bool:
         return self.pretrained() if self.bn_freeze == "auto" else self.bn_freeze == "on"
@@ -137,7 +137,7 @@ class TrainConfig(DataConfig):
         DataConfig.validate(self)
         BACKBONES.get(self.backbone)
         resolve_device(self.device)
-        n_stages = len(BACKBONES.get(self.backbone).meta.get("stages", ()))
+        n_stages = len(BACKBONES.get(self.backbone).spec.stages)
         LOSSES.params(self.loss, self.loss_param)
         checks = [
             (self.embed_dim >= 1, f"--embed-dim must be ≥ 1, got {self.embed_dim}"),

@@ -40,7 +40,7 @@ from model.device import resolve_device
 from model.network import EmbeddingModel
 from model.preprocess import transform_for
 
-from .batches import FrozenFeatures, ImageBatches, PrefixTail
+from .batches import FrozenFeatures, ImageBatches, PrefixTail, SourceConfig
 from . import distributed as ddp
 from .checkpoints import Checkpoints, check_out, recorded_config, same_identity, write_config
 from .config import TrainConfig
@@ -118,22 +118,17 @@ class Run:
         n_train = cfg.n_train_blocks(len(self.backbone.stages()))
         mode = cfg.resolved_mode()
         progress = cfg.progress and self.main
+        sources = SourceConfig(backbone=self.backbone, splits=self.splits, spec=self.spec, dcfg=self.dcfg,
+                               cache_dir=cfg.cache_dir, progress=progress, device=dev, n_train=n_train,
+                               warmup_epochs=cfg.warmup_epochs, bn_freeze=cfg.freezes_bn())
         with ddp.rank_zero_first():  # one process builds the cache; the others then read it
-            if mode == "frozen":
-                self.source = FrozenFeatures(self.backbone, self.splits, self.spec, self.dcfg, cfg.cache_dir,
-                                             progress)
-            elif mode == "tail":
-                self.source = PrefixTail(self.backbone, n_train, self.splits, self.spec, self.dcfg, cfg.cache_dir,
-                                         progress, dev, cfg.warmup_epochs, cfg.freezes_bn())
-            else:
-                self.source = ImageBatches(self.backbone, self.splits, self.spec, self.dcfg, cfg.warmup_epochs,
-                                           progress, n_train, cfg.freezes_bn(), dev)
+            source_type = {"frozen": FrozenFeatures, "tail": PrefixTail}.get(mode, ImageBatches)
+            self.source = source_type(sources)
             n_probe = 0 if resuming else cfg.resolved_probe_epochs()  # a resumed run has had its probe
             probed = [p for m in (self.model.neck, self.loss, *[r.module for r in self.regs]) for p in m.parameters()]
             if not any(p.requires_grad for p in probed):
                 n_probe = 0  # nothing for a probe to train: a neck held at its initialisation and a loss without proxies
-            probe_source = (FrozenFeatures(self.backbone, self.splits, self.spec, self.dcfg, cfg.cache_dir, progress)
-                            if n_probe else None)
+            probe_source = FrozenFeatures(sources) if n_probe else None
         for m in (self.model, self.loss, *[r.module for r in self.regs]):  # what a regularizer owns is its module
             m.to(dev)
         # before DDP wraps the step: every rank probes alike, and DDP then starts them from rank 0's state

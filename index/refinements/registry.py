@@ -9,16 +9,8 @@ every label come from it:
   not the field name); `range` and `step` (the app's slider); `file` (the suffixes of a
   file the user supplies, e.g. (".npy",): an upload in the app); `label` (value ↦ text in labels).
   A `seed` field makes the strategy random: it is reproducible and swept over seeds.
-- meta `operator`: how M′q is applied cheaply (index/operator.py): "identity" (M′ = I),
-  "lowrank" (M′ = M* = WᵀW), "lowrank-diag" (M* with diagonal entries zeroed), "spectral"
-  (M′ = cI + a low-rank part, found from its eigendecomposition), "dense".
-- meta `grid`: {param: values} that `python -m index evaluate` sweeps (every combination);
-  without it the strategy is swept once at its defaults.  meta `modes`: the modes swept.
-- meta `trained_at`: {param: value} at which M′ ranks exactly like M* (a positive multiple
-  of it; `{}`: always).  Such rows are not refinements.
-- meta `exact_symmetry`: True when the builder maps an exactly symmetric M* to an exactly
-  symmetric M′ (it treats entry (i, j) as it treats (j, i)): `refine` then gives it an exactly
-  symmetric M* and does not average M′ with M′ᵀ, a d × d pass per new M′.
+- the registration's keywords: the fields of `StrategySpec` (operator, grid, modes,
+  trained_at, exact_symmetry).
 A strategy with a file parameter is never swept: there is no file to sweep it with.
 """
 from __future__ import annotations
@@ -26,15 +18,54 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import typing
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import numpy as np
 
-from core.registry import Registry
+from core.registry import Registry, Spec
 
 from ..metric import MODES, symmetrized
 
-REFINEMENTS = Registry("refinement strategy", "refinement strategies")
+Operator = Literal["identity", "lowrank", "lowrank-diag", "spectral", "dense"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategySpec(Spec):
+    """A refinement strategy's registration.
+
+    operator: how M′q is applied cheaply (index/operator.py): "identity" (M′ = I), "lowrank"
+        (M′ = M* = WᵀW), "lowrank-diag" (M* with diagonal entries zeroed), "spectral" (M′ = cI +
+        a low-rank part, found from its eigendecomposition), "dense".
+    grid: {param: values} that `python -m index evaluate` sweeps (every combination); empty:
+        the strategy is swept once at its defaults.
+    modes: the modes swept.
+    trained_at: {param: value} at which M′ ranks exactly like M* (a positive multiple of it;
+        `{}`: always).  Such rows are not refinements.  None: at no parameters.
+    exact_symmetry: the builder maps an exactly symmetric M* to an exactly symmetric M′ (it
+        treats entry (i, j) as it treats (j, i)): `refine` then gives it an exactly symmetric M*
+        and does not average M′ with M′ᵀ, a d × d pass per new M′.
+    """
+    operator: Operator = "dense"
+    grid: Mapping[str, tuple] = field(default_factory=dict)
+    modes: tuple[str, ...] = MODES
+    trained_at: Mapping[str, Any] | None = None
+    exact_symmetry: bool = False
+
+    def check(self, entry) -> None:
+        super().check(entry)
+        names = {f.name for f in dataclasses.fields(entry.params)}
+        for what, keys in (("grid", self.grid), ("trained_at", self.trained_at or {})):
+            unknown = sorted(set(keys) - names)
+            if unknown:
+                raise ValueError(f"{entry.what}: {what} names {unknown}, which are not its parameters "
+                                 f"{sorted(names)}")
+        if not self.modes or not set(self.modes) <= set(MODES):
+            raise ValueError(f"{entry.what}: modes must be some of {list(MODES)}, got {self.modes!r}")
+
+
+REFINEMENTS = Registry("refinement strategy", "refinement strategies", spec=StrategySpec)
 
 
 def strategy_params(name: str, given: dict | None = None):
@@ -51,7 +82,7 @@ def refine(name: str, M_star: np.ndarray, params=None, *, symmetric: bool = Fals
         params = strategy_params(name, params)
     entry = REFINEMENTS.get(name)
     M_star = np.asarray(M_star, dtype=np.float64)
-    if entry.meta.get("exact_symmetry"):
+    if entry.spec.exact_symmetry:
         return entry.builder(M_star if symmetric else symmetrized(M_star), params)
     return symmetrized(entry.builder(M_star, params))
 
@@ -77,7 +108,7 @@ def strategy_label(name: str, params=None) -> str:
 
 
 def operator_kind(name: str) -> str:
-    return REFINEMENTS.get(name).meta.get("operator", "dense")
+    return REFINEMENTS.get(name).spec.operator
 
 
 def file_params(name: str) -> list[str]:
@@ -91,7 +122,7 @@ def sweepable(name: str) -> bool:
 
 def grid(name: str) -> dict:
     """{param: values} the evaluation sweeps ({}: the defaults once)."""
-    return dict(REFINEMENTS.get(name).meta.get("grid", {}))
+    return dict(REFINEMENTS.get(name).spec.grid)
 
 
 GRIDS = ("coarse", "full")  # `index evaluate --grid`
@@ -111,7 +142,7 @@ def sweep(name: str, seeds: int) -> list[tuple[dict, str]]:
     """(params, mode) of every setting the evaluation sweeps for the strategy: each grid
     combination, then each seed (random strategies), then each mode."""
     g = grid(name)
-    modes = REFINEMENTS.get(name).meta.get("modes", MODES)
+    modes = REFINEMENTS.get(name).spec.modes
     out = []
     for values in itertools.product(*g.values()):
         for seed in (range(seeds) if seeded(name) else [None]):
@@ -122,7 +153,7 @@ def sweep(name: str, seeds: int) -> list[tuple[dict, str]]:
 
 def ranks_like_trained(name: str, params: dict) -> bool:
     """Whether M′ at these parameters ranks exactly like M* (then it is not a refinement)."""
-    at = REFINEMENTS.get(name).meta.get("trained_at")
+    at = REFINEMENTS.get(name).spec.trained_at
     return at is not None and all(params.get(k) == v for k, v in at.items())
 
 

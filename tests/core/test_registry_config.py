@@ -7,7 +7,7 @@ import pytest
 
 from core.config import add_config_args, config_from_args, config_toml, parse_with_config_file, read_config_file
 from core.errors import UserError
-from core.registry import Registry
+from core.registry import Registry, Spec
 
 
 @dataclass
@@ -21,30 +21,66 @@ class WidgetParams:
             raise UserError(f"size must be ≥ 1, got {self.size}")
 
 
-def make_registry() -> Registry:
-    reg = Registry("widget")
+@dataclass(frozen=True, kw_only=True)
+class WidgetSpec(Spec):
+    colour: str = "grey"
+    sides: int
 
-    @reg.register("round", WidgetParams)
+    def listing_lines(self) -> list[str]:
+        return [f"sides: {self.sides}"]
+
+
+def make_registry() -> Registry:
+    reg = Registry("widget", spec=WidgetSpec)
+
+    @reg.register("round", WidgetParams, sides=0)
     def round_(p):
         """A round widget.
 
         More text that is not the doc line."""
         return ("round", p.size)
 
-    @reg.register("flat", doc="a flat one", colour="blue")
+    @reg.register("flat", doc="a flat one", colour="blue", sides=4)
     def flat(p):
         return "flat"
     return reg
 
 
-def test_entries_docs_meta_and_build():
+def test_entries_docs_spec_and_build():
     reg = make_registry()
     assert reg.names() == ["flat", "round"] and "round" in reg and len(reg) == 2
     assert reg.get("round").doc == "A round widget."
-    assert reg.get("flat").meta == {"colour": "blue"}
+    assert reg.get("flat").spec == WidgetSpec(colour="blue", sides=4)
+    assert reg.get("round").spec == WidgetSpec(sides=0)  # colour: its default
     assert reg.build("round", reg.params("round", {"size": "7"})) == ("round", 7)
     with pytest.raises(UserError, match="unknown widget 'square'; choose from flat, round"):
         reg.get("square")
+
+
+def test_registering_a_name_twice_is_an_error():
+    reg = make_registry()
+    with pytest.raises(ValueError, match=r"widget 'flat' is registered already \(by .*flat\)"):
+        reg.register("flat", sides=3)(lambda p: "another flat")
+    assert reg.build("flat", None) == "flat"  # the first entry stays
+    reg.unregister("flat")
+    reg.register("flat", sides=3)(lambda p: "another flat")  # free again once unregistered
+    assert reg.build("flat", None) == "another flat" and reg.get("flat").spec.sides == 3
+
+
+def test_unknown_missing_or_mistyped_metadata_is_an_error():
+    reg = make_registry()
+    with pytest.raises(TypeError, match=r"widget 'oval': unknown keyword 'color' for WidgetSpec; "
+                                        r"it takes colour, sides"):
+        reg.register("oval", sides=0, color="red")
+    with pytest.raises(TypeError, match=r"widget 'oval': WidgetSpec needs 'sides'"):
+        reg.register("oval", colour="red")
+    with pytest.raises(ValueError, match=r"widget 'oval': sides='three' is not int"):
+        reg.register("oval", sides="three")(lambda p: "oval")
+    with pytest.raises(TypeError, match="unknown keyword 'colour' for Spec; it takes none"):
+        Registry("plain").register("x", colour="blue")  # the base spec: no metadata
+    assert "oval" not in reg
+    with pytest.raises(TypeError, match="spec must be a frozen dataclass derived from Spec"):
+        Registry("bad", spec=WidgetParams)
 
 
 def test_typed_params_refuse_unknown_keys_and_bad_values():
@@ -69,6 +105,7 @@ def test_listing_and_help_name_every_entry_and_parameter():
     text = reg.listing()
     assert "round" in text and "A round widget." in text and "size = 3  how big" in text
     assert "flat" in text and "a flat one" in text
+    assert "  flat                 a flat one\n      sides: 4\n" in text  # the spec's own lines
     assert reg.params_help() == "round: size=3, scale=0.5, loud=False"
     assert reg.describe()[1]["params"]["size"] == {"default": 3, "help": "how big"}
 
@@ -140,7 +177,7 @@ def test_flags_override_the_config_file(tmp_path):
 
 
 def test_none_is_a_value_for_optional_strings_and_empty_means_unset():
-    from core.registry import convert
+    from core.params import convert
 
     assert convert("none", str | None, "weights") == "none"   # --weights none: no pretrained weights
     assert convert("", str | None, "weights") is None

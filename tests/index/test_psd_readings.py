@@ -9,7 +9,7 @@ import pytest
 from core.errors import UserError
 from index.backends.search import Searcher
 from index.backends.store import Items, in_memory_index, write_index
-from index.metric import COSINE_FALLBACK, symmetrized
+from index.metric import COSINE_FALLBACK, MODES, symmetrized
 from index.refinements import REFINEMENTS, refine, strategy_params
 from index.refinements.paper import R_GRID
 from index.refinements.psd import ReadingParams, psd_reading
@@ -73,18 +73,18 @@ def test_the_raw_restraint_is_as_before(M_star):
             break
         want[i, i] = 0.0
     np.testing.assert_array_equal(refine("diagonal", M_star, {"r": r, "seed": seed}), want)
-    for name, op in (("diagonal", "lowrank-diag"), ("random", None)):
-        meta = REFINEMENTS.get(name).meta
-        assert meta.get("operator") == op and meta["modes"] == ("bilinear",) and meta["grid"] == {"r": R_GRID}
+    for name, op in (("diagonal", "lowrank-diag"), ("random", "dense")):
+        spec = REFINEMENTS.get(name).spec
+        assert spec.operator == op and spec.modes == ("bilinear",) and spec.grid == {"r": R_GRID}
         assert "psd" not in REFINEMENTS.get(name).param_defaults()
 
 
 def test_metadata_of_the_readings():
     for name in ("diagonal-psd", "random-psd"):
         e = REFINEMENTS.get(name)
-        assert e.meta["operator"] == "spectral" and e.meta["exact_symmetry"] is True
-        assert e.meta["grid"] == {"r": R_GRID, "psd": ("abs", "clip")} and "modes" not in e.meta  # both modes
-        assert e.meta["trained_at"] == {"r": 0.0}
+        assert e.spec.operator == "spectral" and e.spec.exact_symmetry is True
+        assert e.spec.grid == {"r": R_GRID, "psd": ("abs", "clip")} and e.spec.modes == MODES  # both modes
+        assert e.spec.trained_at == {"r": 0.0}
         assert e.param_defaults() == {"r": 0.5, "seed": 0, "psd": "abs"}
 
 

@@ -177,7 +177,7 @@ def test_exact_symmetry_is_what_the_strategies_declare(M_star, tmp_path):
     assert np.array_equal(M_sym, M_sym.T)
     np.save(tmp_path / "m.npy", M_sym)
     given = {"path": str(tmp_path / "m.npy"), "r": 0.5, "seed": 2, "alpha": 0.3, "p": 0.5}
-    declared = [e.name for e in REFINEMENTS.entries() if e.meta.get("exact_symmetry")]
+    declared = [e.name for e in REFINEMENTS.entries() if e.spec.exact_symmetry]
     assert {"trained", "identity", "diagonal", "random"} <= set(declared)
     for name in declared:
         raw = REFINEMENTS.get(name).builder(M_sym, strategy_params(name, given))

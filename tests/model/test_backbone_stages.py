@@ -22,7 +22,7 @@ def test_stages_compose_to_the_trunk(name):
     torch.manual_seed(0)
     bb = build_backbone(name, weights="none").eval()
     assert [n for n, _ in bb.stages()] == EXPECTED[name]
-    assert list(BACKBONES.get(name).meta["stages"]) == EXPECTED[name]  # what --help and validation count
+    assert list(BACKBONES.get(name).spec.stages) == EXPECTED[name]  # what --help and validation count
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         full = bb(x)

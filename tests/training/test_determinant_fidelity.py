@@ -175,7 +175,7 @@ def test_defaults_are_the_papers():
     p = DeterminantParams()
     assert (p.variant, p.augment, p.epsilon, p.activation) == ("plus_one", "feature", 0.4, "elu")
     assert (p.flow, p.transforms, p.position, p.lambda_max) == ("realnvp", 12, "neck", -1.0)
-    assert REGULARIZERS.get("determinant").meta["weight"] == 0.05
+    assert REGULARIZERS.get("determinant").spec.weight == 0.05
     loss, _ = build_loss("proxy_anchor", C, 16)
     reg = DeterminantRegularizer(0.05, p, loss, 16, 32)
     assert reg.lambda_max == reg.weight == 0.05  # λ2 = λ1

@@ -25,7 +25,7 @@ def make(d=6, C=5, weight=None, **kw):
 
     torch.manual_seed(0)
     loss, _ = build_loss("proxy_anchor", C, d)
-    w = REGULARIZERS.get("nir").meta["weight"] if weight is None else weight
+    w = REGULARIZERS.get("nir").spec.weight if weight is None else weight
     p = dataclasses.replace(NIRParams(), **{"blocks": 2, "hidden": 16, "layers": 3} | kw)
     return NIRRegularizer(w, p, loss, d, 32), loss
 
@@ -224,7 +224,7 @@ def test_official_constants_and_optimizer_groups():
     # --loss_nir_proxy_lrmulti 4000 (the proxy loss alone: --loss_oproxy_lrmulti 2000),
     # --loss_nir_nf_cblocks 5, --loss_nir_nf_fc_depth 8, --loss_nir_nf_fc_width 128, --loss_nir_nf_clamp_alpha 2
     assert nir_mod.W_ALIGN == 0.01 and nir_mod.FLOW_LR_MULT == 50.0 and nir_mod.PROXY_LR_SCALE == 2.0
-    assert REGULARIZERS.get("nir").meta["weight"] == 1.0 and NIRParams().w_align == 0.01
+    assert REGULARIZERS.get("nir").spec.weight == 1.0 and NIRParams().w_align == 0.01
     p = NIRParams()
     assert (p.blocks, p.hidden, p.layers, p.clamp, p.flow, p.variant, p.condition, p.noise, p.input) == (
         5, 128, 8, 2.0, "glow", "official", "dense", 0.0, "unit")

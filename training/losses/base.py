@@ -13,7 +13,7 @@ class MetricLoss(nn.Module):
     Proxy losses expose `proxies` (the parameter the optimizer must see, with its
     own learning rate) and `class_proxies()` (one L2-normalised proxy per class,
     C × d, for proxy regularizers).  Pair losses have neither.  (Which losses have
-    proxies is registered with the loss: `LOSSES` meta `proxies`.)
+    proxies is registered with the loss: `proxies=True`, `LossSpec`.)
 
     Under torchrun (training/distributed.py) a call sees the *global* batch: `global_loss` gathers
     the other ranks' embeddings (in rank order, without gradient) and computes the loss on all of

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from core.params import param
+
 from .base import MetricLoss
-from ..params import param
 from .registry import LOSSES
 
 

@@ -10,7 +10,8 @@ from typing import Literal
 
 from pytorch_metric_learning import distances, losses, miners
 
-from ..params import param as _p
+from core.params import param as _p
+
 from .base import PMLLoss, PMLProxyLoss
 from .registry import LOSSES
 

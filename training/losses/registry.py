@@ -1,18 +1,28 @@
 """Loss registry: a new loss is one module with `@LOSSES.register(...)` plus one import line.
 
 A builder takes (number of train classes C, embedding size d, its params dataclass) and
-returns a `MetricLoss`.  Meta `proxies=True` marks a loss with learned class proxies (what
-the proxy regularizers act on); it is checked against `--regularizer` before a run starts.
+returns a `MetricLoss`.  Its registration fills `LossSpec`.
 """
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
-from core.registry import Registry
+from core.registry import Registry, Spec
 
 from .base import MetricLoss
 
-LOSSES = Registry("loss", "losses")
+
+@dataclass(frozen=True, kw_only=True)
+class LossSpec(Spec):
+    """A loss's registration.
+
+    proxies: the loss learns class proxies (what the proxy regularizers act on); checked
+        against `--regularizer` before a run starts.
+    """
+    proxies: bool = False
+
+
+LOSSES = Registry("loss", "losses", spec=LossSpec)
 
 
 def build_loss(name: str, num_classes: int, embed_dim: int, params=()) -> tuple[MetricLoss, dict]:
@@ -22,4 +32,4 @@ def build_loss(name: str, num_classes: int, embed_dim: int, params=()) -> tuple[
 
 
 def has_proxies(name: str) -> bool:
-    return bool(LOSSES.get(name).meta.get("proxies"))
+    return LOSSES.get(name).spec.proxies

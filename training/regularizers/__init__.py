@@ -1,5 +1,5 @@
 """Regularizer registry.  A new regularizer: one module with `@REGULARIZERS.register(...)` over
-its class (meta `weight`: its default weight), plus one import line here."""
+its class (`weight=`: its default weight; see `RegularizerSpec`), plus one import line here."""
 from __future__ import annotations
 
 from .base import BatchContext, Regularizer

@@ -25,7 +25,8 @@ from typing import Literal
 import torch
 from torch.nn import functional as F
 
-from ..params import param
+from core.params import param
+
 from .base import BatchContext, Regularizer
 from .registry import REGULARIZERS
 

@@ -34,10 +34,10 @@ import torch
 from torch.nn import functional as F
 
 from core.errors import UserError
+from core.params import param
 from model.flows import FlowSpec
 from model.network import FlowHead
 
-from ..params import param
 from .base import BatchContext, Regularizer
 from .registry import REGULARIZERS
 

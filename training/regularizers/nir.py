@@ -36,9 +36,9 @@ import torch
 from torch.nn import functional as F
 
 from core.errors import UserError
+from core.params import param
 from model.flows import FlowSpec, build_flow, flow_forward
 
-from ..params import param
 from .base import BatchContext, Regularizer
 from .registry import REGULARIZERS
 

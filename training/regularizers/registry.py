@@ -1,12 +1,25 @@
 """The regularizer registry and building a run's regularizers from its config."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from core.errors import UserError
-from core.registry import Registry, parse_items
+from core.params import parse_items
+from core.registry import Registry, Spec
 
 from .base import Regularizer
 
-REGULARIZERS = Registry("regularizer")
+
+@dataclass(frozen=True, kw_only=True)
+class RegularizerSpec(Spec):
+    """A regularizer's registration.
+
+    weight: its default weight (`--reg-weight` overrides it).
+    """
+    weight: float
+
+
+REGULARIZERS = Registry("regularizer", spec=RegularizerSpec)
 
 
 def regularizer_params(names, items) -> list:
@@ -26,6 +39,6 @@ def build_regularizers(cfg, loss_module, trunk_dim: int) -> list[Regularizer]:
     regs = []
     for i, (name, p) in enumerate(zip(cfg.regularizer, params)):
         entry = REGULARIZERS.get(name)
-        weight = cfg.reg_weight[i] if cfg.reg_weight else entry.meta["weight"]
+        weight = cfg.reg_weight[i] if cfg.reg_weight else entry.spec.weight
         regs.append(entry.builder(weight, p, loss_module, cfg.embed_dim, trunk_dim))
     return regs

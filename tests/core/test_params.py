@@ -1,0 +1,84 @@
+"""core/params.py: one field type turns text (a flag, `key=value`, a TOML value) into a value."""
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, Optional
+
+import pytest
+
+from core.errors import UserError
+from core.params import build_params, conforms, convert, field_default, optional_of, param, parse_items
+
+
+def test_optional_both_spellings():
+    for t in (Optional[int], int | None):
+        assert optional_of(t) is int
+        assert convert("3", t, "seed") == 3
+        assert convert("", t, "seed") is None and convert("None", t, "seed") is None
+        assert convert(None, t, "seed") is None
+        with pytest.raises(UserError, match="seed: 'x' is not an integer"):
+            convert("x", t, "seed")
+    assert optional_of(int) is None and optional_of(Literal["a"]) is None
+    with pytest.raises(TypeError, match="only X | None"):
+        optional_of(int | str)
+
+
+def test_none_is_a_value_for_optional_strings():
+    assert convert("none", str | None, "weights") == "none"
+    assert convert("", Optional[str], "weights") is None
+
+
+def test_literal_plain_and_optional():
+    t = Literal["abs", "clip"]
+    assert convert("clip", t, "psd") == "clip"
+    with pytest.raises(UserError, match=r"psd: 'both' is not one of \['abs', 'clip'\]"):
+        convert("both", t, "psd")
+    assert convert("", t | None, "psd") is None and convert("abs", Optional[t], "psd") == "abs"
+
+
+def test_tuples_from_text_and_lists():
+    assert convert("1,2, 3", tuple[int, ...], "ks") == (1, 2, 3)
+    assert convert([0.5, 1], tuple[float, ...], "w") == (0.5, 1.0)
+    assert convert("", tuple[str, ...], "tags") == () and convert("a,,b", tuple[str, ...], "tags") == ("a", "b")
+    assert convert("2,x", tuple[int, str], "pair") == (2, "x")
+    with pytest.raises(UserError, match=r"pair: '2' is not 2 comma-separated values"):
+        convert("2", tuple[int, str], "pair")
+    with pytest.raises(UserError, match="ks: 'x' is not an integer"):
+        convert("1,x", tuple[int, ...], "ks")
+    assert convert("abs,clip", tuple[Literal["abs", "clip"], ...], "psd") == ("abs", "clip")
+
+
+def test_scalars():
+    assert convert("yes", bool, "b") is True and convert("0", bool, "b") is False and convert(True, bool, "b")
+    with pytest.raises(UserError, match="b: 'maybe' is not a boolean"):
+        convert("maybe", bool, "b")
+    assert convert("2.5", float, "lr") == 2.5 and convert(7, str, "s") == "7"
+    with pytest.raises(UserError, match="lr: 'fast' is not a number"):
+        convert("fast", float, "lr")
+
+
+def test_conforms_checks_declared_values():
+    assert conforms((0.0, 0.5), tuple[float, ...]) and not conforms([0.0], tuple[float, ...])
+    assert conforms(1, float) and not conforms(True, float) and not conforms(1.0, int)
+    assert conforms({"r": (0.1,)}, Mapping[str, tuple]) and not conforms({"r": [0.1]}, Mapping[str, tuple])
+    assert conforms(None, Mapping[str, Any] | None) and conforms({}, dict[str, Any])
+    assert conforms("spectral", Literal["spectral", "dense"]) and not conforms("spectra", Literal["spectral"])
+    assert not conforms("yes", bool)
+
+
+@dataclass
+class P:
+    k: int = param(3, "how many")
+    tags: tuple[str, ...] = ()
+    seed: int | None = None
+    mode: Literal["a", "b"] = "a"
+    extra: list = field(default_factory=list)
+
+
+def test_build_params_and_defaults():
+    p = build_params(P, parse_items(["k=5", "tags=x,y", "seed=", "mode=b"], "p"), "p")
+    assert (p.k, p.tags, p.seed, p.mode) == (5, ("x", "y"), None, "b")
+    with pytest.raises(UserError, match=r"p: no parameter 'kk'; valid: \['k', 'tags', 'seed', 'mode', 'extra'\]"):
+        build_params(P, {"kk": "1"}, "p")
+    from dataclasses import fields
+    assert [field_default(f) for f in fields(P)] == [3, (), None, "a", []]
+    assert fields(P)[0].metadata["help"] == "how many"
+    assert parse_items(["reg.w=1", "other.w=2"], "r", prefix="reg") == {"w": "1"}
