@@ -1,19 +1,33 @@
-# The two entry points of the README.  Both set up everything they need.
+# The README's entry points.  Each sets up what it needs (scripts/bootstrap.sh is idempotent).
 PY := .venv/bin/python
 DEMO_ARGS ?=
 TEST_ARGS ?=
+# what `make test-fast` leaves out: a real browser, Milvus Lite, and tests that start several processes
+SLOW_MARKERS := not browser and not milvus and not multiprocess
 
-.PHONY: demo test setup bench clean
+.PHONY: setup setup-test demo test test-fast lint clean
 
 setup:
 	bash scripts/bootstrap.sh
 
+setup-test:
+	WITH_BROWSER=1 WITH_MILVUS=1 WITH_TEST=1 bash scripts/bootstrap.sh
+
 demo: setup
 	$(PY) -m demo $(DEMO_ARGS)
 
-test:
-	WITH_BROWSER=1 WITH_MILVUS=1 bash scripts/bootstrap.sh
+# ruff (pyproject.toml [tool.ruff]) over everything, mypy over core/, index/ and model/
+lint: setup-test
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
+# the whole suite (CI runs `make lint` first)
+test: setup-test
 	$(PY) -m pytest -q $(TEST_ARGS)
+
+# the suite without the browser, Milvus and multi-process tests: for a quick check while working
+test-fast: setup-test
+	$(PY) -m pytest -q -m "$(SLOW_MARKERS)" $(TEST_ARGS)
 
 clean:
 	rm -rf .venv runs cache artifacts

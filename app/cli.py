@@ -42,8 +42,8 @@ def build_parser():
     # forward pass and a one-query search gain little from more threads, and threads that
     # outnumber the cores spin against each other (bench/app_load.py --app-threads)
     add_shared_args(p, "threads", "device", defaults={"device": "cpu", "threads": None},
-                    shown={"threads": f"cores ÷ --concurrency, at least 1; here {serving_thread_count(DEFAULT_CONCURRENCY)} "
-                                      "at the default concurrency"})
+                    shown={"threads": "cores ÷ --concurrency, at least 1; here "
+                                      f"{serving_thread_count(DEFAULT_CONCURRENCY)} at the default concurrency"})
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
@@ -93,7 +93,7 @@ def launch(args, block: bool = True):
     from .rest import add_rest_routes
 
     pages = []
-    for i, (svc, (_, _, _, _, port)) in enumerate(zip(services, sites)):
+    for i, (svc, (_, _, _, _, port)) in enumerate(zip(services, sites, strict=True)):
         # first searches under each default strategy as fast as later ones (seconds of work, in the background)
         threading.Thread(target=svc.warm, name="warm-strategies", daemon=True).start()
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host

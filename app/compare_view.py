@@ -53,12 +53,15 @@ def svg_scatter(x, y, ids, colours, tips, *, title: str, x_label: str = "", y_la
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     L, R, T, B = (52 if axes else 10), 12, 44 if note else 30, (44 if axes else 10)
     if lims is None:
-        pad = lambda a: (float(a.min()), float(a.max())) if len(a) and a.max() > a.min() else (-1.0, 1.0)  # noqa: E731
+        def pad(a):
+            return (float(a.min()), float(a.max())) if len(a) and a.max() > a.min() else (-1.0, 1.0)
         (x0, x1), (y0, y1) = pad(x), pad(y)
     else:
         x0, x1, y0, y1 = lims
-    px = lambda v: L + (np.asarray(v) - x0) / (x1 - x0) * (width - L - R)  # noqa: E731
-    py = lambda v: height - B - (np.asarray(v) - y0) / (y1 - y0) * (height - T - B)  # noqa: E731
+    def px(v):
+        return L + (np.asarray(v) - x0) / (x1 - x0) * (width - L - R)
+    def py(v):
+        return height - B - (np.asarray(v) - y0) / (y1 - y0) * (height - T - B)
     out = [f'<svg class="cmp-plot" viewBox="0 0 {width} {height}" width="100%" xmlns="http://www.w3.org/2000/svg" '
            'font-family="sans-serif">',
            f'<text x="{width / 2}" y="16" text-anchor="middle" font-size="13" font-weight="bold">'
@@ -98,7 +101,7 @@ def ap_scatter(cmp, **kw) -> str:
     green above it (improved), red below (worsened), grey on it."""
     o = cmp.outcome()
     tips = [f"{cmp.class_name(lab)} · id {i} · AP {a:.3f} → {b:.3f}"
-            for i, lab, a, b in zip(cmp.ids, cmp.labels, cmp.ap_a, cmp.ap_b)]
+            for i, lab, a, b in zip(cmp.ids, cmp.labels, cmp.ap_a, cmp.ap_b, strict=True)]
     return svg_scatter(cmp.ap_a, cmp.ap_b, cmp.ids, [OUTCOME_COLOURS[int(v)] for v in o], tips,
                        title="per-query AP (MAP@R): click a point to open it", x_label=f"AP, {cmp.label_a}",
                        y_label=f"AP, {cmp.label_b}", lims=(0, 1, 0, 1), diagonal=True, **kw)

@@ -37,7 +37,7 @@ def add_rest_routes(app, svc: RetrievalService, max_bytes: int) -> None:
             return error(413, f"upload too large: {int(size):,} bytes (the limit is {max_bytes:,})")
         try:
             form = await request.form(max_files=1, max_fields=32)
-        except Exception as e:  # noqa: BLE001 - a malformed multipart body is the client's error
+        except Exception as e:
             return error(400, f"not a multipart form: {e}")
         image = form.get("image")
         if image is None or isinstance(image, str):

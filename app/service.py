@@ -167,7 +167,7 @@ class RetrievalService:
                  if q.self_id is not None else {"kind": "upload"})
         panels = [{"side": side, "metric": p.title, "note": p.note, "p_at_k": p.p_at_k, "ap": p.ap,
                    "results": [{f: r[f] for f in (*RESULT_FIELDS, "correct")} for r in p.results]}
-                  for side, p in zip(("left", "right"), self.compare(q, right, k, left_mode))]
+                  for side, p in zip(("left", "right"), self.compare(q, right, k, left_mode), strict=True)]
         return {"index": str(self.index_dir), "k": int(k), "query": query, "panels": panels}
 
     # ------------------------------------------------------------ the whole test set
@@ -214,7 +214,7 @@ class RetrievalService:
         rows, xy, note = self.map_coords(spec.strategy, spec.params, mode, method)
         ids, labels = self.data.items.ids[rows], self.data.items.labels[rows]
         mark = np.nonzero(ids == q_id)[0]
-        tips = [f"{self.class_name(lab)} · id {i}" for i, lab in zip(ids, labels)]
+        tips = [f"{self.class_name(lab)} · id {i}" for i, lab in zip(ids, labels, strict=True)]
         return svg_scatter(xy[:, 0], xy[:, 1], ids, class_colours(labels), tips, title=f"{title} ({method})",
                            axes=False, mark=int(mark[0]) if len(mark) else None, note=note)
 

@@ -10,15 +10,15 @@ from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-import gradio as gr  # noqa: E402
-import numpy as np  # noqa: E402
+import gradio as gr
+import numpy as np
 
-from core.errors import UserError  # noqa: E402
-from index.backends.gallery import RESULT_FIELDS  # noqa: E402
-from index.refinements import MODES, REFINEMENTS, SharedParam, file_params, shared_params, strategy_params  # noqa: E402
+from core.errors import UserError
+from index.backends.gallery import RESULT_FIELDS
+from index.refinements import MODES, REFINEMENTS, SharedParam, file_params, shared_params, strategy_params
 
-from .compare_view import MAP_METHODS, parse_state, state_query, write_exports  # noqa: E402
-from .service import Panel, RetrievalService, Spec  # noqa: E402
+from .compare_view import MAP_METHODS, parse_state, state_query, write_exports
+from .service import Panel, RetrievalService, Spec
 
 log = logging.getLogger("app")
 
@@ -235,7 +235,8 @@ def disagreement_table(cmp, which: str) -> tuple[list, list]:
 
 def report_md(spec: Spec, rep: dict) -> str:
     return (f"**M′ = {spec.label()}**  \n"
-            f"tr(M′) = {rep['trace']:.4g} · ‖M′‖_F = {rep['frobenius']:.4g} · ‖M′_off‖_F = {rep['offdiag_frobenius']:.4g}  \n"
+            f"tr(M′) = {rep['trace']:.4g} · ‖M′‖_F = {rep['frobenius']:.4g} · "
+            f"‖M′_off‖_F = {rep['offdiag_frobenius']:.4g}  \n"
             f"principle 1 tr/‖·‖_F = {rep['trace_over_frobenius']:.4g} · principle 2 ‖·‖_F/tr = "
             f"{rep['frobenius_over_trace']:.4g}  \n"
             f"{'PSD' if rep['psd'] else 'indefinite'} (min eigenvalue {rep['min_eigenvalue']:.3g}), rank {rep['rank']}")

@@ -1,6 +1,7 @@
 """Load: N concurrent clients × Q queries against the app on loopback (issues 6 and 14).
 
-  python bench/app_load.py [--index artifacts/demo/index] [--clients 4] [--queries 50] [--client gradio|gradio-rest|http]
+  python bench/app_load.py [--index artifacts/demo/index] [--clients 4] [--queries 50]
+                           [--client gradio|gradio-rest|http]
 
 Starts the app (`python -m app`) on a free loopback port in its own process, waits until it
 answers and has warmed its default strategies (--settle seconds), runs each client in its own
@@ -28,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from core.atomic import write_json  # noqa: E402
+from core.atomic import write_json
 
 STRATS = [("trained", "cosine"), ("identity", "cosine"), ("diagonal", "bilinear"), ("random", "bilinear"),
           ("shrink", "cosine"), ("spectral", "cosine")]
@@ -86,7 +87,7 @@ def client(job) -> tuple[list[tuple[str, float]], list[str], float]:
             r = search(images[(ci * queries + q) % len(images)], strat, mode, q if new_seeds else 0)
             assert len(r["results"]) == 10
             lat.append((strat, time.perf_counter() - t))
-        except Exception as e:  # noqa: BLE001 - counted, reported
+        except Exception as e:
             errors.append(repr(e))
     return lat, errors, time.process_time() - cpu0
 
@@ -135,7 +136,7 @@ def main():
         except OSError:
             if server.poll() is not None or time.time() > deadline:
                 server.kill()
-                raise SystemExit(f"the app did not start:\n{server.stderr.read()[-2000:]}")
+                raise SystemExit(f"the app did not start:\n{server.stderr.read()[-2000:]}") from None
             time.sleep(0.5)
     time.sleep(args.settle)
     data = read_index(args.index, verify=False)

@@ -27,7 +27,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from core.atomic import write_json, write_text  # noqa: E402
+from core.atomic import write_json, write_text
 
 NEW_STRATEGIES = [("identity", {}, "cosine"), ("spectral", {"p": 0.5}, "cosine"), ("shrink", {"alpha": 0.3}, "cosine"),
                   ("random", {"r": 0.5, "seed": 1}, "bilinear"), ("diagonal", {"r": 0.3, "seed": 2}, "bilinear")]
@@ -76,7 +76,7 @@ def search_breakdown(index: str, repeats: int) -> dict:
     stages = {k: [] for k in ("upload decode", "preprocessing", "embedding", "refinement build (new strategy)",
                               "search (both panels)", "rendering")}
     spec = Spec("spectral", {"p": 0.5}, "cosine")
-    for i, p in enumerate(paths):
+    for p in paths:
         img, t = timed(lambda: load_rgb(p))
         stages["upload decode"].append(t)
         # as index/embedder.py runs it: channels-last, no autograd
@@ -88,7 +88,7 @@ def search_breakdown(index: str, repeats: int) -> dict:
         s = Searcher(svc.data)  # nothing cached: the strategy's first use
 
         def build():
-            s.metric(spec.strategy, spec.params).report
+            _ = s.metric(spec.strategy, spec.params).report  # the eigendecomposition the panel shows
             s.query_view(spec.strategy, spec.params, spec.mode)  # cosine norms and index
         stages["refinement build (new strategy)"].append(timed(build)[1])
         q = Query(feats, label=None, image=img)
@@ -141,7 +141,8 @@ def markdown(res: dict) -> str:
     md += [f"\n/search, {cs['clients']} concurrent clients × {cs['queries_per_client']}: p50 {cs['p50_ms']:.0f} ms, "
            f"p95 {cs['p95_ms']:.0f} ms, {cs['throughput_qps']:.1f} queries/s, {cs['errors']} errors "
            f"(load average at start {res['load_average_at_start'][0]:.1f} on {res['cpus']} CPUs); CPU per query: "
-           f"the app's process {cs['server_cpu_ms_per_query']:.0f} ms, the clients' {cs['client_cpu_ms_per_query']:.0f} ms"]
+           f"the app's process {cs['server_cpu_ms_per_query']:.0f} ms, "
+           f"the clients' {cs['client_cpu_ms_per_query']:.0f} ms"]
     return "\n".join(md) + "\n"
 
 

@@ -41,7 +41,6 @@ def make_data(n: int, dim: int, classes: int, seed: int = 0):
 
 def child(which: str, n: int, dim: int, classes: int, clustering: bool) -> dict:
     sys.path.insert(0, str(ROOT))
-    import numpy as np
 
     x, y = make_data(n, dim, classes)
     if which == "ours":

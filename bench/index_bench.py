@@ -26,11 +26,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import faiss  # noqa: E402
+import faiss
 
-from core.atomic import write_json, write_text  # noqa: E402
-from index.backends.search import Searcher  # noqa: E402
-from index.backends.store import Items, IndexData, make_faiss_index  # noqa: E402
+from core.atomic import write_json, write_text
+from index.backends.search import Searcher
+from index.backends.store import IndexData, Items, make_faiss_index
 
 STRATEGIES = [("trained", {}), ("identity", {}), ("diagonal", {"r": 0.5, "seed": 0}),
               ("random", {"r": 0.5, "seed": 0}), ("shrink", {"alpha": 0.5}), ("spectral", {"p": 0.5})]
@@ -78,8 +78,12 @@ def search_bench(N: int, d: int, n_single: int, batch: int, sklearn_max: int, re
             raw_fn(), ours_fn()  # warm-up
             tr, to = [], []
             for _ in range(reps):  # interleaved, so background load hits both alike
-                t = time.perf_counter(); raw_fn(); tr.append(time.perf_counter() - t)  # noqa: E702
-                t = time.perf_counter(); ours_fn(); to.append(time.perf_counter() - t)  # noqa: E702
+                t = time.perf_counter()
+                raw_fn()
+                tr.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                ours_fn()
+                to.append(time.perf_counter() - t)
             raw_t, ours = float(np.median(tr)) / nq, float(np.median(to)) / nq
             rows.append({"N": N, "d": d, "queries": label, "strategy": name, "raw_ms": raw_t * 1e3,
                          "ours_ms": ours * 1e3, "ratio": ours / raw_t, "operator": s.metric(name, params).op.kind})
@@ -94,8 +98,12 @@ def search_bench(N: int, d: int, n_single: int, batch: int, sklearn_max: int, re
             else:
                 def sk_fn():
                     nn.kneighbors(Q[:nq])
-            t = time.perf_counter(); raw_fn(); r1 = time.perf_counter() - t  # noqa: E702
-            t = time.perf_counter(); sk_fn(); sk = time.perf_counter() - t  # noqa: E702
+            t = time.perf_counter()
+            raw_fn()
+            r1 = time.perf_counter() - t
+            t = time.perf_counter()
+            sk_fn()
+            sk = time.perf_counter() - t
             rows.append({"N": N, "d": d, "queries": label, "strategy": "sklearn brute (identity)",
                          "raw_ms": r1 / nq * 1e3, "ours_ms": sk / nq * 1e3, "ratio": sk / r1, "operator": "-"})
         blas.restore_original_limits()
@@ -124,7 +132,8 @@ def ann_recall_bench(N: int = 100_000, d: int = 128, nq: int = 200, k: int = 10)
         build_s = time.perf_counter() - t
         ann = Searcher(IndexData(None, man | {"factory": factory}, X, items, W, ann_index))
         for name, params, mode in (("trained", {}, "bilinear"), ("identity", {}, "bilinear"),
-                                   ("diagonal", {"r": 0.5, "seed": 0}, "bilinear"), ("shrink", {"alpha": 0.5}, "cosine"),
+                                   ("diagonal", {"r": 0.5, "seed": 0}, "bilinear"),
+                                   ("shrink", {"alpha": 0.5}, "cosine"),
                                    ("trained", {}, "cosine")):
             ref = exact.search(Q, name, params, mode, k).rows
             t = time.perf_counter()
@@ -133,7 +142,7 @@ def ann_recall_bench(N: int = 100_000, d: int = 128, nq: int = 200, k: int = 10)
             t = time.perf_counter()
             exact.search(Q, name, params, mode, k)
             exact_ms = (time.perf_counter() - t) / nq * 1e3
-            recall = float(np.mean([len(set(a) & set(b)) / k for a, b in zip(got, ref)]))
+            recall = float(np.mean([len(set(a) & set(b)) / k for a, b in zip(got, ref, strict=True)]))
             rows.append({"factory": factory, "N": N, "d": d, "strategy": name, "mode": mode,
                          f"recall@{k}": recall, "ann_ms": ann_ms, "exact_ms": exact_ms, "build_s": build_s})
             print(rows[-1], file=sys.stderr, flush=True)
@@ -143,10 +152,10 @@ def ann_recall_bench(N: int = 100_000, d: int = 128, nq: int = 200, k: int = 10)
 def indexing_bench(images: int) -> dict:
     import torch
 
-    from index.build import build_from_dataset, split_features  # noqa: F401
-    from model.checkpoint import load_model
     from data import DataConfig, load_data
     from data.loader import make_loader
+    from index.build import build_from_dataset
+    from model.checkpoint import load_model
     from model.preprocess import transform_for
 
     ck = ROOT / "runs" / "demo-proxy_anchor" / "best.pt"
@@ -208,7 +217,8 @@ def main():
         lines.append(f"| {r['N']:,} | {r['d']} | {r['queries']} | {r['strategy']} | {r['operator']} | "
                      f"{r['raw_ms']:.3f} | {r['ours_ms']:.3f} | {r['ratio']:.2f}× |")
     md = "\n".join(lines) + "\n\nIndexing throughput: " + json.dumps(idx) + "\n\n"
-    md += "| approximate index | N | strategy | mode | recall@10 vs exact | ms/query (ANN + re-rank) | ms/query exact |\n"
+    md += ("| approximate index | N | strategy | mode | recall@10 vs exact | ms/query (ANN + re-rank) "
+           "| ms/query exact |\n")
     md += "|---|---|---|---|---|---|---|\n"
     for r in ann:
         md += (f"| {r['factory']} | {r['N']:,} | {r['strategy']} | {r['mode']} | {r['recall@10']:.3f} | "

@@ -24,20 +24,19 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ondisk_bench import K, STRATEGIES, draw, label, model  # noqa: E402  (the same gallery and strategies)
+from ondisk_bench import STRATEGIES, K, draw, label, model
 
-from core.atomic import write_json, write_text  # noqa: E402
-from index.backends.milvus_store import MilvusGallery, export_index  # noqa: E402
-from index.backends.search import Searcher  # noqa: E402
-from index.backends.store import Items, read_index, write_index  # noqa: E402
-from index.threads import serving_threads  # noqa: E402
-
+from core.atomic import write_json, write_text
+from index.backends.milvus_store import MilvusGallery, export_index
+from index.backends.search import Searcher
+from index.backends.store import Items, read_index, write_index
+from index.threads import serving_threads
 
 
 def same_up_to_ties(a_rows, a_scores, b_rows, b_scores) -> bool:
     return bool(np.allclose(a_scores, b_scores, rtol=1e-5, atol=1e-5)
                 and all(r1 == r2 or abs(s1 - s2) <= 1e-5 * max(1.0, abs(s1))
-                        for r1, r2, s1, s2 in zip(a_rows, b_rows, a_scores, b_scores)))
+                        for r1, r2, s1, s2 in zip(a_rows, b_rows, a_scores, b_scores, strict=True)))
 
 
 def run(n: int, n_queries: int, wd: Path) -> dict:

@@ -36,16 +36,17 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import faiss  # noqa: E402
+import faiss
 
-from core.atomic import write_json, write_text  # noqa: E402
-from index.backends.ondisk import OnDiskIVF, build_ondisk_ivf, default_nlist  # noqa: E402
-from index.refinements import refine  # noqa: E402
+from core.atomic import write_json, write_text
+from index.backends.ondisk import OnDiskIVF, build_ondisk_ivf, default_nlist
+from index.refinements import refine
 
 D, K_EMB, CLASSES, SUB, K = 128, 32, 1000, 32, 10
 CHUNK = 262_144
-STRATEGIES = [("trained", {}, "bilinear"), ("identity", {}, "bilinear"), ("diagonal", {"r": 0.5, "seed": 0}, "bilinear"),
-              ("random", {"r": 0.5, "seed": 0}, "bilinear"), ("trained", {}, "cosine")]
+STRATEGIES = [("trained", {}, "bilinear"), ("identity", {}, "bilinear"),
+              ("diagonal", {"r": 0.5, "seed": 0}, "bilinear"), ("random", {"r": 0.5, "seed": 0}, "bilinear"),
+              ("trained", {}, "cosine")]
 
 
 def label(s) -> str:
@@ -147,7 +148,7 @@ def phase_truth(wd: Path, n: int) -> dict:
     W, Q = np.load(wd / "W.npy"), np.load(wd / "queries.npy")
     ms = metrics(W)
     qts = []
-    for (name, _, mode), M in ms:
+    for (_, _, mode), M in ms:
         qt = Q @ M.astype(np.float32)
         if mode == "cosine":
             qt /= np.sqrt(np.einsum("ij,ij->i", qt, Q))[:, None]
@@ -158,7 +159,7 @@ def phase_truth(wd: Path, n: int) -> dict:
     for s in range(0, n, CHUNK):
         x = np.array(X[s: s + CHUNK])
         ids = np.broadcast_to(np.arange(s, s + len(x), dtype=np.int64), (len(Q), len(x)))
-        for ((_, _, mode), M), qt, heap in zip(ms, qts, heaps):
+        for ((_, _, mode), M), qt, heap in zip(ms, qts, heaps, strict=True):
             sc = qt @ x.T
             if mode == "cosine":
                 sc /= np.sqrt(np.maximum(np.einsum("ij,ij->i", x @ M.astype(np.float32), x), 1e-30))[None]
@@ -180,19 +181,20 @@ def phase_search(wd: Path, n: int, nprobes: list[int], single: int) -> dict:
     qms = [(s, ivf.metric(M, s[2])) for s, M in metrics(W)]
     faiss.omp_set_num_threads(2)
     recall = {}
-    for (s, qm), tr in zip(qms, truth):
+    for (s, qm), tr in zip(qms, truth, strict=True):
         for p in nprobes:
             got = ivf.search_metric(Q, qm, K, nprobe=p).rows
-            recall[f"{label(s)}|{p}"] = float(np.mean([len(set(a) & set(b)) / K for a, b in zip(got, tr)]))
+            recall[f"{label(s)}|{p}"] = float(np.mean([len(set(a) & set(b)) / K for a, b in zip(got, tr, strict=True)]))
     out = {"recall": recall, "nprobes": nprobes}
     # cosine candidates come by the inner product, blind to 1/‖x‖_M′: recall vs a larger pool
     p_mid = nprobes[len(nprobes) // 2]
-    (cs, cqm), ctr = [(sq, t) for sq, t in zip(qms, truth) if sq[0][2] == "cosine"][0]
+    (cs, cqm), ctr = [(sq, t) for sq, t in zip(qms, truth, strict=True) if sq[0][2] == "cosine"][0]
     out["cosine_pool"] = {}
     for f in (10, 40, 160):
         t = time.perf_counter()
         got = ivf.search_metric(Q, cqm, K, nprobe=p_mid, rerank_factor=f).rows
-        out["cosine_pool"][f] = {"recall": float(np.mean([len(set(a) & set(b)) / K for a, b in zip(got, ctr)])),
+        recall = float(np.mean([len(set(a) & set(b)) / K for a, b in zip(got, ctr, strict=True)]))
+        out["cosine_pool"][f] = {"recall": recall,
                                  "candidates": cqm.candidate_count(K, n, f), "nprobe": p_mid,
                                  "batch_ms_per_query": (time.perf_counter() - t) / len(Q) * 1e3}
     # single queries: FAISS on 1 thread and numpy BLAS on 1 thread, as a serving process runs
@@ -223,8 +225,12 @@ def phase_search(wd: Path, n: int, nprobes: list[int], single: int) -> dict:
         t_o = t_f = 0.0
         for i in range(single):
             q = Q[i: i + 1]
-            t = time.perf_counter(); ivf.search_metric(q, qm, K, nprobe=p_mid); t_o += time.perf_counter() - t  # noqa: E702
-            t = time.perf_counter(); flat.search(qm.transform(q), K); t_f += time.perf_counter() - t  # noqa: E702
+            t = time.perf_counter()
+            ivf.search_metric(q, qm, K, nprobe=p_mid)
+            t_o += time.perf_counter() - t
+            t = time.perf_counter()
+            flat.search(qm.transform(q), K)
+            t_f += time.perf_counter() - t
         pairs[label(s)] = {"nprobe": p_mid, "ours_ms": t_o / single * 1e3, "flat_ms": t_f / single * 1e3,
                            "ratio": t_o / t_f}
     out["vs_flat"] = pairs
@@ -286,7 +292,8 @@ def markdown(results: dict) -> str:
           "|---|---|---|---|---|---|---|"]
     for n, r in sorted(results.items(), key=lambda kv: int(kv[0])):
         b = r["build"]
-        md.append(f"| {int(n):,} | {r['nlist']} | {b['build_s']:.0f} | {b['peak_rss_mb']:.0f} ({b['peak_anon_rss_mb']:.0f}) "
+        md.append(f"| {int(n):,} | {r['nlist']} | {b['build_s']:.0f} | "
+                  f"{b['peak_rss_mb']:.0f} ({b['peak_anon_rss_mb']:.0f}) "
                   f"| {b['features_bytes'] / 2**20:.0f} | {b['index_bytes'] / 2**20:.0f} | {r['gen']['gen_s']:.0f} |")
     for n, r in sorted(results.items(), key=lambda kv: int(kv[0])):
         s = r["search"]
@@ -304,7 +311,8 @@ def markdown(results: dict) -> str:
         if isinstance(s.get("flat"), str):
             md += ["", f"Exact Flat reference: {s['flat']}."]
         else:
-            md += ["", "| strategy | nprobe | on-disk IVF ms/query | exact Flat (RAM) ms/query | ratio |", "|---|---|---|---|---|"]
+            md += ["", "| strategy | nprobe | on-disk IVF ms/query | exact Flat (RAM) ms/query | ratio |",
+                   "|---|---|---|---|---|"]
             md += [f"| {lb} | {v['nprobe']} | {v['ours_ms']:.2f} | {v['flat_ms']:.2f} | {v['ratio']:.3f} |"
                    for lb, v in s["vs_flat"].items()]
         c = r["cold"]
@@ -318,10 +326,12 @@ def markdown(results: dict) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=1_000_000, help="gallery rows (default: %(default)s)")
-    ap.add_argument("--nlist", type=int, default=0, help="IVF lists (default 0: index.backends.ondisk.default_nlist(N))")
+    ap.add_argument("--nlist", type=int, default=0,
+                    help="IVF lists (default 0: index.backends.ondisk.default_nlist(N))")
     ap.add_argument("--nprobe", default="4,8,16,32,64,128", help="nprobe values (default: %(default)s)")
     ap.add_argument("--single", type=int, default=50, help="single queries timed per setting (default: %(default)s)")
-    ap.add_argument("--workdir", default="/tmp/ondisk_bench", help="scratch folder for data and index (default: %(default)s)")
+    ap.add_argument("--workdir", default="/tmp/ondisk_bench",
+                    help="scratch folder for data and index (default: %(default)s)")
     ap.add_argument("--out", default="bench/results/ondisk", help="results folder (default: %(default)s)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch data (default: deleted after the run)")
     ap.add_argument("--phase", help=argparse.SUPPRESS)

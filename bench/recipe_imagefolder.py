@@ -44,10 +44,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from core.atomic import atomic_dir, write_json, write_text  # noqa: E402
-from core.logs import setup_logging  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
-from training.trainer import train_or_reuse  # noqa: E402
+from core.atomic import atomic_dir, write_json, write_text
+from core.logs import setup_logging
+from training.config import TrainConfig
+from training.trainer import train_or_reuse
 
 KEYS = ("map@r", "recall@1")
 EMOJI_FONT = "/usr/share/fonts/truetype/noto/NotoColorEmoji.ttf"        # apt-get install fonts-noto-color-emoji
@@ -179,8 +179,8 @@ def render_instance(glyph, rng: random.Random, size: int = 64):
 
 def build_emoji_folder(dst: Path, classes: int, seed: int = 0) -> Path:
     """root/<code points>/<i>.png: `classes` emoji (all ~2,000 when 0 or more), 4–7 images each."""
-    from PIL import ImageFont
     from fontTools.ttLib import TTFont
+    from PIL import ImageFont
 
     if (dst / "DONE").is_file():
         return dst
@@ -219,7 +219,8 @@ def raw_trunk(data_root: str, cache_dir: str) -> dict:
 
     dcfg = DataConfig(dataset="imagefolder", data_root=data_root)
     splits = load_data(dcfg, progress=False)
-    return pretrained_baselines(resolve(dcfg, splits), splits, cache_dir)["efficientnet_lite0 trunk, ImageNet, no training"]
+    baselines = pretrained_baselines(resolve(dcfg, splits), splits, cache_dir)
+    return baselines["efficientnet_lite0 trunk, ImageNet, no training"]
 
 
 def main():

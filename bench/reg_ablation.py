@@ -29,10 +29,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from core.atomic import write_json, write_text  # noqa: E402
-from core.logs import setup_logging  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
-from training.trainer import train_or_reuse  # noqa: E402
+from core.atomic import write_json, write_text
+from core.logs import setup_logging
+from training.config import TrainConfig
+from training.trainer import train_or_reuse
 
 KEYS = ("map@r", "recall@1", "nmi", "uniformity", "spectral_decay")
 PLAN = [  # base loss, regularizer (None = plain), weight grid; the slow flows run last
@@ -168,11 +168,15 @@ def main():
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         w = r["weight"]
-        w = "—" if w is None else (f"{w[1]} ({w[0].split('-')[-1].replace('e', 'ε=')})" if isinstance(w, (tuple, list)) else w)
-        lines.append(f"| {r['base']} | {r['regularizer']} | {w} | "
-                     f"{fmt(r['map@r'])} | {fmt(r['recall@1'])} | {fmt(r['nmi'])} | "
-                     f"{fmt(r['uniformity'], 1, 3)} | {fmt(r['spectral_decay'], 1, 3)} | "
-                     f"{np.mean(r['seconds']):.0f} |")
+        if isinstance(w, (tuple, list)):
+            w = f"{w[1]} ({w[0].split('-')[-1].replace('e', 'ε=')})"
+        w = "—" if w is None else w
+        lines.append(
+            f"| {r['base']} | {r['regularizer']} | {w} | "
+            f"{fmt(r['map@r'])} | {fmt(r['recall@1'])} | {fmt(r['nmi'])} | "
+            f"{fmt(r['uniformity'], 1, 3)} | {fmt(r['spectral_decay'], 1, 3)} | "
+            f"{np.mean(r['seconds']):.0f} |"
+        )
     md = "\n".join(lines) + "\n"
     write_text(Path(args.out) / "results.md", md)
     print(md)

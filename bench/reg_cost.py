@@ -24,10 +24,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from core.atomic import write_json, write_text  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
-from training.samplers import epoch_batches  # noqa: E402
-from training.trainer import Run  # noqa: E402
+from core.atomic import write_json, write_text
+from training.config import TrainConfig
+from training.samplers import epoch_batches
+from training.trainer import Run
 
 PAIRS = [("proxy_anchor", "nir", 1.2), ("proxy_anchor", "determinant", 1.5), ("triplet", "cgml", 2.1),
          ("binomial", "cgml", 2.1), ("proxy_anchor", "skewed_mean", None)]

@@ -13,10 +13,10 @@ test classes.  For each regularizer, three arms on the same base loss:
              so a difference from plain is the architecture or the batches, not the term;
   chosen     the regularizer's default form (the paper's) at the weight chosen on validation MAP@R
              (seed 0) from a grid holding the paper's value;
-and the named variants against it, at the chosen weight (the tail recipe's 30-epoch probe first): determinant logdet vs plus_one and ε = 0 vs
-0.4, NIR's former NLL form, CGML's former half-batches.  Each term's magnitude is logged next to
-the metric loss's (the last epoch's mean, from each run's log.jsonl).  Finished runs are reused,
-and results are written after every arm, so an interrupted run resumes.
+and the named variants against it, at the chosen weight (the tail recipe's 30-epoch probe first): determinant
+logdet vs plus_one and ε = 0 vs 0.4, NIR's former NLL form, CGML's former half-batches.  Each term's
+magnitude is logged next to the metric loss's (the last epoch's mean, from each run's log.jsonl).  Finished runs
+are reused, and results are written after every arm, so an interrupted run resumes.
 """
 from __future__ import annotations
 
@@ -31,10 +31,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from core.atomic import write_json, write_text  # noqa: E402
-from core.logs import setup_logging  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
-from training.trainer import train_or_reuse  # noqa: E402
+from core.atomic import write_json, write_text
+from core.logs import setup_logging
+from training.config import TrainConfig
+from training.trainer import train_or_reuse
 
 KEYS = ("map@r", "recall@1", "nmi")
 # label, base loss, regularizer (None: plain), its params, weight: a grid (chosen on validation, seed 0),
@@ -64,8 +64,8 @@ PLAN = [  # controls and the papers' forms first, the slow flows after them, the
     ("triplet", "cgml", "cgml", (), None),
 ]
 # the diagnostics shown beside each arm (means of the last epoch's logged parts, when present)
-DIAG = ("loss", "determinant", "R_min", "R_max", "R_min_real", "R_max_real", "nir", "nir_nll", "cgml", "L_GC", "skewed_mean",
-        "max_proxy_cos")
+DIAG = ("loss", "determinant", "R_min", "R_max", "R_min_real", "R_max_real", "nir", "nir_nll", "cgml", "L_GC",
+        "skewed_mean", "max_proxy_cos")
 
 
 def default_grid(reg: str) -> list[float]:
@@ -155,7 +155,8 @@ def main():
     for r in rows:
         parts = {k: np.mean([p[k] for p in r["parts"] if k in p]) for k in DIAG if any(k in p for p in r["parts"])}
         terms = ", ".join(f"{k} {v:.4g}" for k, v in parts.items())
-        tune = "" if not r["tuning_on_val"] else " (from " + "/".join(f"{t['weight']:g}" for t in r["tuning_on_val"]) + ")"
+        tuned = "/".join(f"{t['weight']:g}" for t in r["tuning_on_val"])
+        tune = f" (from {tuned})" if tuned else ""
         w = "—" if r["regularizer"] is None else f"{r['weight']:g}{tune}"
         L.append(f"| {r['loss']} | {r['arm']} | {w} | {pm(r['map@r'])} | {pm(r['recall@1'])} | {pm(r['nmi'])} | "
                  f"{pm(r['val_map@r'])} | {terms} | {np.mean(r['seconds']):.0f} |")

@@ -36,7 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from core.atomic import write_json  # noqa: E402
+from core.atomic import write_json
 
 
 def median_ms(f, repeat: int) -> float:
@@ -141,11 +141,17 @@ def main():
     M_star = svc.searcher._M_star
     for name, previous in (("random", previous_random), ("diagonal", previous_diagonal)):
         for seed in (1, 2):
-            if not np.array_equal(previous(M_star, 0.5, seed)[0], svc.searcher.metric(name, {"r": 0.5, "seed": seed}).M):
+            now = svc.searcher.metric(name, {"r": 0.5, "seed": seed}).M
+            if not np.array_equal(previous(M_star, 0.5, seed)[0], now):
                 raise SystemExit(f"{name}: the previous implementation gives another M′ for seed {seed}")
         seeds = iter(range(3, 10**6))
-        ms = interleaved_ms({"now": lambda: svc.searcher.metric(name, {"r": 0.5, "seed": next(seeds)}),
-                             "previous": lambda: previous(M_star, 0.5, next(seeds))}, args.repeat)
+        ms = interleaved_ms(
+            {
+                "now": lambda: svc.searcher.metric(name, {"r": 0.5, "seed": next(seeds)}),
+                "previous": lambda: previous(M_star, 0.5, next(seeds)),
+            },
+            args.repeat,
+        )
         add(f"new_{name}_metric", ms["now"])
         add(f"new_{name}_metric_previous_implementation", ms["previous"])
     pairs = np.flatnonzero(np.ones(M_star.shape[0] * (M_star.shape[0] - 1) // 2))
@@ -175,8 +181,10 @@ def main():
 
     now = time.time()
     for n in (100, 1000, 10000):
-        records = [{"time": now, "status": "success", "process_time": 0.05, "function": "search",
-                    "session_hash": f"s{i % 50}"} for i in range(n)]
+        records = [
+            {"time": now, "status": "success", "process_time": 0.05, "function": "search", "session_hash": f"s{i % 50}"}
+            for i in range(n)
+        ]
         log = Log()
         add(f"gradio_summary_{n}_events", median_ms(lambda: log.summarise(records), max(3, args.repeat // 8)))
     add("gradio_summary_10000_events_app_setting", out["gradio_summary_10000_events_ms"] / GRADIO_SUMMARY_EVERY)

@@ -40,11 +40,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from core.atomic import write_json, write_text  # noqa: E402
-from core.flags import apply_threads  # noqa: E402
-from core.logs import setup_logging  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
-from training.trainer import train_or_reuse  # noqa: E402
+from core.atomic import write_json, write_text
+from core.flags import apply_threads
+from core.logs import setup_logging
+from training.config import TrainConfig
+from training.trainer import train_or_reuse
 
 NAMES = {"arcface": "ArcFace", "proxy_nca": "ProxyNCA", "triplet": "Triplet"}
 METRICS = (("map@r", "MAP@R"), ("precision@1", "P@1"))
@@ -69,7 +69,6 @@ def strategy_eval(ck: Path, out: Path, cache_dir: str, grid: str, seeds: int) ->
     from core.hashing import sha256_file
     from index.analysis.strategy_eval import run_evaluation
     from index.build import split_features
-
     from index.refinements import REFINEMENTS
 
     # the registered strategies too: a strategy added since is evaluated, not missing from a reused table
@@ -139,11 +138,12 @@ def summarize_run(res: dict) -> dict:
 def indefinite_table(ck: Path, cache_dir: str, r_values) -> list[dict]:
     """Diagonal restraint (restraint seed 0) on one run's test features: how often φᵢᵀM′φⱼ < 0
     (i ≠ j) and φᵢᵀM′φᵢ < 0, and MAP@R ranked bilinearly vs by the M′-cosine."""
+    import torch
+
     from index.analysis.sweep import GramSweep
     from index.backends.search import Searcher
     from index.backends.store import in_memory_index
     from index.build import split_features
-    import torch
 
     f, y, W = split_features(ck, None, "test", cache_dir, False)
     s = Searcher(in_memory_index(f, y, W, True), cache_size=2)  # features as indexed: L2-normalised
@@ -192,7 +192,7 @@ def plot_sweeps(losses, per_loss, out: Path, trunk: str = "trained tail") -> Non
     fig, axes = plt.subplots(1, len(losses), figsize=(max(4.6 * len(losses), 6.0), 4.2 if wide else 5.0),
                              squeeze=False, constrained_layout=True)
     handles = None
-    for ax, loss in zip(axes[0], losses):
+    for ax, loss in zip(axes[0], losses, strict=True):
         runs = per_loss[loss]
         for name, color, marker in (("diagonal", "tab:blue", "o"), ("random", "tab:orange", "s")):
             x = [p["r"] for p in runs[0][f"{name}_sweep"]]
@@ -223,7 +223,8 @@ def verdicts(losses, per_loss, trunk: str = "trained tail") -> list[str]:
     for loss in losses:
         runs = per_loss[loss]
         k = len(runs)
-        col = lambda key: np.array([r[key]["map@r"] for r in runs]) * 100  # noqa: E731
+        def col(key):
+            return np.array([r[key]["map@r"] for r in runs]) * 100
         tc, tb, ic, bd, br, vs = (col(x) for x in ("trained_cos", "trained_bil", "identity_cos", "best_diagonal",
                                                      "best_random", "val_selected"))
         anyr = np.array([r["best_refined_any"]["map@r"] for r in runs if "best_refined_any" in r]) * 100
@@ -240,7 +241,8 @@ def verdicts(losses, per_loss, trunk: str = "trained tail") -> list[str]:
         else:
             trend = f"is not monotone (peak at r = {rgrid[int(np.argmax(diag))]:g})"
         improves = diag[-1] > diag[0] and diag[-1] >= diag.max() - 1e-9
-        d = lambda v: f"{v.mean() - tc.mean():+.2f}"  # noqa: E731
+        def d(v):
+            return f"{v.mean() - tc.mean():+.2f}"
         lines.append(
             f"- **{NAMES.get(loss, loss)}** — identity or the paper's refined M′ ≥ trained [cosine]: "
             f"**{'holds' if paper_best >= tc.mean() else 'does not hold'}**. Trained [cosine] {tc.mean():.2f}; "
@@ -251,11 +253,13 @@ def verdicts(losses, per_loss, trunk: str = "trained tail") -> list[str]:
             f"Validation picked {', '.join(chosen)} ({n_refined}/{k} a refinement): test {vs.mean():.2f} ({d(vs)}). "
             f"Diagonal restraint (bilinear, mean over seeds) {trend}, {diag[0]:.2f} at r = {rgrid[0]:g} "
             f"(= trained [bilinear]) to {diag[-1]:.2f} at r = {rgrid[-1]:g}: "
-            f"**{'it improves up to r = 1, as the paper reports' if improves else 'it does not improve up to r = 1'}**. "
+            + ("**it improves up to r = 1, as the paper reports**. " if improves
+               else "**it does not improve up to r = 1**. ") +
             f"In the bilinear form, our extra view (against trained [bilinear] {tb.mean():.2f}): identity "
             f"{ic.mean():.2f} ({ic.mean() - tb.mean():+.2f}), best random {br.mean():.2f} "
             f"({br.mean() - tb.mean():+.2f}), best diagonal {bd.mean():.2f} ({bd.mean() - tb.mean():+.2f})."
-            + (f" {trunk.capitalize()} vs the frozen neck (30 epochs, docs/training.md): {tc.mean():.2f} vs {FROZEN[loss][0]:.2f} "
+            + (f" {trunk.capitalize()} vs the frozen neck (30 epochs, docs/training.md): "
+               f"{tc.mean():.2f} vs {FROZEN[loss][0]:.2f} "
                f"test MAP@R ({tc.mean() - FROZEN[loss][0]:+.2f})." if loss in FROZEN else ""))
     return lines
 
@@ -322,12 +326,13 @@ def main():
             print(f"[{time.time() - t_start:6.0f} s] train {loss} seed {s} -> {run}", flush=True)
             m, reused = train_or_reuse(cfg)
             apply_threads(args.threads)
-            print(f"[{time.time() - t_start:6.0f} s]   {'reused' if reused else 'trained'} in {time.time() - t0:.0f} s: "
+            print(f"[{time.time() - t_start:6.0f} s]   {'reused' if reused else 'trained'} "
+                  f"in {time.time() - t0:.0f} s: "
                   f"selected epoch {m['selected_epoch']}/{m['epochs']}, val MAP@R {m['val']['map@r'] * 100:.2f}, "
                   f"test MAP@R {m['test']['map@r'] * 100:.2f}", flush=True)
             t1 = time.time()
-            res, eval_s, eval_reused = strategy_eval(Path(run) / "best.pt", Path(run) / f"strategies-{args.grid}", cache, args.grid,
-                                args.restraint_seeds)
+            res, eval_s, eval_reused = strategy_eval(Path(run) / "best.pt", Path(run) / f"strategies-{args.grid}",
+                                                     cache, args.grid, args.restraint_seeds)
             summ = summarize_run(res)
             summ.update(metric_norms(Path(run) / "best.pt"))
             summ.update(seed=s, run=run, selected_epoch=m["selected_epoch"], epochs=m["epochs"],
@@ -337,7 +342,8 @@ def main():
                         val_map_r=m["val"]["map@r"], trainer_test={k: m["test"][k] for k in ("map@r", "recall@1")})
             if abs(summ["trained_cos"]["map@r"] - m["test"]["map@r"]) > 1e-3:
                 anomalies.append(f"{run}: trained [cosine] from the strategy evaluation "
-                                 f"{summ['trained_cos']['map@r']:.4f} ≠ the trainer's test MAP@R {m['test']['map@r']:.4f}")
+                                 f"{summ['trained_cos']['map@r']:.4f} ≠ the trainer's test MAP@R "
+                                 f"{m['test']['map@r']:.4f}")
             bad = [r for r in res["test"] if not np.isfinite(r["map@r"])]
             if bad:
                 anomalies.append(f"{run}: non-finite MAP@R in {[(r['strategy'], r['params'], r['mode']) for r in bad]}")
@@ -403,11 +409,13 @@ def main():
               "|---|---|---|---|---|---|---|---|---|---|"]
         for loss in losses:
             runs = per_loss[loss]
-            col = lambda k: pm([r[k][m] for r in runs])  # noqa: E731
+            def col(k):
+                return pm([r[k][m] for r in runs])
             L.append(f"| {NAMES.get(loss, loss)} | {col('trained_cos')} | {col('trained_bil')} | "
                      f"{col('identity_cos')} | {col('identity_bil')} | "
                      f"{col('best_diagonal')} (r = {rs_text([r['best_diagonal']['r'] for r in runs])}) | "
-                     + "".join(f"{col(f'best_diagonal_{x}')} (r = {rs_text([r[f'best_diagonal_{x}']['r'] for r in runs])}) | "
+                     + "".join(f"{col(f'best_diagonal_{x}')} "
+                               f"(r = {rs_text([r[f'best_diagonal_{x}']['r'] for r in runs])}) | "
                                if all(f"best_diagonal_{x}" in r for r in runs) else "not evaluated | "
                                for x in ("abs", "clip")) +
                      f"{col('best_random')} (r = {rs_text([r['best_random']['r'] for r in runs])}) | "
@@ -429,7 +437,8 @@ def main():
     L += ["", "Training runs (times from each run's log.jsonl, so a resumed run counts every epoch; strategy "
           "evaluation = test and validation features plus the sweep, where recorded):", "",
           "| method | selected epoch | val MAP@R | test MAP@R (trainer) | median epoch s | training s/run | "
-          "strategy eval s/run | tr(M*) | ‖M*‖²_F | frozen-neck test MAP@R |", "|---|---|---|---|---|---|---|---|---|---|"]
+          "strategy eval s/run | tr(M*) | ‖M*‖²_F | frozen-neck test MAP@R |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
     for loss in losses:
         runs = per_loss[loss]
         fr = FROZEN.get(loss)
@@ -459,7 +468,8 @@ def main():
                      f"{row['frac_self_neg'] * 100:.2f} % ({row['n_self_neg']}) | "
                      f"{row['bilinear']['map@r'] * 100:.2f} | {row['cosine']['map@r'] * 100:.2f} | "
                      f"{row['bilinear']['precision@1'] * 100:.2f} | {row['cosine']['precision@1'] * 100:.2f} | "
-                     f"{row['cosine_top1_hub']} queries ({row['hub_self_score']:.2g}; {row['median_self_score']:.2g}) |")
+                     f"{row['cosine_top1_hub']} queries "
+                     f"({row['hub_self_score']:.2g}; {row['median_self_score']:.2g}) |")
         L.append("")
     L += ["At r = 0 (M′ = M*, PSD) the negative pair scores are only embeddings at obtuse angles. The hub "
           "column counts the queries whose top-1 item, under the forced cosine, is the single most frequent "
@@ -473,7 +483,8 @@ def main():
     if anomalies:
         L += ["", "Anomalies:", ""] + [f"- {a}" for a in anomalies]
     md = "\n".join(L) + "\n"
-    write_json(out / "results.json", {"losses": losses, "seeds": seeds, "epochs": args.epochs, "train_blocks": n, "finetune": args.finetune,
+    write_json(out / "results.json", {"losses": losses, "seeds": seeds, "epochs": args.epochs, "train_blocks": n,
+                                      "finetune": args.finetune,
                                       "grid": args.grid, "restraint_seeds": args.restraint_seeds,
                                       "wall_seconds": round(wall, 1), "runs": per_loss, "indefinite": indef,
                                       "anomalies": anomalies})

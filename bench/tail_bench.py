@@ -23,10 +23,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from core.atomic import write_json, write_text  # noqa: E402
-from core.logs import setup_logging  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
-from training.trainer import train_or_reuse  # noqa: E402
+from core.atomic import write_json, write_text
+from core.logs import setup_logging
+from training.config import TrainConfig
+from training.trainer import train_or_reuse
 
 KEYS = ("map@r", "recall@1")
 ROWS = [("frozen neck", "frozen", dict(), 30),
@@ -45,7 +45,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="0,1,2", help="training seeds (default: %(default)s)")
     ap.add_argument("--out", default="bench/results/tail", help="results folder (default: %(default)s)")
-    ap.add_argument("--runs", default="runs/bench-tail", help="run folders, reused when finished (default: %(default)s)")
+    ap.add_argument("--runs", default="runs/bench-tail",
+                    help="run folders, reused when finished (default: %(default)s)")
     ap.add_argument("--rows", default=",".join(r[1] for r in ROWS), help="which rows (default: %(default)s)")
     ap.add_argument("--epoch-ratio", action="store_true",
                     help="only time training epochs of the N = 2 tail and of full fine-tuning, alternating "

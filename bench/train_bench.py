@@ -11,7 +11,6 @@ reused when their folder already holds a finished run of the same config.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -21,10 +20,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from core.atomic import write_json, write_text  # noqa: E402
-from core.logs import setup_logging  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
-from training.trainer import train_or_reuse  # noqa: E402
+from core.atomic import write_json, write_text
+from core.logs import setup_logging
+from training.config import TrainConfig
+from training.trainer import train_or_reuse
 
 KEYS = ("map@r", "recall@1", "nmi")
 
@@ -46,8 +45,8 @@ def main():
     rows = []
 
     # raw trunk: deterministic, no seed dependence
-    from demo.pipeline import pretrained_baselines
     from data import DataConfig, load_data
+    from demo.pipeline import pretrained_baselines
     dcfg = DataConfig()
     base = pretrained_baselines(dcfg, load_data(dcfg), "cache/features")
     raw = base["efficientnet_lite0 trunk, ImageNet, no training"]
@@ -58,7 +57,8 @@ def main():
               ("Multi-Similarity", dict(loss="multi_similarity")), ("Triplet (semi-hard)", dict(loss="triplet")),
               ("Binomial deviance", dict(loss="binomial"))]
     for name, kw in setups:
-        r = {"model": f"{name} on efficientnet_lite0", "mode": "frozen-backbone", **{k: [] for k in KEYS}, "seconds": []}
+        r = {"model": f"{name} on efficientnet_lite0", "mode": "frozen-backbone", **{k: [] for k in KEYS},
+             "seconds": []}
         for s in seeds:
             cfg = TrainConfig(out=f"{args.runs}/{kw['loss']}-s{s}", seed=s, progress=False, **kw)
             t = time.time()
@@ -68,7 +68,8 @@ def main():
                 r[k].append(m["test"][k])
         rows.append(r)
 
-    r = {"model": "small CNN from scratch, ProxyAnchor", "mode": "full training", **{k: [] for k in KEYS}, "seconds": []}
+    r = {"model": "small CNN from scratch, ProxyAnchor", "mode": "full training", **{k: [] for k in KEYS},
+         "seconds": []}
     for s in seeds:
         cfg = TrainConfig(out=f"{args.runs}/small_cnn-proxy_anchor-s{s}", seed=s, backbone="small_cnn",
                           weights="none", mode="finetune", lr=1e-3, neck_lr_mult=1.0, epochs=args.scratch_epochs,

@@ -16,7 +16,7 @@ def load_npy(path, what: str, mmap: bool = False) -> np.ndarray:
         return np.load(p, allow_pickle=False, mmap_mode="r" if mmap else None)
     except ValueError as e:
         raise UserError(f"{what} file {p} is not a plain .npy array ({e})") from None
-    except Exception as e:  # noqa: BLE001 - truncated or not .npy at all
+    except Exception as e:
         raise UserError(f"cannot read {what} file {p}: {e}") from None
 
 

@@ -19,8 +19,8 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 from .errors import UserError
 
@@ -148,9 +148,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     check_file_target(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     cleanup_stale(path)
-    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=".tmp", dir=path.parent)
+    fd, name = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=".tmp", dir=path.parent)
     os.close(fd)
-    tmp = Path(tmp)
+    tmp = Path(name)
     try:
         with _disk_full_is_user_error(path):
             yield tmp

@@ -3,6 +3,7 @@ one help text and one default everywhere (`training`, `index`, `app`)."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 HELP = {
     "threads": "CPU threads for torch and FAISS; 0 = the libraries' own setting",
@@ -11,7 +12,9 @@ HELP = {
     "device": "where the model runs: auto (CUDA when available) | cpu | cuda | cuda:N",
     "json": "also write the result as JSON to this file",
 }
-DEFAULTS = {"threads": 0, "progress": True, "cache_dir": "cache/features", "device": "auto", "json": None}
+# the flag name → its default (an int, a bool, a str or None: the flag's own type)
+DEFAULTS: dict[str, Any] = {"threads": 0, "progress": True, "cache_dir": "cache/features", "device": "auto",
+                            "json": None}
 
 
 def add_shared_args(parser: argparse.ArgumentParser, *names: str, defaults: dict | None = None,
@@ -19,10 +22,13 @@ def add_shared_args(parser: argparse.ArgumentParser, *names: str, defaults: dict
     """Add the named shared flags (`threads`, `progress`, `cache_dir`, `device`, `json`).  A command
     may give one another default (`defaults`), and `shown` the text --help gives for a default
     the command resolves later (None until then)."""
+    shown = shown or {}
     for name in names:
         default = (defaults or {}).get(name, DEFAULTS[name])
         flag = "--" + name.replace("_", "-")
-        text = HELP[name].replace("%", "%%") + (f" (default: {shown[name].replace('%', '%%')})" if name in (shown or {}) else " (default: %(default)s)")
+        text = HELP[name].replace("%", "%%") + (
+            f" (default: {shown[name].replace('%', '%%')})" if name in shown else " (default: %(default)s)"
+        )
         if name == "progress":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
         elif name == "threads":
@@ -40,6 +46,7 @@ def at_least(lo: int, flag: str):
         if v < lo:
             raise argparse.ArgumentTypeError(f"{flag} must be ≥ {lo}, got {v}")
         return v
+
     parse.__name__ = "integer"
     return parse
 

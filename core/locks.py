@@ -15,8 +15,8 @@ import contextlib
 import errno
 import fcntl
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from .atomic import fault_point
 from .errors import UserError

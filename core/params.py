@@ -27,8 +27,8 @@ def field_default(f: dataclasses.Field):
     """The field's default (its factory's value), None where it has none."""
     if f.default is not dataclasses.MISSING:
         return f.default
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return f.default_factory()  # type: ignore[misc]
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
     return None
 
 
@@ -82,7 +82,7 @@ def convert(value, t, what: str):
             elems = list(args)
         else:
             raise UserError(f"{what}: {value!r} is not {len(args)} comma-separated values")
-        return tuple(convert(x, e, what) for x, e in zip(items, elems))
+        return tuple(convert(x, e, what) for x, e in zip(items, elems, strict=True))
     if t is bool:
         if isinstance(value, bool):
             return value
@@ -114,7 +114,7 @@ def conforms(value, t) -> bool:
             return False
         if len(args) == 2 and args[1] is Ellipsis:
             return all(conforms(v, args[0]) for v in value)
-        return len(value) == len(args) and all(conforms(v, a) for v, a in zip(value, args))
+        return len(value) == len(args) and all(conforms(v, a) for v, a in zip(value, args, strict=True))
     if origin in (dict, collections.abc.Mapping):
         if not isinstance(value, collections.abc.Mapping):
             return False

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Generic, TypeVar
 
 from .errors import UserError
-# convert: index/cli.py imports it from here
-from .params import build_params, conforms, convert, field_default, parse_items  # noqa: F401
+from .params import build_params, conforms, field_default, parse_items
 
 
 @dataclass
@@ -33,7 +33,7 @@ class Spec:
     missing required one or a value of the wrong type is an error when the module registering
     it is imported.  This base has no fields: a registry without metadata."""
 
-    def check(self, entry: "Entry") -> None:
+    def check(self, entry: Entry) -> None:
         """Refuse metadata that does not fit the entry (called at registration).  The base
         checks every field's value against its annotation; a subclass adds its own rules."""
         hints = typing.get_type_hints(type(self))
@@ -51,13 +51,16 @@ def _type_name(t) -> str:
     return getattr(t, "__name__", None) or str(t).replace("typing.", "")
 
 
+S = TypeVar("S", bound=Spec)
+
+
 @dataclass(frozen=True)
-class Entry:
+class Entry(Generic[S]):
     name: str
     builder: Callable[..., Any]
     params: type
     doc: str
-    spec: Spec
+    spec: S
     kind: str  # the registry's, for messages
 
     @property
@@ -76,17 +79,18 @@ def first_line(text: str | None) -> str:
     return lines[0].strip() if lines else ""
 
 
-class Registry:
+class Registry(Generic[S]):
     """name → Entry(builder, params dataclass, doc, spec).  `spec`: the registry's metadata
     type, a `Spec` subclass (the base: no metadata)."""
 
-    def __init__(self, kind: str, plural: str | None = None, *, spec: type[Spec] = Spec):
-        if not (isinstance(spec, type) and issubclass(spec, Spec) and spec.__dataclass_params__.frozen):
+    def __init__(self, kind: str, plural: str | None = None, *, spec: type[S]):
+        dc = getattr(spec, "__dataclass_params__", None)
+        if not (isinstance(spec, type) and issubclass(spec, Spec) and dc is not None and dc.frozen):
             raise TypeError(f"{kind} registry: spec must be a frozen dataclass derived from Spec, got {spec!r}")
         self.kind = kind
         self.plural = plural or kind + "s"
         self.spec_type = spec
-        self._entries: dict[str, Entry] = {}
+        self._entries: dict[str, Entry[S]] = {}
 
     # ------------------------------------------------------------ registration
     def register(self, name: str, params: type = NoParams, doc: str | None = None, **spec):
@@ -102,7 +106,7 @@ class Registry:
             raise TypeError(f"{what}: unknown keyword {', '.join(map(repr, unknown))} for "
                             f"{self.spec_type.__name__}; it takes {', '.join(fields) or 'none'}")
         missing = [n for n, f in fields.items() if n not in spec and f.default is dataclasses.MISSING
-                   and f.default_factory is dataclasses.MISSING]  # type: ignore[misc]
+                   and f.default_factory is dataclasses.MISSING]
         if missing:
             raise TypeError(f"{what}: {self.spec_type.__name__} needs {', '.join(map(repr, missing))}")
         filled = self.spec_type(**spec)
@@ -125,7 +129,7 @@ class Registry:
     def names(self) -> list[str]:
         return sorted(self._entries)
 
-    def entries(self) -> list[Entry]:
+    def entries(self) -> list[Entry[S]]:
         return [self._entries[n] for n in self.names()]
 
     def __contains__(self, name) -> bool:
@@ -137,7 +141,7 @@ class Registry:
     def __iter__(self):
         return iter(self.names())
 
-    def get(self, name: str) -> Entry:
+    def get(self, name: str) -> Entry[S]:
         if name not in self._entries:
             raise UserError(f"unknown {self.kind} {name!r}; choose from {', '.join(self.names())}")
         return self._entries[name]

@@ -2,10 +2,9 @@
 
 Imports only `core`.  A new data set: one module with `@DATASETS.register`, one import line here.
 """
+from . import benchmarks, imagefolder, kanji  # noqa: F401  (registration)
 from .config import DataConfig, load_data
 from .registry import DATASETS
 from .splits import DatasetSplits, Subset
-
-from . import benchmarks, imagefolder, kanji  # noqa: E402,F401  (registration)
 
 __all__ = ["DATASETS", "DataConfig", "DatasetSplits", "Subset", "load_data"]

@@ -66,7 +66,7 @@ def load_cars(root, val_fraction: float = 0.2, seed: int = 0) -> DatasetSplits:
     _need(root / "car_ims", "Cars196 image folder")
     try:
         m = loadmat(str(mat), squeeze_me=True)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise DatasetLayoutError(f"cannot read {mat}: {e}") from None
     if "annotations" not in m:
         raise DatasetLayoutError(f"{mat} has no 'annotations' struct")

@@ -66,7 +66,7 @@ class DataConfig:
         return self.dataset_spec().resize_mode
 
     @classmethod
-    def from_dict(cls, d: dict) -> "DataConfig":
+    def from_dict(cls, d: dict) -> DataConfig:
         """The data fields of any recorded config (a checkpoint's, an index manifest's)."""
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in names}

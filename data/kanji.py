@@ -169,7 +169,7 @@ def prepare_kanji(cfg: KanjiConfig, progress: bool = True) -> Path:
                 continue
             d = tmp / "images" / f"{cp:05X}"
             d.mkdir(parents=True)
-            for (fid, _, _, _), g in zip(fonts, glyphs):
+            for (fid, _, _, _), g in zip(fonts, glyphs, strict=True):
                 Image.fromarray(g, mode="L").save(d / f"{fid}.png", optimize=False)
                 h.update(g.tobytes())
             chosen.append(cp)

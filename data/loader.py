@@ -3,6 +3,7 @@ and never silent: the collate function drops it and the caller logs the count.""
 from __future__ import annotations
 
 import logging
+
 import torch
 from torch.utils.data import DataLoader, Dataset
 

@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 
 from core.atomic import write_json
-
 from data import DataConfig, load_data
 from training.config import TrainConfig
 
@@ -75,13 +74,13 @@ def pretrained_baselines(cfg: DataConfig, splits, cache_dir: str) -> dict:
     from evaluation import evaluate
     from evaluation.evaluator import DEFAULT_KS
     from model.backbones import build_backbone
-
     from model.features import backbone_features
     from model.preprocess import transform_for
 
     out = {}
-    for name, bb_name, weights in [("efficientnet_lite0 trunk, ImageNet, no training", "efficientnet_lite0", "imagenet"),
-                                   ("small_cnn, random init (floor)", "small_cnn", "none")]:
+    for name, bb_name, weights in [
+            ("efficientnet_lite0 trunk, ImageNet, no training", "efficientnet_lite0", "imagenet"),
+            ("small_cnn, random init (floor)", "small_cnn", "none")]:
         torch.manual_seed(0)
         bb = build_backbone(bb_name, weights=weights).eval()
         spec = transform_for(bb, cfg)
@@ -91,10 +90,9 @@ def pretrained_baselines(cfg: DataConfig, splits, cache_dir: str) -> dict:
 
 
 def run_demo(args) -> int:
-    from training.trainer import train_or_reuse
-
     from evaluation import evaluate
     from index.build import split_features
+    from training.trainer import train_or_reuse
 
     t0 = time.time()
     out = Path(args.out)
@@ -146,7 +144,8 @@ def run_demo(args) -> int:
     extra = []
     if paper:
         extra = ["--label", "neck trained (the demo's model)", "--second-index", str(paper[0]),
-                 "--second-analysis", str(paper[1]), "--second-label", "paper 004's regime (neck at its initialisation)"]
+                 "--second-analysis", str(paper[1]),
+                 "--second-label", "paper 004's regime (neck at its initialisation)"]
     launch(build_parser().parse_args(["--index", str(index_dir), "--analysis", str(strategies), *extra]))
     return 0
 
@@ -155,9 +154,9 @@ def build_demo_index(tcfg: TrainConfig, out: Path, times: dict, suffix: str = ""
     """The demo index (test split) and strategy evaluation, rebuilt only when the model changed."""
     import json
 
+    from core.hashing import sha256_file
     from index.analysis.strategy_eval import run_evaluation
     from index.build import build_from_dataset, split_features
-    from core.hashing import sha256_file
 
     ck = Path(tcfg.out) / "best.pt"
     sha = sha256_file(ck)

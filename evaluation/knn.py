@@ -1,12 +1,10 @@
 """Exact k-NN with FAISS, in query chunks so memory stays bounded at SOP scale."""
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import faiss
 import numpy as np
-
-from core.arrays import l2_normalize
 
 
 def flat_index(gallery: np.ndarray, metric: str) -> faiss.Index:
@@ -35,17 +33,17 @@ def knn_chunks(query: np.ndarray, index, k: int | np.ndarray, *, self_ids: np.nd
         kc = min(kc, ntotal - (1 if exclude_self else 0))
         ks = min(ntotal, kc + (1 if exclude_self else 0))
         q = np.ascontiguousarray(query[rows], dtype=np.float32)
-        D, I = index.search(q, ks)
+        D, ids = index.search(q, ks)
         if exclude_self:
             own = np.asarray(self_ids[rows])[:, None]
-            is_self = I == own
+            is_self = ids == own
             # drop the self column where present, else the last one
             drop = np.where(is_self.any(1), is_self.argmax(1), ks - 1)
-            keep = np.ones_like(I, dtype=bool)
-            keep[np.arange(len(I)), drop] = False
-            I = I[keep].reshape(len(I), ks - 1)
+            keep = np.ones_like(ids, dtype=bool)
+            keep[np.arange(len(ids)), drop] = False
+            ids = ids[keep].reshape(len(ids), ks - 1)
             D = D[keep].reshape(len(D), ks - 1)
-        yield rows, D[:, :kc], I[:, :kc]
+        yield rows, D[:, :kc], ids[:, :kc]
 
 
 def knn_search(query: np.ndarray, gallery: np.ndarray, k: int, metric: str = "ip",
@@ -54,7 +52,7 @@ def knn_search(query: np.ndarray, gallery: np.ndarray, k: int, metric: str = "ip
     index = flat_index(gallery, metric)
     Ds, Is = [], []
     self_ids = np.arange(len(query)) if exclude_self else None
-    for _, D, I in knn_chunks(query, index, k, self_ids=self_ids, chunk=chunk):
+    for _, D, ids in knn_chunks(query, index, k, self_ids=self_ids, chunk=chunk):
         Ds.append(D)
-        Is.append(I)
+        Is.append(ids)
     return np.concatenate(Ds), np.concatenate(Is)

@@ -15,8 +15,8 @@ from core.hashing import sha256_file
 from core.locks import exclusive_lock
 from data import DataConfig
 from model.checkpoint import data_config_for, load_model
-from model.features import embed_split, embed_subset
 from model.device import resolve_device
+from model.features import embed_split, embed_subset
 from model.preprocess import transform_for
 
 from .backends.store import Items, is_index, read_index, write_index

@@ -17,7 +17,7 @@ from core.config import add_config_args, parse_with_config_file
 from core.errors import UserError
 from core.flags import add_shared_args, apply_threads, at_least
 from core.logs import setup_logging
-from core.registry import convert
+from core.params import convert
 from data import DATASETS, DataConfig
 
 from .build_config import BuildConfig
@@ -228,7 +228,8 @@ def cmd_search(args) -> int:
     hits = gallery.search(feats, args.strategy, params, mode, args.k, what)
     payload = {"backend": args.backend, "strategy": args.strategy,
                "params": {k: v for k, v in params.items() if v is not None}, "mode": mode, "k": hits.k,
-               "note": note, "queries": [{"query": n, "results": r} for n, r in zip(names, hits.results())]}
+               "note": note,
+               "queries": [{"query": n, "results": r} for n, r in zip(names, hits.results(), strict=True)]}
     if args.json:
         write_json(args.json, payload)
     else:
@@ -555,7 +556,8 @@ def _report_parser(sub) -> None:
     rp.add_argument("--out", required=True, help="the HTML file to write (figures and thumbnails inlined)")
     rp.add_argument("--analysis", help="folder written by `python -m index evaluate`: its strategy table and "
                                        "curves go into the report (default: none)")
-    rp.add_argument("--top", type=int, default=20, help="improved and worsened queries shown, each (default: %(default)s)")
+    rp.add_argument("--top", type=int, default=20,
+                    help="improved and worsened queries shown, each (default: %(default)s)")
     rp.add_argument("--k", type=int, default=8, help="results shown per query and metric (default: %(default)s)")
     rp.add_argument("--no-verify", action="store_true", help="skip the checksum verification at load")
     add_shared_args(rp, "threads")

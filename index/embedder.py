@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from core.errors import UserError
-from core.images import load_rgb
 from core.hashing import sha256_file
+from core.images import load_rgb
 from model.checkpoint import load_model, recorded_data
 from model.device import resolve_device
 from model.preprocess import TransformSpec, transform_for
@@ -51,7 +51,8 @@ class ImageEmbedder:
         # same weights, features equal to float round-off (tested against the gallery's).  GPUs
         # keep the default layout, which is what was measured there (nothing, here).
         self.layout = torch.channels_last if self.device.type == "cpu" else torch.contiguous_format
-        self.model.to(self.device, memory_format=self.layout)
+        self.model.to(self.device)  # Module.to takes a device or a memory format, not both (its documented forms)
+        self.model.to(memory_format=self.layout)
         self.sha256 = sha256_file(checkpoint)
         self.path = checkpoint
 

@@ -8,8 +8,8 @@ Cosine:    s(q, x) / (‖φ(q)‖_M′ ‖φ(x)‖_M′), ‖v‖_M′ = sqrt(v�
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -90,7 +90,7 @@ class QueryMetric:
 
     @classmethod
     def build(cls, M: np.ndarray, mode: str = "bilinear", d: int | None = None,
-              apply: Callable[[np.ndarray], np.ndarray] | None = None) -> "QueryMetric":
+              apply: Callable[[np.ndarray], np.ndarray] | None = None) -> QueryMetric:
         """`apply` may be a structured MetricOperator's (cheaper for low-rank M′); dense otherwise."""
         if mode not in MODES:
             raise UserError(f"mode must be one of {MODES}, got {mode!r}")

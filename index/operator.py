@@ -42,17 +42,17 @@ class MetricOperator:
                  kind: str = "dense", spectral: tuple | None = None, eigenvalues: np.ndarray | None = None):
         self.kind = kind
         # float32 M′ only where it is applied densely (structured kinds never read it)
-        self.M32 = np.ascontiguousarray(M, dtype=np.float32) if kind == "dense" else None
-        self.W32 = None if W is None else np.ascontiguousarray(W, dtype=np.float32)
-        self.WT32 = None if W is None else np.ascontiguousarray(W.T, dtype=np.float32)
-        self.diag_removed = None if diag_removed is None else diag_removed.astype(np.float32)
+        self.M32: np.ndarray | None = np.ascontiguousarray(M, dtype=np.float32) if kind == "dense" else None
+        self.W32: np.ndarray | None = None if W is None else np.ascontiguousarray(W, dtype=np.float32)
+        self.WT32: np.ndarray | None = None if W is None else np.ascontiguousarray(W.T, dtype=np.float32)
+        self.diag_removed: np.ndarray | None = None if diag_removed is None else diag_removed.astype(np.float32)
         # spectral: (c, λ_r − c, U_r) in float32; eigenvalues (float64) spare matrix_report an eigvalsh
-        self.spectral = None if spectral is None else (
+        self.spectral: tuple[float, np.ndarray, np.ndarray] | None = None if spectral is None else (
             float(spectral[0]), spectral[1].astype(np.float32), np.ascontiguousarray(spectral[2], dtype=np.float32))
         self.eigenvalues = eigenvalues
 
     @classmethod
-    def build(cls, kind: str, M: np.ndarray, W: np.ndarray, M_star: np.ndarray) -> "MetricOperator":
+    def build(cls, kind: str, M: np.ndarray, W: np.ndarray, M_star: np.ndarray) -> MetricOperator:
         """The cheapest exact operator for M′ of the strategy's declared `kind` (its registry
         entry's `operator`); the low-rank forms only where they are cheaper than dense."""
         d = M.shape[0]
@@ -83,13 +83,17 @@ class MetricOperator:
         if self.kind == "identity":
             return Q
         if self.kind == "lowrank":
+            assert self.WT32 is not None and self.W32 is not None  # `build` gives W with this kind
             return (Q @ self.WT32) @ self.W32
         if self.kind == "lowrank-diag":
+            assert self.WT32 is not None and self.W32 is not None and self.diag_removed is not None  # as `build` gives
             return (Q @ self.WT32) @ self.W32 - Q * self.diag_removed
         if self.kind == "spectral":
+            assert self.spectral is not None  # `build` gives the parts with this kind
             c, lam, U = self.spectral
             out = ((Q @ U) * lam) @ U.T
             return out + c * Q if c else out
+        assert self.M32 is not None  # kept for the dense kind (the only other)
         return Q @ self.M32
 
     def m_norms(self, X: np.ndarray, chunk: int = 8192) -> np.ndarray:

@@ -7,12 +7,10 @@ and any extra state (loss proxies, flows) under "extra".
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from core.atomic import write_with
-from core.errors import CheckpointMismatchError, UserError
+from core.errors import CheckpointMismatchError
 
 from .backbones import build_backbone
 from .network import EmbeddingModel
@@ -83,8 +81,8 @@ def check_compatible(ck: dict, *, backbone: str | None = None, embed_dim: int | 
 
 def model_from_checkpoint(ck: dict) -> EmbeddingModel:
     """Rebuild the embedding model; weights come from the checkpoint, nothing is downloaded."""
-    from .network import FlowHead
     from .flows import FlowSpec
+    from .network import FlowHead
 
     backbone = build_backbone(ck["backbone"], weights="none")
     heads = {k: FlowHead(FlowSpec.from_dict(v)) for k, v in ck.get("heads", {}).items()}

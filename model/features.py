@@ -10,13 +10,14 @@ a new key.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import os
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,6 +30,11 @@ from data.loader import make_loader
 
 from .device import autocast, resolve_device
 from .preprocess import TransformSpec, transform_for
+
+if TYPE_CHECKING:
+    from data.splits import DatasetSplits, Subset
+
+    from .network import EmbeddingModel
 
 log = logging.getLogger(__name__)
 CACHE_VERSION = 1
@@ -47,7 +53,7 @@ def extract(fn, loader, desc: str = "embed", progress: bool = True, device: torc
     feats, labels, idx, skipped = [], [], [], []
     for images, y, i, bad in tqdm(loader, desc=desc, unit="batch", disable=not progress):
         skipped.extend(bad)
-        for j, msg in bad:
+        for _, msg in bad:
             log.warning("skipped: %s", msg)
         if images is None:
             continue
@@ -84,7 +90,7 @@ def subset_identity(splits, subset) -> str:
     h.update(splits.name.encode())
     h.update(str(splits.info.get("checksum", "")).encode())
     kanji = "checksum" in splits.info  # content-addressed already
-    for p, y in zip(subset.paths, subset.labels):
+    for p, y in zip(subset.paths, subset.labels, strict=True):
         h.update(f"{p}\t{y}\n".encode())
         if not kanji:
             try:
@@ -202,11 +208,11 @@ def backbone_features(backbone, splits, subset, spec: TransformSpec, dcfg: DataC
 
 @dataclass
 class SplitFeatures:
-    model: object
+    model: EmbeddingModel
     ck: dict
     data: DataConfig        # the data configuration used: the checkpoint's, with any overrides
-    splits: object
-    subset: object
+    splits: DatasetSplits
+    subset: Subset
     spec: TransformSpec
     feats: np.ndarray       # trunk features φ (after any trunk flow head)
     labels: np.ndarray

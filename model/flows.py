@@ -28,7 +28,7 @@ surrogate for the stack).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import partial
 
 import numpy as np
@@ -67,7 +67,7 @@ class FlowSpec:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "FlowSpec":
+    def from_dict(cls, d: dict) -> FlowSpec:
         d = dict(d)
         d["hidden"] = tuple(d.get("hidden", (256, 256)))
         return cls(**d)
@@ -178,16 +178,16 @@ def flow_forward(flow: Flow, x: torch.Tensor, context: torch.Tensor | None = Non
             base = getattr(inner, "base", inner)
             elem = base.log_abs_det_jacobian(y_b, z_b)  # per transformed dimension
             ladj = ladj + elem.sum(-1)
-            if plus_one:
+            if plus is not None:
                 plus = plus + torch.nn.functional.softplus(elem).sum(-1) + y_a.shape[-1] * math.log(2.0)
             if parity is None:
                 y = t.merge(y_a, z_b, y.shape)
             else:
                 y = torch.stack((y_a, z_b) if parity == 0 else (z_b, y_a), dim=-1).flatten(-2)
         else:
-            y, l = t.call_and_ladj(y)
-            ladj = ladj + l
-            if plus_one:
+            y, ladj_t = t.call_and_ladj(y)
+            ladj = ladj + ladj_t
+            if plus is not None:
                 plus = plus + y.shape[-1] * math.log(2.0)  # a permutation: |diag| contributes 0 or 1; use 1
     return y, ladj, plus
 

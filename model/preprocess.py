@@ -53,7 +53,7 @@ class TransformSpec:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TransformSpec":
+    def from_dict(cls, d: dict) -> TransformSpec:
         return cls(int(d["image_size"]), int(d["resize"]), tuple(d["mean"]), tuple(d["std"]),
                    bool(d.get("augment", False)), str(d.get("resize_mode", "")), bool(d.get("flip", False)))
 

@@ -17,5 +17,5 @@ def load_tensors(path: str | os.PathLike, what: str):
         raise UserError(f"{what} not found: {path}")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - truncated, corrupt, or a pickle of anything but tensors
+    except Exception as e:
         raise UserError(f"cannot read {what} {path}: {e}") from None

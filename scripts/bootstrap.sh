@@ -37,11 +37,15 @@ fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-# the Milvus backend is an optional extra: `make test` (WITH_MILVUS=1) installs it for its tests
-reqs=(-r requirements.txt)
-[ "${WITH_MILVUS:-0}" = 1 ] && reqs+=(-r requirements-milvus.txt)
+# the Milvus backend is an optional extra: `make test` (WITH_MILVUS=1) installs it for its tests;
+# the test and lint tools come from requirements-test.txt (WITH_TEST=1)
+files=(requirements.txt)
+[ "${WITH_MILVUS:-0}" = 1 ] && files+=(requirements-milvus.txt)
+[ "${WITH_TEST:-0}" = 1 ] && files+=(requirements-test.txt)
+reqs=()
+for f in "${files[@]}"; do reqs+=(-r "$f"); done
 stamp=.venv/.requirements.sha256
-want=$(cat requirements.txt $([ "${WITH_MILVUS:-0}" = 1 ] && echo requirements-milvus.txt) | sha256sum | cut -d' ' -f1)
+want=$(cat "${files[@]}" | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "${reqs[@]}"

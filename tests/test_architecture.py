@@ -8,8 +8,7 @@ import ast
 from pathlib import Path
 
 import pytest
-
-from conftest import ROOT
+from support import ROOT
 
 PACKAGES = ("core", "evaluation", "data", "model", "training", "index", "app", "demo")
 ALLOWED = {

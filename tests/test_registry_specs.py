@@ -41,7 +41,9 @@ class GammaParams:
 
 
 def test_strategy_spec_refuses_what_would_be_silently_ignored():
-    ident = lambda M, p: M  # noqa: E731
+    def ident(M, p):
+        return M
+
     with pytest.raises(ValueError, match=r"'x': operator='lowrnak' is not"):
         REFINEMENTS.register("x", operator="lowrnak")(ident)
     with pytest.raises(ValueError, match=r"'x': grid names \['gama'\], which are not its parameters \['gamma'\]"):
@@ -72,6 +74,8 @@ def test_other_specs_refuse_missing_and_mistyped_values():
 
 
 def test_a_name_taken_already_is_refused():
-    with pytest.raises(ValueError, match=r"loss 'triplet' is registered already \(by training.losses.pml_losses.triplet\)"):
+    with pytest.raises(
+        ValueError, match=r"loss 'triplet' is registered already \(by training.losses.pml_losses.triplet\)"
+    ):
         LOSSES.register("triplet")(lambda C, d, p: None)
     assert LOSSES.get("triplet").builder.__module__ == "training.losses.pml_losses"

@@ -159,7 +159,6 @@ class ImageBatches:
         from torch.utils.data import DataLoader
 
         from data.loader import ImageDataset, collate_skip
-
         from model.preprocess import transform_for
 
         spec = transform_for(self.backbone, self.dcfg, augment=True)

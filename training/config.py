@@ -128,11 +128,10 @@ class TrainConfig(DataConfig):
     def validate(self) -> None:
         """Refuse an impossible configuration, all of it, before anything is read or written."""
         from model.backbones import BACKBONES
+        from model.device import resolve_device
 
         from .losses import LOSSES, has_proxies
         from .regularizers import REGULARIZERS, regularizer_params
-
-        from model.device import resolve_device
 
         DataConfig.validate(self)
         BACKBONES.get(self.backbone)
@@ -152,11 +151,13 @@ class TrainConfig(DataConfig):
             (self.proxy_lr_mult > 0, f"--proxy-lr-mult must be > 0, got {self.proxy_lr_mult}"),
             (self.weight_decay >= 0, f"--weight-decay must be ≥ 0, got {self.weight_decay}"),
             (self.warmup_epochs >= 0, f"--warmup-epochs must be ≥ 0, got {self.warmup_epochs}"),
-            (self.probe_epochs >= -1, f"--probe-epochs must be ≥ 0 (or -1: the mode's default), got {self.probe_epochs}"),
+            (self.probe_epochs >= -1,
+             f"--probe-epochs must be ≥ 0 (or -1: the mode's default), got {self.probe_epochs}"),
             (self.grad_clip >= 0, f"--grad-clip must be ≥ 0 (0 = off), got {self.grad_clip}"),
             (self.seed >= 0, f"--seed must be ≥ 0, got {self.seed}"),
             (self.threads >= 0, f"--threads must be ≥ 0 (0 = default), got {self.threads}"),
-            (len(set(self.regularizer)) == len(self.regularizer), f"regularizer listed twice: {list(self.regularizer)}"),
+            (len(set(self.regularizer)) == len(self.regularizer),
+             f"regularizer listed twice: {list(self.regularizer)}"),
             (not self.reg_weight or len(self.reg_weight) == len(self.regularizer),
              f"--reg-weight has {len(self.reg_weight)} values for {len(self.regularizer)} regularizer(s)"),
             (all(w >= 0 for w in self.reg_weight), f"--reg-weight values must be ≥ 0, got {list(self.reg_weight)}"),

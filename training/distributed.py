@@ -142,7 +142,7 @@ def mean_over_ranks(parts: dict, device: torch.device) -> dict:
     t = torch.tensor([parts[k] for k in keys], dtype=torch.float64, device=_device_for_collectives(device))
     torch.distributed.all_reduce(t)
     t /= world_size()
-    return dict(zip(keys, t.tolist()))
+    return dict(zip(keys, t.tolist(), strict=True))
 
 
 # ---------------------------------------------------------------- the global batch

@@ -22,7 +22,8 @@ def build_optimizer(cfg, model, loss, regs, n_train: int) -> torch.optim.Optimiz
               if cfg.neck_lr_mult > 0 else [])
     stages = model.backbone.stages()
     for k, (name, m) in enumerate(reversed(stages[len(stages) - n_train:] if n_train else [])):
-        groups.append({"params": list(m.parameters()), "lr": cfg.lr * cfg.backbone_lr_mult * cfg.lr_decay ** k, "name": f"backbone:{name}"})
+        groups.append({"params": list(m.parameters()), "lr": cfg.lr * cfg.backbone_lr_mult * cfg.lr_decay ** k,
+                       "name": f"backbone:{name}"})
     # a regularizer's own copy of the loss (dueling g_max) is trained like the loss
     loss_params = list(loss.parameters()) + [p for r in regs for p in r.loss_parameters()]
     if loss_params:

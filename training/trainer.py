@@ -40,8 +40,8 @@ from model.device import resolve_device
 from model.network import EmbeddingModel
 from model.preprocess import transform_for
 
-from .batches import FrozenFeatures, ImageBatches, PrefixTail, SourceConfig
 from . import distributed as ddp
+from .batches import FrozenFeatures, ImageBatches, PrefixTail, SourceConfig
 from .checkpoints import Checkpoints, check_out, recorded_config, same_identity, write_config
 from .config import TrainConfig
 from .losses import build_loss, has_proxies
@@ -127,7 +127,8 @@ class Run:
             n_probe = 0 if resuming else cfg.resolved_probe_epochs()  # a resumed run has had its probe
             probed = [p for m in (self.model.neck, self.loss, *[r.module for r in self.regs]) for p in m.parameters()]
             if not any(p.requires_grad for p in probed):
-                n_probe = 0  # nothing for a probe to train: a neck held at its initialisation and a loss without proxies
+                # nothing for a probe to train: a neck held at its initialisation and a loss without proxies
+                n_probe = 0
             probe_source = FrozenFeatures(sources) if n_probe else None
         for m in (self.model, self.loss, *[r.module for r in self.regs]):  # what a regularizer owns is its module
             m.to(dev)
@@ -211,9 +212,9 @@ class Run:
         sums: dict[str, float] = {}
         n = 0
         with torch_seeded(torch_seed):
-            for (x, y, bad), want in zip(tqdm(source.batches(batches), total=len(batches),
-                                              desc=f"{desc} {epoch + 1}", leave=False,
-                                              disable=not (self.cfg.progress and self.main)), map(len, batches)):
+            shown = tqdm(source.batches(batches), total=len(batches), desc=f"{desc} {epoch + 1}", leave=False,
+                         disable=not (self.cfg.progress and self.main))
+            for (x, y, bad), want in zip(shown, map(len, batches), strict=True):
                 self.skipped += len(bad)
                 skip = x is None or len(y) < 2 or (step.paired and bad)
                 if d:  # the ranks gather equal shares: a step one rank cannot take, no rank takes

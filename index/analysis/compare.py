@@ -124,7 +124,7 @@ class Comparison:
             keep = keep & (self.labels == label)
         rows = np.nonzero(keep)[0]
         rows = rows[np.argsort(-np.abs(self.delta[rows]), kind="stable")][:top]
-        return [self.row(i) for i in rows]
+        return [self.row(int(i)) for i in rows]
 
     def class_queries(self, label: int) -> list[dict]:
         """Every query of one class, largest |ΔAP| first."""
@@ -148,7 +148,7 @@ class Comparer:
     def __init__(self, data: IndexData, searcher: Searcher | None = None, cache_size: int = 16):
         self.data = data
         self.searcher = searcher or Searcher(data)
-        self._sweep = None
+        self._sweep: QuerySweep | None = None
         self._cache: dict = {}
         self._cache_size = cache_size
         self._lock = threading.Lock()

@@ -49,7 +49,8 @@ class Thumbs:
     """Inline thumbnails of index items, each encoded once."""
 
     def __init__(self, data: IndexData, size: int = 64):
-        self.data, self.size, self._cache = data, size, {}
+        self.data, self.size = data, size
+        self._cache: dict[int, str] = {}  # item id → its thumbnail's data URI
         self._row = {int(i): r for r, i in enumerate(data.items.ids)}
 
     def __call__(self, item_id: int) -> str:
@@ -92,8 +93,8 @@ def neighbours(searcher: Searcher, ids: list[int], strategy: str, params: dict, 
     rows = [row[i] for i in ids]
     res = searcher.search(np.asarray(data.features[rows]), strategy, params, mode, k + 1)
     out = []
-    for q, rs, ss in zip(ids, res.rows, res.scores):
-        kept = [(int(data.items.ids[r]), int(data.items.labels[r]), float(s)) for r, s in zip(rs, ss)
+    for q, rs, ss in zip(ids, res.rows, res.scores, strict=True):
+        kept = [(int(data.items.ids[r]), int(data.items.labels[r]), float(s)) for r, s in zip(rs, ss, strict=True)
                 if r >= 0 and int(data.items.ids[r]) != q]
         out.append(kept[:k])
     return out
@@ -142,7 +143,7 @@ def query_rows(cmp: Comparison, rows: list[dict], res_a: list, res_b: list, thum
                        f'title="{html.escape(cmp.class_name(lab))} · id {i} · {s:.3f}" width="48">'
                        for i, lab, s in results)
     out = []
-    for r, a, b in zip(rows, res_a, res_b):
+    for r, a, b in zip(rows, res_a, res_b, strict=True):
         q = (f'<td><img src="{thumbs(r["id"])}" width="64"><br>{html.escape(r["class_name"])}<br>'
              f'<small>id {r["id"]}</small></td>')
         out.append([q, _num(r["ap_a"]), _num(r["ap_b"]), _num(r["delta"], signed=True),

@@ -37,9 +37,10 @@ REFERENCE_ROWS = (("trained", "cosine", "trained M* (cosine of embeddings: the u
 # Diagonal restraint's raw M′ (indefinite in general: bilinear only) beside its PSD readings,
 # each at its best r > 0 and mode on test (oracles, as the paper's † row): (strategy, the params
 # it must have, row title; no "|" in titles, which would split a markdown table cell)
-READING_ROWS = (("diagonal", {}, "diagonal restraint, raw M′ (bilinear; best r > 0 on test)"),
-                ("diagonal-psd", {"psd": "abs"}, "diagonal restraint, M′ read PSD by abs (best r > 0, mode on test)"),
-                ("diagonal-psd", {"psd": "clip"}, "diagonal restraint, M′ read PSD by clip (best r > 0, mode on test)"))
+READING_ROWS: tuple[tuple[str, dict[str, str], str], ...] = (
+    ("diagonal", {}, "diagonal restraint, raw M′ (bilinear; best r > 0 on test)"),
+    ("diagonal-psd", {"psd": "abs"}, "diagonal restraint, M′ read PSD by abs (best r > 0, mode on test)"),
+    ("diagonal-psd", {"psd": "clip"}, "diagonal restraint, M′ read PSD by clip (best r > 0, mode on test)"))
 MARKERS = ("o", "s", "^", "v", "*", "P", "D", "X", "<", ">")
 
 
@@ -85,14 +86,15 @@ def evaluate_splits(splits: dict, W, configs, normalize=True, progress=True, des
     maker = next(iter(parts.values()))[0]  # M′ depends only on W: any split's searcher builds it
     # one seed's settings in a row: diagonal restraint's draws are nested in r (index/analysis/sweep.py)
     order = sorted(range(len(configs)), key=lambda i: (configs[i][0], configs[i][1].get("seed", -1)))
-    rows = {name: {} for name in splits}
-    like_trained = {name: {} for name in splits}
+    rows: dict[str, dict[int, dict]] = {name: {} for name in splits}  # split → config index → row
+    like_trained: dict[str, dict[str, dict]] = {name: {} for name in splits}  # split → mode → metrics
     rm, rm_key = None, None
     for i in tqdm(order, desc=desc, disable=not progress):
         strategy, params, mode = configs[i]
         key = (strategy, json.dumps(params, sort_keys=True))
         if key != rm_key:
             rm, rm_key, scored = maker.metric(strategy, params), key, {}
+        assert rm is not None  # made at the first setting: rm_key starts as None
         rep = rm.report
         if mode == "cosine" and not rep["psd"]:
             continue
@@ -173,7 +175,8 @@ def summary_table(test: list[dict], val: list[dict] | None) -> list[dict]:
     if val:
         sel = max(val, key=lambda r: r["map@r"])
         t = next(r for r in test if _group_key(r) == _group_key(sel))
-        table.append({"row": "validation-selected (honest)", "choice": label(sel) + f" (val MAP@R {sel['map@r']*100:.2f})",
+        table.append({"row": "validation-selected (honest)",
+                      "choice": label(sel) + f" (val MAP@R {sel['map@r']*100:.2f})",
                       **{m: t[m] for m in METRICS}})
     return table
 

@@ -37,7 +37,7 @@ def symmetric_product(A: np.ndarray, B: np.ndarray, blocks: int = 10, out: np.nd
     n = len(A)
     S = np.empty((n, n), dtype=np.float32) if out is None else out
     edges = [round(i * n / blocks) for i in range(blocks + 1)]
-    for a, b in zip(edges[:-1], edges[1:]):
+    for a, b in zip(edges[:-1], edges[1:], strict=True):
         if a == b:
             continue
         blk = A[a:b] @ B[a:].T
@@ -59,12 +59,14 @@ class GramSweep:
         self.R = relevant_counts(self.labels, self.labels, same_set=True)
         self.valid = np.nonzero(self.R > 0)[0]
         self.k = int(max(self.R.max(initial=0), max(self.ks)))
-        self._G = self._T = None
+        self._G: np.ndarray | None = None
+        self._T: np.ndarray | None = None
         # reused N × N buffers (fresh ones cost page faults each setting): the last dense or
         # spectral S, and the last diagonal restraint's S with its zeroed entries
-        self._work = self._work_diag = None
-        self._nested = None
-        self._rows = None  # one chunk of ranked rows
+        self._work: np.ndarray | None = None
+        self._work_diag: np.ndarray | None = None
+        self._nested: np.ndarray | None = None
+        self._rows: torch.Tensor | None = None  # one chunk of ranked rows
 
     @property
     def n(self) -> int:
@@ -145,7 +147,7 @@ class GramSweep:
                 block.copy_(S[int(rows[0]): int(rows[-1]) + 1])
             else:
                 torch.index_select(S, 0, r, out=block)
-            if inv_x is not None:
+            if inv_x is not None and inv_q is not None:  # set together (cosine)
                 block.mul_(inv_x[None, :]).mul_(inv_q[r][:, None])
             block[torch.arange(len(rows)), r] = -float("inf")  # leave the query out
             yield rows, torch.topk(block, k, dim=1, sorted=True).indices.numpy()

@@ -60,9 +60,9 @@ class Hits:
         """Each query's hits as RESULT_FIELDS dicts (the CLI's JSON and the app's API); a
         gallery without metadata (an on-disk IVF built from bare features) gives rank, row, score."""
         items, names = self.items, self.class_names
-        out = []
-        for rows, at, scores in zip(self.rows, self.rows if self.at is None else self.at, self.scores):
-            kept = [(int(r), int(a), float(s)) for r, a, s in zip(rows, at, scores) if r >= 0]
+        out: list[list[dict]] = []
+        for rows, at, scores in zip(self.rows, self.rows if self.at is None else self.at, self.scores, strict=True):
+            kept = [(int(r), int(a), float(s)) for r, a, s in zip(rows, at, scores, strict=True) if r >= 0]
             if items is None:
                 out.append([{"rank": i + 1, "row": r, "score": s} for i, (r, _, s) in enumerate(kept)])
                 continue
@@ -142,6 +142,18 @@ class NeckGallery:
     search_metric(queries, metric, k, nprobe=None, rerank_factor=None, what=…)."""
     W: np.ndarray
     rerank_factor: int = 10
+
+    # what the subclass provides
+    @property
+    def dim(self) -> int:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def search_metric(self, feats: np.ndarray, metric: QueryMetric, k: int = 10, nprobe: int | None = None,
+                      rerank_factor: int | None = None, what: str = "query features") -> Hits:
+        raise NotImplementedError
 
     def strategy_metric(self, strategy: str, params: dict | None = None, mode: str = "bilinear") -> QueryMetric:
         return strategy_metric(self.W, strategy, params, mode)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import base64
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -73,7 +74,7 @@ def connect(uri: str, token: str = ""):
         if not p.parent.is_dir():
             raise UserError(f"Milvus Lite: folder {p.parent} does not exist")
         try:
-            import milvus_lite  # noqa: F401
+            import milvus_lite  # noqa: F401  (only whether it is installed)
         except ImportError:
             raise UserError(f"a .db URI needs Milvus Lite (the milvus-lite package): {INSTALL}") from None
         uri = str(p.resolve())
@@ -209,7 +210,8 @@ class MilvusGallery(NeckGallery):
         R = np.full((len(qt), k), -1, dtype=np.int64)
         S = np.full((len(qt), k), -np.inf, dtype=np.float32)
         at = np.full((len(qt), k), -1, dtype=np.int64)
-        found_hits = []   # the metadata of every hit kept, in order: Hits.items, `at` points into it
+        # the metadata of every hit kept, in order: Hits.items, `at` points into it
+        found_hits: list[dict[str, Any]] = []
         for i, found in enumerate(res):
             by_row = {h["entity"]["row"]: h for h in found}
             rows = np.fromiter(by_row, dtype=np.int64, count=len(by_row))

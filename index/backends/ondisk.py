@@ -103,6 +103,7 @@ class _RowFile:
 
     def __init__(self, path):
         m = load_npy(path, "features", mmap=True)
+        assert isinstance(m, np.memmap)  # a .npy loaded with mmap=True
         if m.ndim != 2 or m.dtype != np.dtype("<f4") or not m.flags.c_contiguous:
             raise UserError(f"features file {path} must be a C-ordered float32 N × d array, "
                             f"got {m.dtype} {m.shape}")
@@ -183,7 +184,7 @@ def build_ondisk_ivf(features, out, *, W: np.ndarray | None = None, nlist: int |
         ivf = faiss.extract_index_ivf(index)
     except RuntimeError as e:
         raise UserError(f"cannot make an on-disk IVF index {factory!r}: {e}") from None
-    lists = faiss.downcast_InvertedLists(ivf.invlists)
+    lists = None if ivf.invlists is None else faiss.downcast_InvertedLists(ivf.invlists)  # None: refused below
     if isinstance(index, faiss.IndexIVFPQR) or not isinstance(lists, faiss.ArrayInvertedLists):
         raise UserError(f"codec {codec!r} gives {type(index).__name__}; on-disk lists need a plain IVF codec")
     sample = np.sort(np.random.default_rng(seed).choice(n, train_size, replace=False))
@@ -197,13 +198,13 @@ def build_ondisk_ivf(features, out, *, W: np.ndarray | None = None, nlist: int |
     out = Path(out)
     features_abs = rows.path.resolve()
     with atomic_dir(out) as tmp:
-        shard_files = []
+        shard_files: list[str] = []
         for s0 in range(0, n, shard_rows):
             s1 = min(n, s0 + shard_rows)
             shard = faiss.clone_index(index)
-            for b in range(s0, s1, batch_rows):
-                e = min(s1, b + batch_rows)
-                shard.add_with_ids(rows.read(b, e), np.arange(b, e, dtype=np.int64))
+            for b0 in range(s0, s1, batch_rows):
+                b1 = min(s1, b0 + batch_rows)
+                shard.add_with_ids(rows.read(b0, b1), np.arange(b0, b1, dtype=np.int64))
             shard_files.append(str(tmp / f"shard{len(shard_files):04d}.index"))
             faiss.write_index(shard, shard_files[-1])
             del shard
@@ -219,7 +220,7 @@ def build_ondisk_ivf(features, out, *, W: np.ndarray | None = None, nlist: int |
             os.unlink(f)
         manifest = {
             "format": FORMAT, "version": VERSION,
-            "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "created_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "count": int(n), "dim": int(d), "embed_dim": int(W.shape[0]), "nlist": int(nlist), "codec": codec,
             "factory": factory,
             "normalize": bool(normalize), "shards": len(shard_files), "train_size": int(train_size),
@@ -334,7 +335,8 @@ class OnDiskIVF(NeckGallery):
         if k < 1:
             raise UserError(f"k must be ≥ 1, got {k}")
         # per-call parameters, not index.nprobe: concurrent searches may probe differently
-        params = faiss.SearchParametersIVF(nprobe=self._nprobe if nprobe is None else self._checked_nprobe(nprobe))
+        params = faiss.SearchParametersIVF()
+        params.nprobe = self._nprobe if nprobe is None else self._checked_nprobe(nprobe)
         qt = metric.transform(prepare_queries(feats, self.dim, bool(self.manifest["normalize"]), what))
         kc = metric.candidate_count(k, len(self), self.rerank_factor if rerank_factor is None else rerank_factor)
         R = np.full((len(qt), k), -1, dtype=np.int64)

@@ -150,10 +150,10 @@ class Searcher:
         qt = transform(q)
         k = min(k, self.data.faiss_index.ntotal)
         if self.exact:
-            D, I = index.search(qt, k)
+            D, rows = index.search(qt, k)
         else:
-            D, I = self._rerank(qt, k, norms)
-        return Hits(I.astype(np.int64), D.astype(np.float32), self.data.items, class_names=self.data.class_names)
+            D, rows = self._rerank(qt, k, norms)
+        return Hits(rows.astype(np.int64), D.astype(np.float32), self.data.items, class_names=self.data.class_names)
 
     def _rerank(self, qt: np.ndarray, k: int, norms: np.ndarray | None):
         """Approximate candidates from the ANN index, then exact scores under M′."""
@@ -162,7 +162,7 @@ class Searcher:
         kc = min(self.data.faiss_index.ntotal, max(k * factor, 64))
         _, cand = self.data.faiss_index.search(qt, kc)
         D = np.full((len(qt), k), -np.inf, dtype=np.float32)
-        I = np.full((len(qt), k), -1, dtype=np.int64)
+        rows = np.full((len(qt), k), -1, dtype=np.int64)
         for i in range(len(qt)):
             c = np.sort(cand[i][cand[i] >= 0])  # sorted rows: sequential reads from the memmap
             s = np.asarray(self.data.features[c], dtype=np.float32) @ qt[i]
@@ -170,8 +170,8 @@ class Searcher:
                 s = np.where(norms[c] > 0, s / np.maximum(norms[c], 1e-30), -np.inf)
             top = np.argsort(-s, kind="stable")[:k]
             D[i, : len(top)] = s[top]
-            I[i, : len(top)] = c[top]
-        return D, I
+            rows[i, : len(top)] = c[top]
+        return D, rows
 
     def resolve_mode(self, strategy: str, params: dict | None, mode: str) -> tuple[str, str]:
         """(mode actually used, note): cosine is undefined for an indefinite M′, which is then

@@ -42,7 +42,7 @@ def merge_shards(shard_dirs, out, factory: str | None = None) -> Path:
         raise UserError("give the shard index directories to merge")
     shards = [read_index(d) for d in shard_dirs]
     first = shards[0].manifest
-    for d, s in zip(shard_dirs, shards):
+    for d, s in zip(shard_dirs, shards, strict=True):
         m = s.manifest
         if "shard" not in m:
             raise UserError(f"{d} is not a shard (built without --shard)")

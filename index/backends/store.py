@@ -23,8 +23,8 @@ import numpy as np
 
 from core.arrays import check_finite, check_labels, check_matrix, l2_normalize
 from core.atomic import atomic_dir
-from core.hashing import sha256_file
 from core.errors import UserError
+from core.hashing import sha256_file
 from core.manifest import read_manifest
 
 FORMAT = "dml-retrieval-index"
@@ -53,7 +53,7 @@ class Items:
                 "splits": self.splits}
 
     @classmethod
-    def from_json(cls, d, where: str = "index metadata") -> "Items":
+    def from_json(cls, d, where: str = "index metadata") -> Items:
         """Items from metadata.json's columns, each checked: ids unique integers, labels integers."""
         if not isinstance(d, dict):
             raise UserError(f"{where} must be a JSON object, got {type(d).__name__}")
@@ -72,11 +72,11 @@ class Items:
             raise UserError(f"{where}: ids are not unique (e.g. {int(_first_duplicate(ids))})")
         return cls(ids, check_labels(np.asarray(d["labels"]), f"{where} labels"), d["paths"], d["splits"])
 
-    def subset(self, keep: np.ndarray) -> "Items":
+    def subset(self, keep: np.ndarray) -> Items:
         return Items(self.ids[keep], self.labels[keep], [self.paths[i] for i in np.nonzero(keep)[0]],
                      [self.splits[i] for i in np.nonzero(keep)[0]])
 
-    def concat(self, other: "Items") -> "Items":
+    def concat(self, other: Items) -> Items:
         return Items(np.concatenate([self.ids, other.ids]), np.concatenate([self.labels, other.labels]),
                      self.paths + other.paths, self.splits + other.splits)
 
@@ -169,7 +169,7 @@ def write_index(path, features: np.ndarray, items: Items, W: np.ndarray, *, norm
         (tmp / "metadata.json").write_text(json.dumps(meta, ensure_ascii=False))
         manifest = {
             "format": FORMAT, "version": VERSION,
-            "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "created_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "index_type": "exact" if fac == "Flat" else "approximate", "factory": fac,
             "count": int(len(items)), "trunk_dim": int(features.shape[1]), "embed_dim": int(W.shape[0]),
             "classes": int(len(np.unique(items.labels))), "normalize": bool(normalize),
@@ -230,7 +230,7 @@ def read_index(path, verify: bool = True) -> IndexData:
         W = np.load(path / "W.npy", allow_pickle=False)
         meta = json.loads((path / "metadata.json").read_text())
         index = faiss.read_index(str(path / "index.faiss"))
-    except Exception as e:  # noqa: BLE001 - any parse failure is a corrupt index
+    except Exception as e:
         raise UserError(f"cannot read index {path}: {e}") from None
     items = Items.from_json(meta, f"index {path}: metadata.json")
     n, d = man["count"], man["trunk_dim"]

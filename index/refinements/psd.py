@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import typing
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -52,12 +52,14 @@ def psd_reading(M: np.ndarray, how: str) -> np.ndarray:
 # operator: clip of a diagonal restraint keeps at most rank(M*) eigenvalues, abs at most
 # rank(M*) + the zeroed entries: "spectral" finds such a low-rank form, else applies M′ densely.
 # trained_at r = 0: M′ = M* is PSD, so either reading returns it (round-off aside).
-_META = dict(operator="spectral", grid={"r": R_GRID, "psd": READINGS}, trained_at={"r": 0.0}, exact_symmetry=True)
+_META: dict[str, Any] = dict(operator="spectral", grid={"r": R_GRID, "psd": READINGS}, trained_at={"r": 0.0},
+                             exact_symmetry=True)
 
 
 @REFINEMENTS.register("diagonal-psd", ReadingParams, **_META)
 def diagonal_psd(M: np.ndarray, p: ReadingParams) -> np.ndarray:
-    """Diagonal restraint's M′ read as PSD (beyond the paper): |M′| (abs) or its negative eigenvalues set to 0 (clip)."""
+    """Diagonal restraint's M′ read as PSD (beyond the paper): |M′| (abs) or its negative eigenvalues set to 0
+    (clip)."""
     return psd_reading(diagonal(M, p), p.psd)
 
 

@@ -97,7 +97,8 @@ def strategy_key(name: str, params) -> tuple:
 def strategy_label(name: str, params=None) -> str:
     """The one label of (strategy, parameters): `name` or `name(k=v, …)` over the parameters
     the strategy takes, in field order.  A dict may give some of them (None and '' are left out)."""
-    given = dataclasses.asdict(params) if dataclasses.is_dataclass(params) else dict(params or {})
+    given = (dataclasses.asdict(params) if dataclasses.is_dataclass(params) and not isinstance(params, type)
+             else dict(params or {}))
     parts = []
     for f in dataclasses.fields(REFINEMENTS.get(name).params):
         v = given.get(f.name)
@@ -146,7 +147,7 @@ def sweep(name: str, seeds: int) -> list[tuple[dict, str]]:
     out = []
     for values in itertools.product(*g.values()):
         for seed in (range(seeds) if seeded(name) else [None]):
-            p = dict(zip(g, values)) | ({} if seed is None else {"seed": seed})
+            p = dict(zip(g, values, strict=True)) | ({} if seed is None else {"seed": seed})
             out += [(p, mode) for mode in modes]
     return out
 

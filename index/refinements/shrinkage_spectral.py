@@ -21,8 +21,14 @@ class ShrinkParams:
             raise UserError(f"shrink alpha must be in [0, 1], got {self.alpha}")
 
 
-@REFINEMENTS.register("shrink", ShrinkParams, operator="spectral", grid={"alpha": (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)},
-                      trained_at={"alpha": 0.0}, exact_symmetry=True)
+@REFINEMENTS.register(
+    "shrink",
+    ShrinkParams,
+    operator="spectral",
+    grid={"alpha": (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)},
+    trained_at={"alpha": 0.0},
+    exact_symmetry=True,
+)
 def shrink(M: np.ndarray, p: ShrinkParams) -> np.ndarray:
     """Shrinkage: M′ = (1 − α)·M*/tr(M*) + α·I/d (both terms have unit trace)."""
     d = M.shape[0]
@@ -54,8 +60,9 @@ class SpectralParams:
             raise UserError(f"spectral power p must be in [0, 4], got {self.p}")
 
 
-@REFINEMENTS.register("spectral", SpectralParams, operator="spectral", grid={"p": (0.0, 0.25, 0.5, 0.75, 1.0, 1.5)},
-                      trained_at={"p": 1.0})
+@REFINEMENTS.register(
+    "spectral", SpectralParams, operator="spectral", grid={"p": (0.0, 0.25, 0.5, 0.75, 1.0, 1.5)}, trained_at={"p": 1.0}
+)
 def spectral(M: np.ndarray, p: SpectralParams) -> np.ndarray:
     """Spectral power: M* = UΛUᵀ → UΛᵖUᵀ; p = 1 is M*, p = 0 the projector onto its range."""
     lam, U = _eigh(M)

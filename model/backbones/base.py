@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from pathlib import Path
-
-from typing import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,7 +25,7 @@ class Backbone(nn.Module):
     """
 
     def __init__(self, name: str, trunk: nn.Module, dim: int, mean, std, weights: str,
-                 stages_fn: Callable[[nn.Module], list] | None = None):
+                 stages_fn: Callable[[Any], list] | None = None):
         super().__init__()
         self.name = name
         self.trunk = trunk
@@ -55,6 +54,7 @@ class Backbone(nn.Module):
         With `prefix`, only those of the first `prefix` stages: a cached prefix stays valid
         while the stages after it train."""
         h = hashlib.sha256(self.name.encode())
+        items: Iterable[tuple[str, Any]]
         if prefix is None:
             items = self.trunk.state_dict().items()
         else:

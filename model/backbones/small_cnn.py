@@ -47,6 +47,7 @@ def small_cnn(weights: str | None = None) -> Backbone:
 def stages(net: SmallCNN) -> list:
     """Its conv blocks; the last one with global pooling."""
     blocks = list(net.features)
-    pool = lambda x: net.pool(x).flatten(1)  # noqa: E731
+    def pool(x):
+        return net.pool(x).flatten(1)
     return ([(f"block{i}", b) for i, b in enumerate(blocks[:-1])]
             + [(f"block{len(blocks) - 1}", Pooled(blocks[-1], pool))])

@@ -5,6 +5,7 @@ they come from a file the user names, or from the torch hub cache
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -84,6 +85,8 @@ class _GoogLeNetStem(nn.Module):
     """Holds only the stem's layers (not the whole net: a stage's parameters must be its own, or the
     optimizer would see every weight in the stem's group)."""
 
+    _transform: Callable[[torch.Tensor], torch.Tensor]  # set in __init__, past nn.Module's __setattr__
+
     def __init__(self, net):
         super().__init__()
         self.convs = nn.Sequential(net.conv1, net.maxpool1, net.conv2, net.conv3, net.maxpool2)
@@ -103,22 +106,31 @@ def googlenet_stages(net) -> list:
             ("inception5", Pooled(nn.Sequential(net.inception5a, net.inception5b), _pool(net)))]
 
 
-@BACKBONES.register("resnet18", doc="torchvision ResNet-18; ImageNet weights from --weights PATH or the torch cache; 512-d",
-                    stages=RESNET_STAGES)
+@BACKBONES.register(
+    "resnet18",
+    doc="torchvision ResNet-18; ImageNet weights from --weights PATH or the torch cache; 512-d",
+    stages=RESNET_STAGES,
+)
 def resnet18(weights: str | None = None) -> Backbone:
     weights = weights or "imagenet"
     return _build("resnet18", weights)
 
 
-@BACKBONES.register("resnet50", doc="torchvision ResNet-50; ImageNet weights from --weights PATH or the torch cache; 2048-d",
-                    stages=RESNET_STAGES)
+@BACKBONES.register(
+    "resnet50",
+    doc="torchvision ResNet-50; ImageNet weights from --weights PATH or the torch cache; 2048-d",
+    stages=RESNET_STAGES,
+)
 def resnet50(weights: str | None = None) -> Backbone:
     weights = weights or "imagenet"
     return _build("resnet50", weights)
 
 
-@BACKBONES.register("googlenet", doc="torchvision GoogLeNet (Inception v1); ImageNet weights from --weights PATH or the torch cache; 1024-d",
-                    stages=("stem", "inception3", "inception4", "inception5"))
+@BACKBONES.register(
+    "googlenet",
+    doc="torchvision GoogLeNet (Inception v1); ImageNet weights from --weights PATH or the torch cache; 1024-d",
+    stages=("stem", "inception3", "inception4", "inception5"),
+)
 def googlenet(weights: str | None = None) -> Backbone:
     weights = weights or "imagenet"
     return _build("googlenet", weights)

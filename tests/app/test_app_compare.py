@@ -6,10 +6,10 @@ import urllib.parse
 
 import numpy as np
 import pytest
+from support import run_module
 
 from app.compare_view import parse_state, state_query, tick_label, write_exports
 from app.service import RetrievalService, Spec
-from conftest import run_module
 from core.arrays import l2_normalize
 from core.errors import UserError
 from evaluation.evaluator import evaluate_ranking

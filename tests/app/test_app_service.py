@@ -130,7 +130,6 @@ def test_strategy_choices_come_from_the_registry(svc):
 
 
 def test_pictures_render(svc):
-    q = svc.query_from_item(int(svc.data.items.ids[0]))
     spec = Spec("diagonal", {"r": 0.5}, "bilinear")
     assert svc.heatmap(spec).size[0] > 100
     assert svc.heatmap(spec) is svc.heatmap(spec)  # drawn once per M′
@@ -177,7 +176,7 @@ def test_query_embedding_reproduces_the_indexed_features(svc):
     stored for it (batched, the default layout) up to float round-off."""
     rows = [0, 5, 11]
     stored = np.asarray(svc.data.features, dtype=np.float32)[rows]
-    for row, want in zip(rows, stored):
+    for row, want in zip(rows, stored, strict=True):
         got = svc.query_from_upload(str(svc.root / svc.data.items.paths[row])).feats[0]
         got = got / np.linalg.norm(got) if svc.data.manifest["normalize"] else got
         np.testing.assert_allclose(got, want, atol=1e-5)

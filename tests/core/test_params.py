@@ -1,6 +1,7 @@
 """core/params.py: one field type turns text (a flag, `key=value`, a TOML value) into a value."""
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Optional
+from typing import Any, Literal, Optional  # Optional: the spelling the tests must still accept
 
 import pytest
 
@@ -9,7 +10,7 @@ from core.params import build_params, conforms, convert, field_default, optional
 
 
 def test_optional_both_spellings():
-    for t in (Optional[int], int | None):
+    for t in (Optional[int], int | None):  # noqa: UP045  (both spellings are the test)
         assert optional_of(t) is int
         assert convert("3", t, "seed") == 3
         assert convert("", t, "seed") is None and convert("None", t, "seed") is None
@@ -23,7 +24,7 @@ def test_optional_both_spellings():
 
 def test_none_is_a_value_for_optional_strings():
     assert convert("none", str | None, "weights") == "none"
-    assert convert("", Optional[str], "weights") is None
+    assert convert("", Optional[str], "weights") is None  # noqa: UP045  (the old spelling still converts)
 
 
 def test_literal_plain_and_optional():
@@ -31,7 +32,7 @@ def test_literal_plain_and_optional():
     assert convert("clip", t, "psd") == "clip"
     with pytest.raises(UserError, match=r"psd: 'both' is not one of \['abs', 'clip'\]"):
         convert("both", t, "psd")
-    assert convert("", t | None, "psd") is None and convert("abs", Optional[t], "psd") == "abs"
+    assert convert("", t | None, "psd") is None and convert("abs", Optional[t], "psd") == "abs"  # noqa: UP045  (the old spelling)
 
 
 def test_tuples_from_text_and_lists():

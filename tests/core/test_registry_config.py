@@ -77,7 +77,7 @@ def test_unknown_missing_or_mistyped_metadata_is_an_error():
     with pytest.raises(ValueError, match=r"widget 'oval': sides='three' is not int"):
         reg.register("oval", sides="three")(lambda p: "oval")
     with pytest.raises(TypeError, match="unknown keyword 'colour' for Spec; it takes none"):
-        Registry("plain").register("x", colour="blue")  # the base spec: no metadata
+        Registry("plain", spec=Spec).register("x", colour="blue")  # the base spec: no metadata
     assert "oval" not in reg
     with pytest.raises(TypeError, match="spec must be a frozen dataclass derived from Spec"):
         Registry("bad", spec=WidgetParams)

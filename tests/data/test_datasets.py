@@ -8,12 +8,12 @@ from PIL import Image
 
 from core.errors import DatasetLayoutError, UserError
 from data import DataConfig, load_data
+from data.splits import carve_validation
 
 
 def load_dataset(name, root, val_fraction=0.2, seed=0):
     return load_data(DataConfig(dataset=name, data_root=None if root is None else str(root),
                                 val_fraction=val_fraction, data_seed=seed), progress=False)
-from data.splits import carve_validation
 
 
 def _img(path, color=(0, 0, 0)):

@@ -8,39 +8,15 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from app_helpers import chromium_path, free_port, needs_chromium
+from support import ROOT, run_module
 
-from conftest import ROOT, run_module
 from index.backends.gallery import RESULT_FIELDS
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# a served app (threads, sockets) and app subprocesses: make test-fast leaves these out
+pytestmark = pytest.mark.multiprocess
 
 
-@pytest.fixture(scope="module")
-def server(tiny_index):
-    from app.cli import build_parser, launch
-
-    import faiss
-    import torch
-
-    port = free_port()
-    args = build_parser().parse_args(["--index", str(tiny_index), "--port", str(port)])
-    from threadpoolctl import ThreadpoolController
-
-    pools = ThreadpoolController()
-    threads = torch.get_num_threads(), faiss.omp_get_max_threads(), [c.num_threads for c in pools.lib_controllers]
-    demo, svc = launch(args, block=False)  # with the app's default --threads (its share of the cores)
-    svc.demo = demo
-    yield f"http://127.0.0.1:{port}/", svc, port
-    demo.close()
-    # the tests after these train models: give them the cores back (torch, FAISS, BLAS, OpenMP)
-    torch.set_num_threads(threads[0])
-    faiss.omp_set_num_threads(threads[1])
-    for c, n in zip(pools.lib_controllers, threads[2]):
-        c.set_num_threads(n)
 
 
 def test_gradio_overheads_are_bounded(server):
@@ -68,7 +44,7 @@ def test_threads_default_to_a_share_of_the_cores(tmp_path):
 def listening_addresses(port: int) -> set[str]:
     """Local addresses with a socket listening on `port` (from /proc/net/tcp and tcp6)."""
     out = set()
-    for f, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+    for f in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             lines = Path(f).read_text().splitlines()[1:]
         except OSError:
@@ -183,20 +159,17 @@ def test_serves_no_arbitrary_files(server):
                 assert e.code in (403, 404), (prefix, target, e.code)
 
 
-def _chromium():
-    path = shutil.which("chromium") or "/usr/bin/chromium"
-    return path if os.path.exists(path) else None
 
 
-@pytest.mark.skipif(_chromium() is None, reason="Debian's chromium is not installed "
-                    "(make setup installs it as root; elsewhere: apt-get install chromium)")
+@pytest.mark.browser
+@needs_chromium
 def test_real_browser_upload_search_switch(server, tmp_path):
     from playwright.sync_api import sync_playwright
 
     url, svc, _ = server
     img = svc.root / svc.data.items.paths[9]
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=_chromium(), args=[
+        browser = p.chromium.launch(executable_path=chromium_path(), args=[
             "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
             "--disable-sync", "--no-first-run"])
         try:

@@ -1,11 +1,12 @@
 """A real browser on the Compare tab: a shared link opens its comparison, a click on a point opens that query."""
 import pytest
+from app_helpers import chromium_path, needs_chromium
 
-from test_app_server import _chromium, server  # noqa: F401  (the running app fixture)
+pytestmark = [pytest.mark.browser, pytest.mark.multiprocess]
 
 
 def launch_chromium(p):
-    return p.chromium.launch(executable_path=_chromium(), args=[
+    return p.chromium.launch(executable_path=chromium_path(), args=[
         "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
         "--disable-sync", "--no-first-run"])
 
@@ -16,9 +17,8 @@ def wait_for_link(page, item_id: int):
                            "?.includes('?q=' + q + '&')", arg=item_id, timeout=60000)
 
 
-@pytest.mark.skipif(_chromium() is None, reason="Debian's chromium is not installed "
-                    "(make setup installs it as root; elsewhere: apt-get install chromium)")
-def test_shared_link_then_click_a_point(server, tmp_path):  # noqa: F811
+@needs_chromium
+def test_shared_link_then_click_a_point(server, tmp_path):
     from playwright.sync_api import sync_playwright
 
     url, svc, _ = server

@@ -3,12 +3,12 @@ killed mid-epoch (one rank dies hard; torchrun tears the other down) and resumed
 with --resume ends where an uninterrupted 2-rank run ends: the same validation history, selected
 epoch, test metrics and weights.  Rank 0 alone writes the run folder."""
 import json
-import sys
 
 import pytest
 import torch
+from support import ROOT, run_module
 
-from conftest import ROOT, run_module
+pytestmark = pytest.mark.multiprocess  # torchrun, two ranks
 
 FONTS = "ipag,ipam,seto,kouzan-sousyo,ume-gothic,ukai"
 

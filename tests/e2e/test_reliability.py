@@ -8,8 +8,8 @@ import sys
 
 import numpy as np
 import pytest
+from support import ROOT, run_module
 
-from conftest import ROOT, run_module
 from core.atomic import cleanup_stale
 from core.locks import exclusive_lock
 from index.backends.store import read_index

@@ -6,8 +6,7 @@ import json
 import numpy as np
 import pytest
 from PIL import Image
-
-from conftest import run_module
+from support import run_module
 
 SIZE = 40  # a non-default size (the images are 56 px, the backbone default 224)
 
@@ -62,7 +61,7 @@ def test_build_takes_the_data_settings_from_the_checkpoint(trained):
 
 def test_a_flag_that_contradicts_the_checkpoint_warns(trained):
     man, err = build(trained, "idx_64", "--image-size", 64)
-    assert f"warning: --image-size 64 differs from checkpoint" in err and f"'s {SIZE}" in err
+    assert "warning: --image-size 64 differs from checkpoint" in err and f"'s {SIZE}" in err
     assert man["transform"]["image_size"] == 64  # the flag wins, and the user was told
 
 

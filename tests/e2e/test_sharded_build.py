@@ -5,8 +5,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import run_module
 
-from conftest import run_module
 from index.backends.search import Searcher
 from index.backends.store import read_index
 
@@ -49,6 +49,7 @@ def test_merge_refuses_shards_that_do_not_belong_together(tiny_index, shards):
     assert r.returncode == 2 and "is not a shard" in r.stderr and not (t / "bad").exists()
 
 
+@pytest.mark.multiprocess
 def test_torchrun_two_ranks_equal_one_build(tiny_index, shards):
     t, ck = shards
     r = run_module("torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "index", "build",

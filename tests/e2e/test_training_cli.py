@@ -5,9 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-
-from conftest import run_module
-
+from support import run_module
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ N, DIM, NLIST, K = 500, 16, 8, 6
 HAVE_MILVUS = all(importlib.util.find_spec(m) is not None for m in ("pymilvus", "milvus_lite"))
 needs_milvus = pytest.mark.skipif(not HAVE_MILVUS, reason="the Milvus backend needs pymilvus and milvus-lite: "
                                                          "pip install -r requirements-milvus.txt")
-BACKENDS = ["faiss", "ondisk", pytest.param("milvus", marks=needs_milvus)]
+BACKENDS = ["faiss", "ondisk", pytest.param("milvus", marks=[needs_milvus, pytest.mark.milvus])]
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_index_search_gives_the_same_json_on_every_backend(built, flags, capsys)
     assert want["k"] == K and len(want["queries"]) == 3
     for b, got in out.items():
         assert {k: v for k, v in got.items() if k != "queries"} == {k: v for k, v in want.items() if k != "queries"}, b
-        for a, w in zip(got["queries"], want["queries"]):
+        for a, w in zip(got["queries"], want["queries"], strict=True):
             assert a["query"] == w["query"]
             assert [list(r) for r in a["results"]] == [list(r) for r in w["results"]] == [list(RESULT_FIELDS)] * K
             assert ([{k: v for k, v in r.items() if k != "score"} for r in a["results"]]

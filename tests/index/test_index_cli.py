@@ -32,7 +32,7 @@ def test_strategy_flags_are_generated_from_the_registry():
     assert flags["strategy"].default == "trained"
     for e in REFINEMENTS.entries():  # every strategy and every one of its parameters
         assert e.name in flags["strategy"].help
-        for param, default in e.param_defaults().items():
+        for param in e.param_defaults():
             assert e.name in flags[param].help and "default" in flags[param].help
     assert flags["path"].option_strings == ["--metric-matrix"]  # a field's own flag name
     assert "(diagonal, diagonal-psd, random, random-psd; default: 0.5)" in flags["r"].help

@@ -1,14 +1,13 @@
 """Search under refined metrics returns exactly the brute-force top-k, for every strategy."""
 import numpy as np
 import pytest
+from dense_reference import m_norms
 
 from core.errors import UserError
 from index.backends.search import Searcher
 from index.backends.store import Items, read_index, write_index
 from index.metric import matrix_report
 from index.refinements import REFINEMENTS, refine
-
-from dense_reference import m_norms  # noqa: E402  (tests/index, on the test path)
 
 D, K_EMB, N = 24, 6, 300
 
@@ -144,7 +143,7 @@ def test_metric_cache_churn_and_concurrency(tmp_path):
                 res = s.search(q, "random", params, k=5)
                 M = refine("random", W.T.astype(np.float64) @ W, params)
                 assert_topk_exact(res, brute_force(feats, q, M, "bilinear", True), 5)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             errors.append(repr(e))
 
     threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]

@@ -4,13 +4,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import run_module
 
-from conftest import run_module
 from core.errors import UserError
 from index.backends.search import Searcher
 from index.backends.store import FILES, Items, read_index, write_index
 from index.build import add_features, build_from_dataset, build_from_features, remove_ids
-
 
 
 def small_index(path, n=50, d=12, k=4, seed=0):
@@ -137,7 +136,7 @@ def test_build_search_cli_matches_api_and_refuses_other_model(tiny_run, tmp_path
     assert [x["id"] for x in res] == [int(data.items.ids[r]) for r in api.rows[0]]
     assert [x["score"] for x in res] == pytest.approx(api.scores[0].tolist(), rel=1e-4, abs=1e-5)
     # a model from another checkpoint is refused
-    from model.checkpoint import read_checkpoint, save_checkpoint, model_from_checkpoint
+    from model.checkpoint import model_from_checkpoint, read_checkpoint, save_checkpoint
     other = tmp_path / "other.pt"
     ckd = read_checkpoint(ck)
     save_checkpoint(other, model_from_checkpoint(ckd), config=ckd["config"], metrics={"x": 1})

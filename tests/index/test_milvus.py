@@ -8,11 +8,13 @@ import pytest
 pytest.importorskip("pymilvus", reason="the Milvus backend needs pymilvus and milvus-lite: "
                                        "pip install -r requirements-milvus.txt")
 
-from core.errors import UserError  # noqa: E402
-from index.backends.milvus_store import MilvusGallery, export_index  # noqa: E402
-from index.backends.search import Searcher  # noqa: E402
-from index.backends.store import Items, read_index, write_index  # noqa: E402
-from index.cli import main  # noqa: E402
+from core.errors import UserError
+from index.backends.milvus_store import MilvusGallery, export_index
+from index.backends.search import Searcher
+from index.backends.store import Items, read_index, write_index
+from index.cli import main
+
+pytestmark = pytest.mark.milvus
 
 N, DIM, K = 400, 16, 10
 STRATEGIES = [("trained", {}), ("identity", {}), ("diagonal", {"r": 0.5, "seed": 0}), ("random", {"r": 0.5, "seed": 1})]
@@ -89,7 +91,7 @@ def test_cli_export_and_search_match_faiss(gallery, capsys):
     assert main(common + ["--backend", "milvus", "--uri", uri, "--collection", "c"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["backend"] == "milvus" and got["params"] == want["params"] == {"r": 0.5}
-    for a, b in zip(got["queries"], want["queries"]):
+    for a, b in zip(got["queries"], want["queries"], strict=True):
         assert [r["id"] for r in a["results"]] == [r["id"] for r in b["results"]]
         np.testing.assert_allclose([r["score"] for r in a["results"]], [r["score"] for r in b["results"]], rtol=1e-5)
     with pytest.raises(UserError, match="--backend milvus needs --uri and --collection"):

@@ -5,12 +5,12 @@ import mmap
 import faiss
 import numpy as np
 import pytest
+from dense_reference import m_norms
 
 from core.errors import UserError
-from index.cli import main
-from dense_reference import m_norms
-from index.backends.ondisk import OnDiskIVF, build_ondisk_ivf, build_for_index
+from index.backends.ondisk import OnDiskIVF, build_for_index, build_ondisk_ivf
 from index.backends.store import Items, write_index
+from index.cli import main
 from index.refinements import refine
 
 N, DIM, NLIST, K = 3000, 24, 8, 10
@@ -132,7 +132,8 @@ def test_for_index_directory_and_refusals(tmp_path):
     assert out == idx / "ivf_ondisk" and ivf.manifest["normalize"] is True
     # queries are L2-normalised like the stored features: a scaled query ranks the same
     M = np.eye(DIM)
-    np.testing.assert_array_equal(ivf.search_metric(Q * 5, ivf.metric(M), K).rows, ivf.search_metric(Q, ivf.metric(M), K).rows)
+    np.testing.assert_array_equal(ivf.search_metric(Q * 5, ivf.metric(M), K).rows,
+                                  ivf.search_metric(Q, ivf.metric(M), K).rows)
     with pytest.raises(UserError, match="nprobe must be in"):
         ivf.search_metric(Q, ivf.metric(M), K, nprobe=NLIST + 1)
     with pytest.raises(UserError, match="query features have dimension 5"):
@@ -166,8 +167,9 @@ def test_cli_builds_from_an_index_and_searches_like_flat_under_every_strategy(tm
         want = json.loads(capsys.readouterr().out)["queries"]
         assert main(flags + pool + ["--backend", "ondisk", "--index", str(idx), "--nprobe", str(NLIST)]) == 0
         got = json.loads(capsys.readouterr().out)["queries"]
-        for a, b in zip(got, want):   # all lists probed: the exact top-k, with the index's metadata
-            assert [(r["id"], r["relative_path"]) for r in a["results"]] == [(r["id"], r["relative_path"]) for r in b["results"]]
+        for a, b in zip(got, want, strict=True):   # all lists probed: the exact top-k, with the index's metadata
+            assert ([(r["id"], r["relative_path"]) for r in a["results"]]
+                    == [(r["id"], r["relative_path"]) for r in b["results"]])
             np.testing.assert_allclose([r["score"] for r in a["results"]], [r["score"] for r in b["results"]],
                                        rtol=1e-4, atol=1e-5)
 

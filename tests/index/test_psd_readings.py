@@ -157,7 +157,7 @@ def test_the_sweep_measures_both_readings_in_both_modes_and_the_table_reports_th
         assert r["map@r"] == pytest.approx(ref["map@r"], abs=1e-9)
     table = summary_table(aggregate(rows), None)
     titles = [t["row"] for t in table]
-    for _, params, title in READING_ROWS:
+    for _, _, title in READING_ROWS:
         assert title in titles
     abs_row = table[titles.index(READING_ROWS[1][2])]
     assert abs_row["choice"].startswith("diagonal-psd(") and "psd=abs" in abs_row["choice"]

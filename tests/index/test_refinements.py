@@ -189,6 +189,7 @@ def test_exact_symmetry_is_what_the_strategies_declare(M_star, tmp_path):
     M_raw = W.T @ W
     M_raw[0, 1] = np.nextafter(M_raw[0, 1], np.inf)
     for name in declared:
-        np.testing.assert_array_equal(refine(name, M_raw, given), refine(name, symmetrized(M_raw), given, symmetric=True))
+        np.testing.assert_array_equal(refine(name, M_raw, given),
+                                      refine(name, symmetrized(M_raw), given, symmetric=True))
         got = refine(name, M_raw, given)
         assert np.array_equal(got, got.T), name

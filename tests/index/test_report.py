@@ -1,7 +1,8 @@
 """`python -m index report`: one self-contained HTML page that parses, with the expected rows."""
 from html.parser import HTMLParser
 
-from conftest import run_module
+from support import run_module
+
 from index.analysis.compare import Comparer
 from index.backends.store import read_index
 
@@ -45,5 +46,7 @@ def test_report_html(tiny_index, tmp_path):
 def test_report_refuses_a_missing_analysis_folder(tiny_index, tmp_path):
     r = run_module("index", "report", "--index", tiny_index, "--strategy", "identity", "--analysis",
                    tmp_path / "nope", "--out", tmp_path / "r.html", cwd=tmp_path)
-    assert r.returncode == 2 and r.stderr.startswith("error: --analysis folder not found") and "Traceback" not in r.stderr
+    assert (
+        r.returncode == 2 and r.stderr.startswith("error: --analysis folder not found") and "Traceback" not in r.stderr
+    )
     assert not (tmp_path / "r.html").exists()

@@ -10,7 +10,6 @@ process: the same global batches (the distributed m-per-class sampler; one proce
     (also with the determinant regularizer's per-rank tangent augmentation);
   * the wrapped pair loss and its miner receive 2 × B/2 embeddings.
 """
-import dataclasses
 import os
 import socket
 
@@ -106,7 +105,7 @@ def _worker(rank: int, world: int, port: int, specs: dict, out: str) -> None:
 def same_state(a: dict, b: dict, **tol) -> None:
     assert a.keys() == b.keys() and a
     for k in a:
-        torch.testing.assert_close(a[k], b[k], msg=lambda m: f"{k}: {m}", **tol)
+        torch.testing.assert_close(a[k], b[k], msg=lambda m, k=k: f"{k}: {m}", **tol)
 
 
 CASES = {
@@ -137,6 +136,7 @@ def ranks(tmp_path_factory) -> dict:
     return {name: [g[name] for g in got] for name in specs}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_ranks_half_batches_follow_one_process_full_batches(name, ranks):
     spec = CASES[name]
@@ -144,7 +144,7 @@ def test_two_ranks_half_batches_follow_one_process_full_batches(name, ranks):
     assert ranks[name][0]["local_batch"] == one["local_batch"] // 2
     for r in ranks[name]:  # the logged parts (means over the ranks) are the one-process values
         assert len(r["losses"]) == len(one["losses"]) == STEPS
-        for a, b in zip(r["losses"], one["losses"]):
+        for a, b in zip(r["losses"], one["losses"], strict=True):
             assert a.keys() == b.keys()
             for k in a:
                 assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), (name, k, r["losses"], one["losses"])
@@ -154,6 +154,7 @@ def test_two_ranks_half_batches_follow_one_process_full_batches(name, ranks):
     same_state(ranks[name][0]["state"], ranks[name][1]["state"], rtol=0, atol=0)
 
 
+@pytest.mark.multiprocess
 def test_proxies_and_flows_equal_across_ranks_with_determinant_augmentation(ranks):
     """The determinant regularizer: g_min (the model's head), g_max and its own proxies, and the tangent
     augmentation drawn from each rank's own generator (so the ranks differ in what they draw, not in
@@ -166,6 +167,7 @@ def test_proxies_and_flows_equal_across_ranks_with_determinant_augmentation(rank
     assert not torch.equal(r0["state"]["loss.loss.proxies"], init)  # the proxies did train
 
 
+@pytest.mark.multiprocess
 def test_mined_pair_loss_sees_the_global_batch(ranks):
     r0, r1 = ranks["triplet"]
     for r in (r0, r1):

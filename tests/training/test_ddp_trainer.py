@@ -5,10 +5,12 @@ ranks, as do the neck, proxies and flows; every rank gets rank 0's test metrics;
 writes the run folder."""
 import os
 
+import pytest
 import torch
-
 from test_ddp import free_port
-from test_trainer import FONTS
+from tiny_kanji import FONTS
+
+pytestmark = pytest.mark.multiprocess  # a 2-process gloo group
 
 
 def _worker(rank, world, port, cfg, out):
@@ -44,7 +46,7 @@ def test_tail_warmup_and_determinant_under_two_ranks(tmp_path):
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
     assert r0["ddp"] and r1["ddp"]
     assert r0["metrics"] == r1["metrics"]  # rank 0's test metrics, told to every rank
-    for a, b in zip(r0["snaps"], r1["snaps"]):  # identical replicas after every epoch
+    for a, b in zip(r0["snaps"], r1["snaps"], strict=True):  # identical replicas after every epoch
         assert a.keys() == b.keys()
         for k in a:  # (BatchNorm running statistics of a trained stage are each rank's own until DDP
             if "running_" not in k:  # broadcasts rank 0's at the next forward; rank 0's are saved)

@@ -213,7 +213,7 @@ def test_weight_zero_epsilon_zero_control_trains_the_flows_by_the_metric_losses_
     metric = (reg.loss(nn.functional.normalize(reg.g_min.flow().transform(u), dim=1), Y)
               + reg.max_loss(nn.functional.normalize(reg.g_max.flow().transform(u), dim=1), Y))
     want = torch.autograd.grad(metric, flows, allow_unused=True)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -1,14 +1,12 @@
 """Paper 004's regime: the trunk trains while the neck W stays at its initialisation."""
-import math
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from model.checkpoint import load_model
 from training.config import TrainConfig
 from training.trainer import train
-from model.checkpoint import load_model
 
 FONTS = ("ipag", "ipam", "seto", "ukai")
 
@@ -23,9 +21,9 @@ def tiny(tmp_path, **kw):
 
 def initial_W(cfg) -> torch.Tensor:
     """The neck the run starts from: the same seeded build, done independently here."""
-    from training.trainer import torch_seeded
     from model.backbones import build_backbone
     from model.network import EmbeddingModel
+    from training.trainer import torch_seeded
 
     with torch_seeded(cfg.seed):
         model = EmbeddingModel(build_backbone(cfg.backbone, weights=cfg.weights), cfg.embed_dim)
@@ -46,8 +44,11 @@ def test_neck_lr_mult_zero_keeps_W_at_its_initialisation_while_the_trunk_trains(
     from training.trainer import torch_seeded
     with torch_seeded(cfg.seed):
         fresh = build_backbone(cfg.backbone, weights=cfg.weights)
-    moved = [not torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.backbone.state_dict().values())
-             if a.dtype.is_floating_point]
+    moved = [
+        not torch.equal(a, b)
+        for a, b in zip(fresh.state_dict().values(), model.backbone.state_dict().values(), strict=True)
+        if a.dtype.is_floating_point
+    ]
     assert any(moved)
 
 
@@ -59,11 +60,12 @@ def test_pytorch_neck_init_has_paper_004s_trace_scale():
     M = W.t() @ W
     assert float(torch.trace(M)) == pytest.approx(128 / 3, rel=0.01)
     # E‖WWᵀ‖²_F = rows/9 on the diagonal + rows(rows−1)/(9·in) off it
-    assert float((M ** 2).sum()) == pytest.approx(128 / 9 + 128 * 127 / (9 * 1024), rel=0.03)
+    assert float((M**2).sum()) == pytest.approx(128 / 9 + 128 * 127 / (9 * 1024), rel=0.03)
 
 
 def test_neck_lr_mult_negative_is_refused(tmp_path):
     from core.errors import UserError
+
     with pytest.raises(UserError, match="neck-lr-mult"):
         tiny(tmp_path, neck_lr_mult=-1.0).validate()
 
@@ -89,7 +91,14 @@ def test_a_held_neck_with_a_loss_without_parameters_skips_the_probe(tmp_path, mo
     cfg = tiny(tmp_path, out=str(tmp_path / "triplet"), loss="triplet", neck_lr_mult=0.0, probe_epochs=2, epochs=1)
     train(cfg)
     assert calls == []
-    cfg = tiny(tmp_path, out=str(tmp_path / "pa"), loss="proxy_anchor", neck_lr_mult=0.0, probe_epochs=2, epochs=1,
-               overwrite=True)
+    cfg = tiny(
+        tmp_path,
+        out=str(tmp_path / "pa"),
+        loss="proxy_anchor",
+        neck_lr_mult=0.0,
+        probe_epochs=2,
+        epochs=1,
+        overwrite=True,
+    )
     train(cfg)  # the stub's None stands for "no probe entry"
     assert calls == [2]  # proxies to train: the probe runs

@@ -264,7 +264,8 @@ def former_flow(d, blocks, hidden):
     layers = []
     g = torch.Generator().manual_seed(0)
     for i in range(blocks):
-        layers.append(GeneralCouplingTransform(d, d, mask=torch.arange(d) % 2 == i % 2, hidden_features=(hidden, hidden)))
+        layers.append(GeneralCouplingTransform(d, d, mask=torch.arange(d) % 2 == i % 2,
+                                               hidden_features=(hidden, hidden)))
         if i < blocks - 1:
             layers.append(UnconditionalTransform(PermutationTransform, torch.randperm(d, generator=g), buffer=True))
     base = UnconditionalDistribution(zuko.distributions.DiagNormal, torch.zeros(d), torch.ones(d), buffer=True)
@@ -290,7 +291,7 @@ def test_former_flow_and_variants_compute_what_they_did():
     emb, y = torch.randn(6, 6), torch.tensor([0, 1, 1, 2, 3, 4])
     x, c = F.normalize(emb, dim=1), loss.class_proxies()[y]
     z, ladj = old(c).transform.call_and_ladj(x)
-    nll = 0.5 * (z ** 2).sum(1) - ladj
+    nll = 0.5 * (z**2).sum(1) - ladj
 
     terms = reg.terms(ctx_of(emb, y, loss))
     assert float(terms["nir"]) == pytest.approx(0.1 * float(nll.mean()), rel=1e-5)

@@ -7,17 +7,15 @@ import json
 
 import pytest
 import torch
+from tiny_kanji import tiny
 
 from model.checkpoint import read_checkpoint
 from training.checkpoints import same_identity
 from training.config import TrainConfig
 from training.trainer import Run, train
 
-from test_trainer import kanji_root  # noqa: F401  (the tiny kanji set, rendered once per module)
-from test_trainer import tiny
 
-
-def test_the_probe_is_the_frozen_neck_run(tmp_path, kanji_root):  # noqa: F811
+def test_the_probe_is_the_frozen_neck_run(tmp_path, kanji_root):
     frozen = tiny(tmp_path, kanji_root, epochs=3, out=str(tmp_path / "frozen"), device="cpu")
     train(frozen)
     run = Run(tiny(tmp_path, kanji_root, mode="finetune", probe_epochs=3, epochs=1, device="cpu"))
@@ -33,7 +31,7 @@ def test_the_probe_is_the_frozen_neck_run(tmp_path, kanji_root):  # noqa: F811
                                rtol=0, atol=1e-6)
 
 
-def test_the_probe_is_logged_as_epoch_0_a_candidate_and_not_repeated_on_resume(tmp_path, kanji_root,  # noqa: F811
+def test_the_probe_is_logged_as_epoch_0_a_candidate_and_not_repeated_on_resume(tmp_path, kanji_root,
                                                                                 monkeypatch):
     cfg = tiny(tmp_path, kanji_root, mode="finetune", probe_epochs=2, epochs=2, device="cpu")
 

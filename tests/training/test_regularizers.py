@@ -39,7 +39,7 @@ def test_flow_logdet_equals_autograd_jacobian(kind, d):
     _, ladj, _ = flow_forward(f, x, c)
     for i in range(3):
         ci = c[i: i + 1] if c is not None else None
-        J = torch.autograd.functional.jacobian(lambda v: flow_forward(f, v, ci)[0], x[i: i + 1]).reshape(d, d)
+        J = torch.autograd.functional.jacobian(lambda v, ci=ci: flow_forward(f, v, ci)[0], x[i: i + 1]).reshape(d, d)
         assert float(ladj[i]) == pytest.approx(float(torch.linalg.slogdet(J)[1]), abs=1e-8)
     assert torch.allclose(ladj, torch.zeros(3, dtype=torch.float64)) == (kind == "nice")  # NICE: volume-preserving
 
@@ -244,7 +244,8 @@ def test_several_regularizers_train_and_checkpoint_serves_the_index(tmp_path, lo
     idx = tmp_path / "idx"
     build_from_dataset(tmp_path / "run" / "best.pt", cfg.data_config(), idx, cache_dir=cfg.cache_dir, progress=False)
     data = read_index(idx)
-    assert data.dim == model.trunk_dim and Searcher(data).search(np.asarray(data.features[:2]), k=3).rows.shape == (2, 3)
+    assert data.dim == model.trunk_dim
+    assert Searcher(data).search(np.asarray(data.features[:2]), k=3).rows.shape == (2, 3)
     # resume works with regularizer state
     again = train(dataclasses.replace(cfg, resume=True))  # restores regularizer + optimizer state
     assert again["test"]["map@r"] == pytest.approx(m["test"]["map@r"])

@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from tiny_kanji import tiny as _tiny
 
 from core.errors import UserError
 from training.batches import set_trainable
@@ -15,11 +16,8 @@ from training.config import TrainConfig
 from training.samplers import epoch_batches
 from training.trainer import Run, epoch_generators, train
 
-from test_trainer import kanji_root  # noqa: F401  (the tiny kanji set, rendered once per module)
-from test_trainer import tiny as _tiny
 
-
-def tiny(tmp_path, kanji_root, **kw):  # noqa: F811
+def tiny(tmp_path, kanji_root, **kw):
     """test_trainer's tiny kanji run, 2 epochs on the CPU."""
     return _tiny(tmp_path, kanji_root, **({"epochs": 2, "device": "cpu"} | kw))
 

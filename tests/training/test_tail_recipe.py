@@ -6,13 +6,11 @@ import json
 
 import pytest
 import torch
+from tiny_kanji import tiny
 
 from model.checkpoint import read_checkpoint
 from training.config import TrainConfig
 from training.trainer import train
-
-from test_trainer import kanji_root  # noqa: F401  (the tiny kanji set, rendered once per module)
-from test_trainer import tiny
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +40,7 @@ def test_tail_and_finetune_from_pretrained_weights_probe_by_default(weights):
     assert TrainConfig().resolved_probe_epochs() == 0  # frozen: the whole run is the probe
 
 
-def test_when_no_tail_epoch_beats_the_probe_the_probe_is_selected(tmp_path, kanji_root, weights):  # noqa: F811
+def test_when_no_tail_epoch_beats_the_probe_the_probe_is_selected(tmp_path, kanji_root, weights):
     # a trunk learning rate far too high (100) wrecks the trained stages: every tail epoch is worse than the probe
     cfg = tiny(tmp_path, kanji_root, weights=weights, train_blocks=1, epochs=2, backbone_lr_mult=1e5, device="cpu")
     assert cfg.resolved_probe_epochs() == 30  # the default
@@ -66,7 +64,7 @@ def test_when_no_tail_epoch_beats_the_probe_the_probe_is_selected(tmp_path, kanj
     assert all(torch.equal(best["state_dict"][f"backbone.trunk.{k}"], v) for k, v in init.items())
 
 
-def test_the_default_tail_never_ends_below_the_frozen_neck_on_validation(tmp_path, kanji_root, weights):  # noqa: F811
+def test_the_default_tail_never_ends_below_the_frozen_neck_on_validation(tmp_path, kanji_root, weights):
     frozen = train(tiny(tmp_path, kanji_root, weights=weights, epochs=30, out=str(tmp_path / "frozen"),
                         device="cpu"))
     tail = train(tiny(tmp_path, kanji_root, weights=weights, train_blocks=1, epochs=3, device="cpu"))
@@ -74,7 +72,7 @@ def test_the_default_tail_never_ends_below_the_frozen_neck_on_validation(tmp_pat
     assert tail["val"]["map@r"] >= frozen["val"]["map@r"]
 
 
-def test_a_tail_run_recorded_before_tail_probes_is_not_reused_as_the_new_default(tmp_path, kanji_root,  # noqa: F811
+def test_a_tail_run_recorded_before_tail_probes_is_not_reused_as_the_new_default(tmp_path, kanji_root,
                                                                                  weights):
     """A config.toml's -1 ("the mode's default") means the probe that ran (its log's epoch 0, or none),
     not today's default."""

@@ -2,29 +2,13 @@
 import dataclasses
 import json
 
-import numpy as np
 import pytest
 import torch
+from tiny_kanji import tiny
 
 from core.errors import UserError
 from training.config import TrainConfig
 from training.trainer import train
-
-FONTS = ("ipag", "ipam", "seto", "kouzan-sousyo", "ume-gothic", "ukai")
-
-
-@pytest.fixture(scope="module")
-def kanji_root(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("kanji"))
-
-
-def tiny(tmp_path, kanji_root, **kw):
-    base = dict(dataset="kanji", data_root=kanji_root, num_classes=20, image_size=32, kanji_fonts=FONTS,
-                backbone="small_cnn", weights="none", embed_dim=16, epochs=3, batch_size=16,
-                m_per_class=4, out=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"),
-                progress=False, lr=1e-3)
-    base.update(kw)
-    return TrainConfig(**base)
 
 
 def test_frozen_training_outputs_and_selection(tmp_path, kanji_root):
@@ -72,8 +56,8 @@ def test_same_seed_same_metrics_and_resume_equals_uninterrupted(tmp_path, kanji_
 
 
 def test_trainer_caches_features_under_a_key_of_transform_and_weights(tmp_path, kanji_root):
-    from model.backbones import build_backbone
     from data import load_data
+    from model.backbones import build_backbone
     from model.features import cache_key
     from model.preprocess import transform_for
 

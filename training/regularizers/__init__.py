@@ -2,9 +2,8 @@
 its class (`weight=`: its default weight; see `RegularizerSpec`), plus one import line here."""
 from __future__ import annotations
 
+from . import cgml, determinant, nir, skewed_mean  # noqa: F401  (registration)
 from .base import BatchContext, Regularizer
 from .registry import REGULARIZERS, build_regularizers, regularizer_params
-
-from . import cgml, determinant, nir, skewed_mean  # noqa: E402,F401  (registration)
 
 __all__ = ["REGULARIZERS", "BatchContext", "Regularizer", "build_regularizers", "regularizer_params"]

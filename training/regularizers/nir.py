@@ -90,8 +90,9 @@ class NIRParams:
 @REGULARIZERS.register(
     "nir", NIRParams, weight=1.0,
     doc="non-isotropy: a proxy-conditioned GLOW flow on the embeddings (NIR; the official code's defaults: "
-        "variant=official, mean exp(NLL) at weight 1 + w_align 0.01 × the proxy loss, flow=glow with clamp 2 and 8-layer sub-networks, "
-        "condition=dense; other variants: variant=nll|exp (with w_align=1), flow=glow_checkered, condition=dense_embed, input=raw)")
+        "variant=official, mean exp(NLL) at weight 1 + w_align 0.01 × the proxy loss, flow=glow with clamp 2 "
+        "and 8-layer sub-networks, condition=dense; other variants: variant=nll|exp (with w_align=1), "
+        "flow=glow_checkered, condition=dense_embed, input=raw)")
 class NIRRegularizer(Regularizer):
     name = "nir"
     needs_proxies = True
@@ -108,7 +109,8 @@ class NIRRegularizer(Regularizer):
         # official NormflowCondPrep('dense_embed'); 'dense' has no parameters
         self.embed = (torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.ReLU(), torch.nn.Linear(d, d))
                       if params.condition == "dense_embed" else None)
-        self.module = torch.nn.ModuleDict({"flow": self.flow} | ({"embed": self.embed} if self.embed is not None else {}))
+        parts = {"flow": self.flow} | ({"embed": self.embed} if self.embed is not None else {})
+        self.module = torch.nn.ModuleDict(parts)
 
     def condition(self, proxies: torch.Tensor) -> torch.Tensor:
         """The flow's context from unit class proxies (one row per sample)."""

@@ -37,7 +37,7 @@ def build_regularizers(cfg, loss_module, trunk_dim: int) -> list[Regularizer]:
     """The configured regularizers (the config is validated already: names, weights, params)."""
     params = regularizer_params(cfg.regularizer, cfg.reg_param)
     regs = []
-    for i, (name, p) in enumerate(zip(cfg.regularizer, params)):
+    for i, (name, p) in enumerate(zip(cfg.regularizer, params, strict=True)):
         entry = REGULARIZERS.get(name)
         weight = cfg.reg_weight[i] if cfg.reg_weight else entry.spec.weight
         regs.append(entry.builder(weight, p, loss_module, cfg.embed_dim, trunk_dim))

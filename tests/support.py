@@ -1,0 +1,21 @@
+"""What the tests share beyond fixtures: the repository root and running a command of ours."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_module(module: str, *args, cwd, check: bool = False, env: dict | None = None):
+    """`python -m module args…` in `cwd` (a tmp folder, never the repository), importing the
+    project from ROOT, writing no bytecode.  Returns the CompletedProcess."""
+    e = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "TQDM_DISABLE": "1", "HOME": str(cwd),
+         "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1", "GRADIO_ANALYTICS_ENABLED": "False",
+         "NO_PROXY": "127.0.0.1,localhost", "KANJI_FONT_DIRS": os.environ.get("KANJI_FONT_DIRS", "/usr/share/fonts")}
+    e.update(env or {})
+    r = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=str(cwd), capture_output=True,
+                       text=True, env=e)
+    if check and r.returncode != 0:
+        raise AssertionError(f"python -m {module} {' '.join(map(str, args))} failed:\n{r.stderr}")
+    return r
