@@ -138,8 +138,8 @@ class Handlers:
             left, right = self.svc.compare(q, rspec, k, left=lspec)
             known = "" if q.label is None else f" Query class: **{self.svc.class_name(q.label)}**."
             overlap = jaccard([x["id"] for x in left.results], [x["id"] for x in right.results])
-            status = (f"Searched {self.svc.data.manifest['count']} gallery images.{known} The two top {k} share "
-                      f"{overlap:.2f} of their items (Jaccard@{k}). Click a result to see why it moved.")
+            status = (f"Searched {self.svc.data.manifest['count']} gallery images.{known} Overlap of the two top "
+                      f"{k} (Jaccard@{k}): {overlap:.2f}. Click a result to see why it moved.")
             ids = {"left": [x["id"] for x in left.results], "right": [x["id"] for x in right.results]}
             reports = "\n\n".join(report_md(side, s, self.svc.metric_report(s))
                                    for side, s in (("left", lspec), ("right", rspec)))

@@ -90,8 +90,10 @@ def why_html(svc, why: Why) -> str:
         imgs = "".join(
             f'<img src="{svc.thumbnail_uri(int(ids[r]), 64)}" width="48" '
             f'title="{html.escape(svc.class_name(int(labels[r])))} · id {int(ids[r])} · vᵀx = {p:+.3f}" '
-            f'style="margin:1px;border:2px solid {UP if p >= 0 else DOWN}">' for r, p in strip)
+            f'style="display:inline-block;margin:1px;border:2px solid {UP if p >= 0 else DOWN}">' for r, p in strip)
+        # a flex row: the page's stylesheet shows images as blocks, one under the other
         strips.append(f'<div class="why-strip"><small>d{i + 1} (μ = {d.eigenvalue:+.3g}): the gallery images '
-                      f'projecting most on it (border: sign of vᵀx)</small><br>{imgs}</div>')
+                      f'projecting most on it (border: sign of vᵀx)</small>'
+                      f'<div style="display:flex;flex-wrap:wrap;gap:2px">{imgs}</div></div>')
     return (f'<div class="why-panel">{head}<p style="font-size:13px">{html.escape(how)}</p>'
             f"{bars_svg(rows)}{''.join(strips)}</div>")
