@@ -1,5 +1,6 @@
 """The Compare tab's pieces without Gradio: interactive SVG plots, 2-D maps of the gallery
-under M* and M′, the shareable URL state, and the export files.
+under each configuration's metric, the shareable URL state of two configurations, and the
+export files.
 
 The plots are SVG (one <circle data-id> per query, a <title> tooltip each): Gradio's native
 scatter plot selects an x-interval, not a point, and gr.Plot has no click event, so the app
@@ -9,7 +10,6 @@ goes into the static report.
 from __future__ import annotations
 
 import csv
-import dataclasses
 import html
 import json
 import tempfile
@@ -21,7 +21,8 @@ import numpy as np
 from core.arrays import l2_normalize
 from core.errors import UserError
 from index.backends.gallery import RESULT_FIELDS
-from index.refinements import MODES, REFINEMENTS, file_params, strategy_params
+from index.refinements import MODES, REFINEMENTS, file_params
+from index.search_config import NO_RERANK, SearchConfig
 
 MAP_METHODS = ("t-SNE", "PCA", "UMAP")
 MAX_MAP_POINTS = 10_000
@@ -96,15 +97,44 @@ def svg_scatter(x, y, ids, colours, tips, *, title: str, x_label: str = "", y_la
     return "".join(out)
 
 
-def ap_scatter(cmp, **kw) -> str:
-    """x: AP under the trained metric, y: under M′, one point per query, the diagonal drawn;
-    green above it (improved), red below (worsened), grey on it."""
+SCATTER_COLOURS = ("outcome", "jaccard")  # the AP scatter's colourings: by ΔAP's sign, by top-k overlap
+
+
+def jaccard_colour(v: float) -> str:
+    """Viridis from 0 (no result in common: dark purple) to 1 (the same top k: yellow)."""
+    import matplotlib
+
+    r, g, b, _ = matplotlib.colormaps["viridis"](float(np.clip(v, 0.0, 1.0)))
+    return f"#{int(r * 255):02x}{int(g * 255):02x}{int(b * 255):02x}"
+
+
+def ap_scatter(cmp, colour: str = "outcome", max_jaccard: float | None = None, mark_id: int | None = None,
+               **kw) -> str:
+    """x: AP under the left configuration, y: under the right one, one point per query, the
+    diagonal drawn; coloured green above it (improved), red below (worsened), grey on it, or
+    (`colour="jaccard"`) by how much the two top-k lists overlap.  `max_jaccard`: only the
+    queries whose lists overlap at most that much.  `mark_id`: the query drawn as a star."""
+    if colour not in SCATTER_COLOURS:
+        raise UserError(f"scatter colour must be one of {SCATTER_COLOURS}, got {colour!r}")
     o = cmp.outcome()
-    tips = [f"{cmp.class_name(lab)} · id {i} · AP {a:.3f} → {b:.3f}"
-            for i, lab, a, b in zip(cmp.ids, cmp.labels, cmp.ap_a, cmp.ap_b, strict=True)]
-    return svg_scatter(cmp.ap_a, cmp.ap_b, cmp.ids, [OUTCOME_COLOURS[int(v)] for v in o], tips,
+    jac = cmp.jaccard if cmp.jaccard is not None else np.ones(len(cmp.ids))
+    keep = np.arange(len(cmp.ids)) if max_jaccard is None else np.nonzero(jac <= max_jaccard + 1e-12)[0]
+    tips = [f"{cmp.class_name(cmp.labels[i])} · id {cmp.ids[i]} · AP {cmp.ap_a[i]:.3f} → {cmp.ap_b[i]:.3f}"
+            f" · Jaccard@{cmp.k} {jac[i]:.2f}" for i in keep]
+    colours = ([OUTCOME_COLOURS[int(o[i])] for i in keep] if colour == "outcome"
+               else [jaccard_colour(jac[i]) for i in keep])
+    note = kw.pop("note", "")
+    if colour == "jaccard":
+        note = ", ".join(x for x in (note, f"colour: Jaccard@{cmp.k}, purple 0 → yellow 1") if x)
+    if max_jaccard is not None:
+        note = ", ".join(x for x in (note, f"{len(keep):,} of {len(cmp.ids):,} queries with Jaccard@{cmp.k} "
+                                           f"≤ {max_jaccard:g}") if x)
+    ids = cmp.ids[keep]
+    mark = np.nonzero(ids == mark_id)[0] if mark_id is not None else []
+    return svg_scatter(cmp.ap_a[keep], cmp.ap_b[keep], ids, colours, tips,
                        title="per-query AP (MAP@R): click a point to open it", x_label=f"AP, {cmp.label_a}",
-                       y_label=f"AP, {cmp.label_b}", lims=(0, 1, 0, 1), diagonal=True, **kw)
+                       y_label=f"AP, {cmp.label_b}", lims=(0, 1, 0, 1), diagonal=True,
+                       mark=int(mark[0]) if len(mark) else None, note=note, **kw)
 
 
 # ---------------------------------------------------------------- maps
@@ -162,18 +192,56 @@ def class_colours(labels: np.ndarray) -> list[str]:
 
 
 # ---------------------------------------------------------------- URL state
-def state_query(item_id: int, strategy: str, params: dict, mode: str, k: int) -> str:
-    """`?q=<id>&strategy=<name>&<param>=<value>…&mode=…&k=…`: the strategy's own parameters only;
-    a strategy that needs a file cannot be shared (its file is not in the URL)."""
+# A link names the right side's configuration by the plain keys (strategy, its parameters, mode,
+# rerank, rerank_<param>) and the left side's by the same keys prefixed "left_".  Links made
+# before the left side could change name only the right side: their left side is the trained
+# metric in the link's mode, as those links showed it.
+LEFT = "left_"
+
+
+def _config_items(cfg, prefix: str) -> dict:
+    if file_params(cfg.strategy):
+        raise UserError(f"strategy {cfg.strategy} uses an uploaded file: it cannot be shared in a link")
+    own = {f: cfg.params[f] for f in REFINEMENTS.get(cfg.strategy).param_defaults() if cfg.params.get(f) is not None}
+    out = {f"{prefix}strategy": cfg.strategy, **{prefix + k: v for k, v in own.items()}, f"{prefix}mode": cfg.mode}
+    if cfg.rerank != NO_RERANK:
+        out[f"{prefix}rerank"] = cfg.rerank
+        out |= {f"{prefix}rerank_{k}": v for k, v in cfg.rerank_params.items() if v is not None}
+    return out
+
+
+def state_query(item_id: int, left, right, k: int) -> str:
+    """`?q=<id>&left_strategy=…&left_<param>=…&left_mode=…&strategy=…&<param>=…&mode=…&k=…`: each
+    configuration's own parameters only; a strategy that needs a file cannot be shared (its file
+    is not in the URL)."""
+    return "?" + urllib.parse.urlencode({"q": int(item_id), **_config_items(left, LEFT), **_config_items(right, ""),
+                                         "k": int(k)})
+
+
+def _parse_config(query: dict, prefix: str, default_strategy: str, default_mode: str) -> SearchConfig:
+    side = "left " if prefix else ""
+    strategy = query.get(f"{prefix}strategy", default_strategy)
+    try:
+        REFINEMENTS.get(strategy)  # an unknown name is refused with the known ones
+    except UserError as e:
+        raise UserError(f"the link's {side}strategy: {e}") from None
     if file_params(strategy):
-        raise UserError(f"strategy {strategy} uses an uploaded file: it cannot be shared in a link")
-    own = {f: params[f] for f in REFINEMENTS.get(strategy).param_defaults() if params.get(f) is not None}
-    return "?" + urllib.parse.urlencode({"q": int(item_id), "strategy": strategy, **own, "mode": mode, "k": int(k)})
+        raise UserError(f"strategy {strategy} needs an uploaded file: a link cannot carry it")
+    mode = query.get(f"{prefix}mode", default_mode)
+    if mode not in MODES:
+        raise UserError(f"the link's {side}mode must be one of {MODES}, got {mode!r}")
+    names = REFINEMENTS.get(strategy).param_defaults()
+    given = {name: query[prefix + name] for name in names if prefix + name in query}
+    rerank = query.get(f"{prefix}rerank", NO_RERANK)
+    rerank_params = {key[len(prefix) + 7:]: v for key, v in query.items() if key.startswith(f"{prefix}rerank_")}
+    cfg = SearchConfig.of(strategy, given, mode, rerank, rerank_params)
+    cfg.check_searchable()
+    return cfg
 
 
 def parse_state(query: dict) -> dict | None:
-    """The URL's comparison: {q, strategy, params, mode, k} (None when it names no query);
-    bad values are refused with a message that names them."""
+    """The URL's comparison: {q, left, right (SearchConfig each), k} (None when it names no
+    query); bad values are refused with a message that names them."""
     query = {k: v for k, v in dict(query).items() if v not in ("", None)}
     if "q" not in query:
         return None
@@ -184,20 +252,14 @@ def parse_state(query: dict) -> dict | None:
         raise UserError(f"the link's q and k must be integers, got q={query['q']!r}, k={query.get('k')!r}") from None
     if not K_RANGE[0] <= k <= K_RANGE[1]:
         raise UserError(f"the link's k must be between {K_RANGE[0]} and {K_RANGE[1]}, got {k}")
-    strategy = query.get("strategy", "identity")
-    REFINEMENTS.get(strategy)  # an unknown name is refused with the known ones
-    if file_params(strategy):
-        raise UserError(f"strategy {strategy} needs an uploaded file: a link cannot carry it")
-    mode = query.get("mode", "cosine")
-    if mode not in MODES:
-        raise UserError(f"the link's mode must be one of {MODES}, got {mode!r}")
-    given = {name: query[name] for name in REFINEMENTS.get(strategy).param_defaults() if name in query}
-    params = dataclasses.asdict(strategy_params(strategy, given))
-    return {"q": q, "strategy": strategy, "params": params, "mode": mode, "k": k}
+    right = _parse_config(query, "", "identity", "cosine")
+    old = not any(key.startswith(LEFT) for key in query)  # a link from before the left side could change
+    left = _parse_config(query, LEFT, "trained", right.mode if old else "cosine")
+    return {"q": q, "left": left, "right": right, "k": k}
 
 
 # ---------------------------------------------------------------- export
-CSV_FIELDS = ("side", "metric", "p_at_k", "ap", *RESULT_FIELDS, "correct")
+CSV_FIELDS = ("side", "metric", "strategy", "params", "mode", "rerank", "p_at_k", "ap", *RESULT_FIELDS, "correct")
 
 
 def write_exports(payload: dict, folder: str | None = None) -> tuple[str, str]:
@@ -210,7 +272,10 @@ def write_exports(payload: dict, folder: str | None = None) -> tuple[str, str]:
         w = csv.DictWriter(f, CSV_FIELDS)
         w.writeheader()
         for p in payload["panels"]:
+            cfg = p["config"]
             for r in p["results"]:
-                w.writerow({"side": p["side"], "metric": p["metric"], "p_at_k": p["p_at_k"], "ap": p["ap"],
+                w.writerow({"side": p["side"], "metric": p["metric"], "strategy": cfg["strategy"],
+                            "params": json.dumps(cfg["params"], sort_keys=True), "mode": cfg["mode"],
+                            "rerank": cfg["rerank"], "p_at_k": p["p_at_k"], "ap": p["ap"],
                             **{f: r.get(f) for f in (*RESULT_FIELDS, "correct")}})
     return str(j), str(c)

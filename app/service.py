@@ -1,9 +1,11 @@
 """Everything the app does, without Gradio: the handlers call this, and the tests do too.
 
 One `RetrievalService` per index: it embeds query images with the index's own
-model, searches under the trained metric and any refined one, scores each
-panel (P@k and AP = MAP@R of the query when its class is known), finds the
-queries where two metrics disagree most, and draws the analysis pictures.
+model, searches under any two configurations (index/search_config.py; the
+trained metric and the identity by default), scores each panel (P@k and AP =
+MAP@R of the query when its class is known), finds the queries where the two
+disagree most, explains why a result moved between them, and draws the
+analysis pictures.
 Read paths are lock-free (FAISS searches are thread-safe); caches are locked.
 """
 from __future__ import annotations
@@ -12,7 +14,7 @@ import base64
 import io
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,12 +24,14 @@ from core.errors import CorruptImageError, UserError
 from core.images import load_rgb
 from evaluation.evaluator import per_query_metrics
 from index.analysis.compare import Comparer, Comparison, item_image
+from index.analysis.explain import Explainer, Why
 from index.analysis.sweep import MAX_N as SWEEP_MAX_N
 from index.backends.gallery import RESULT_FIELDS
 from index.backends.search import Searcher
 from index.backends.store import read_index
 from index.embedder import ImageEmbedder
-from index.refinements import REFINEMENTS, file_params, strategy_key, strategy_label
+from index.refinements import REFINEMENTS, file_params, strategy_key
+from index.search_config import SearchConfig
 
 from .compare_view import ap_scatter, class_colours, metric_features, project_2d, subsample, svg_scatter
 
@@ -51,14 +55,15 @@ class Panel:
     note: str = ""
 
 
-@dataclass
-class Spec:
-    strategy: str = "trained"
-    params: dict = field(default_factory=dict)
-    mode: str = "cosine"
+# the app's name for a configuration: one type from the panels to the comparer and the exports
+Spec = SearchConfig
+DEFAULT_RIGHT = SearchConfig("identity")  # the right panel's first configuration (the left's: SearchConfig())
 
-    def label(self) -> str:
-        return f"{strategy_label(self.strategy, self.params)} · {self.mode}"
+
+def jaccard(a, b) -> float:
+    """|A ∩ B| / |A ∪ B| of two result id lists (1 for two empty lists)."""
+    sa, sb = set(a), set(b)
+    return len(sa & sb) / len(sa | sb) if sa | sb else 1.0
 
 
 class RetrievalService:
@@ -77,6 +82,7 @@ class RetrievalService:
         self._row_of_id = {int(i): r for r, i in enumerate(self.data.items.ids)}
         self._lock = threading.Lock()
         self.comparer = Comparer(self.data, self.searcher)
+        self.explainer = Explainer(self.searcher)
         self._maps: dict = {}
         self._pca = None
         self._thumbs: dict[int, Image.Image] = {}
@@ -132,6 +138,7 @@ class RetrievalService:
         k = int(k)
         if not 1 <= k <= 200:
             raise UserError("k must be between 1 and 200")
+        spec.check_searchable()
         mode, note = self.searcher.resolve_mode(spec.strategy, spec.params, spec.mode)
         extra = 1 if q.self_id is not None else 0
         res = self.searcher.search(q.feats, spec.strategy, spec.params, mode, k + extra)
@@ -143,8 +150,7 @@ class RetrievalService:
         if q.label is not None and results:
             p_at_k = float(np.mean([r["correct"] for r in results]))
             ap = self.query_ap(q, spec.strategy, spec.params, mode)
-        title = Spec(spec.strategy, spec.params, mode).label()
-        return Panel(title, results, p_at_k, ap, note)
+        return Panel(spec.with_mode(mode).label(), results, p_at_k, ap, note)
 
     def query_ap(self, q: Query, strategy: str, params: dict, mode: str) -> float | None:
         """MAP@R of this query against the whole index (its own item left out)."""
@@ -157,18 +163,32 @@ class RetrievalService:
         m = per_query_metrics(labels[np.array(rows)][None, :], np.array([q.label]), np.array([R]), ks=(1,))
         return float(m["map@r"][0])
 
-    def compare(self, q: Query, right: Spec, k: int = 12, left_mode: str = "cosine") -> tuple[Panel, Panel]:
-        return self.panel(q, Spec("trained", {}, left_mode), k), self.panel(q, right, k)
+    def compare(self, q: Query, right: Spec, k: int = 12, left: Spec | None = None) -> tuple[Panel, Panel]:
+        """The two panels: `left` (default: the trained metric, cosine) and `right`."""
+        return self.panel(q, left or SearchConfig(), k), self.panel(q, right, k)
 
-    def export(self, q: Query, right: Spec, k: int = 12, left_mode: str = "cosine") -> dict:
-        """The current comparison: the query, and both panels' results (RESULT_FIELDS and whether
-        each is of the query's class), P@k and AP, as the JSON/CSV export writes them."""
+    def export(self, q: Query, right: Spec, k: int = 12, left: Spec | None = None) -> dict:
+        """The current comparison: the query, both configurations, and both panels' results
+        (RESULT_FIELDS and whether each is of the query's class), P@k and AP, and the overlap of
+        the two lists (Jaccard@k), as the JSON/CSV export writes them."""
+        left = left or SearchConfig()
         query = ({"kind": "item", "id": q.self_id, "label": q.label, "class_name": self.class_name(q.label)}
                  if q.self_id is not None else {"kind": "upload"})
-        panels = [{"side": side, "metric": p.title, "note": p.note, "p_at_k": p.p_at_k, "ap": p.ap,
-                   "results": [{f: r[f] for f in (*RESULT_FIELDS, "correct")} for r in p.results]}
-                  for side, p in zip(("left", "right"), self.compare(q, right, k, left_mode), strict=True)]
-        return {"index": str(self.index_dir), "k": int(k), "query": query, "panels": panels}
+        pair = self.compare(q, right, k, left)
+        panels = [{"side": side, "metric": p.title, "config": cfg.to_dict(), "note": p.note, "p_at_k": p.p_at_k,
+                   "ap": p.ap, "results": [{f: r[f] for f in (*RESULT_FIELDS, "correct")} for r in p.results]}
+                  for side, cfg, p in zip(("left", "right"), (left, right), pair, strict=True)]
+        overlap = jaccard([r["id"] for r in pair[0].results], [r["id"] for r in pair[1].results])
+        return {"index": str(self.index_dir), "k": int(k), "query": query, "left": left.to_dict(),
+                "right": right.to_dict(), "jaccard_at_k": overlap, "panels": panels}
+
+    # ------------------------------------------------------------ why a result moved
+    def why(self, q: Query, item_id: int, right: Spec, left: Spec | None = None, k: int = 12, top: int = 5) -> Why:
+        """Gallery item `item_id` as a result of `q`: rank and score under both configurations,
+        the score difference over the eigen-directions of M_right − M_left (index/analysis/explain.py)."""
+        self_row = self._row(q.self_id) if q.self_id is not None else None
+        return self.explainer.why(q.feats, self._row(item_id), left or SearchConfig(), right, self_row=self_row,
+                                  k=int(k), top=top)
 
     # ------------------------------------------------------------ the whole test set
     def per_query_ap(self, spec: Spec) -> np.ndarray:
@@ -176,18 +196,21 @@ class RetrievalService:
         pass, cached (index/analysis/compare.py)."""
         return self.comparer.per_query_ap(spec.strategy, spec.params, spec.mode)
 
-    def comparison(self, right: Spec, left_mode: str = "cosine") -> Comparison:
-        """Per-query AP under the trained metric (`left_mode`) vs `right`, over every query."""
-        return self.comparer.compare(right.strategy, right.params, right.mode, left_mode)
+    def comparison(self, right: Spec, left: Spec | None = None, k: int = 12) -> Comparison:
+        """Per-query AP under `left` (default: trained, cosine) vs `right` over every query, and
+        Jaccard@k of their top-k lists."""
+        return self.comparer.compare(left or SearchConfig(), right, k=int(k))
 
-    def disagreements(self, right: Spec, left_mode: str = "cosine", top: int = 12) -> list[dict]:
+    def disagreements(self, right: Spec, left: Spec | None = None, top: int = 12) -> list[dict]:
         if not self.data.manifest.get("count"):
             return []
-        return self.comparison(right, left_mode).disagreements("all", top)
+        return self.comparison(right, left).disagreements("all", top)
 
-    def scatter_html(self, cmp: Comparison, q_id: int | None = None) -> str:
-        mark = np.nonzero(cmp.ids == q_id)[0]
-        return ap_scatter(cmp, mark=int(mark[0]) if len(mark) else None)
+    def scatter_html(self, cmp: Comparison, q_id: int | None = None, colour: str = "outcome",
+                     max_jaccard: float | None = None) -> str:
+        """The per-query AP scatter, coloured by outcome or by Jaccard@k, only the queries whose
+        top-k lists overlap at most `max_jaccard` drawn (all: None)."""
+        return ap_scatter(cmp, colour=colour, max_jaccard=max_jaccard, mark_id=q_id)
 
     def map_coords(self, strategy: str, params: dict, mode: str, method: str) -> tuple[np.ndarray, np.ndarray, str]:
         """(rows, 2-D coordinates, note) of the gallery under a metric; computed once per

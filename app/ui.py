@@ -16,9 +16,11 @@ import numpy as np
 from core.errors import UserError
 from index.backends.gallery import RESULT_FIELDS
 from index.refinements import MODES, REFINEMENTS, SharedParam, file_params, shared_params, strategy_params
+from index.search_config import NO_RERANK, SearchConfig
 
-from .compare_view import MAP_METHODS, parse_state, state_query, write_exports
-from .service import Panel, RetrievalService, Spec
+from .compare_view import MAP_METHODS, SCATTER_COLOURS, parse_state, state_query, write_exports
+from .service import DEFAULT_RIGHT, Panel, RetrievalService, Spec, jaccard
+from .why_view import why_html
 
 log = logging.getLogger("app")
 
@@ -41,29 +43,61 @@ def UploadImage(**kw) -> gr.Image:
     return img
 
 
-def spec_from(strategy, mode, values: dict) -> Spec:
-    """A Spec from the parameter controls' values (every strategy's, by name): the chosen
+def spec_from(strategy, mode, values: dict, rerank: str = NO_RERANK, rerank_params: dict | None = None) -> Spec:
+    """A configuration from the parameter controls' values (every strategy's, by name): the chosen
     strategy's typed parameters, so that its label shows exactly what was searched."""
     for name in file_params(strategy):
         if not values.get(name):
             raise UserError(f"strategy {strategy}: upload {REFINEMENTS.get(strategy).param_help()[name]} first")
-    return Spec(strategy, dataclasses.asdict(strategy_params(strategy, values)), mode)
+    return Spec(strategy, dataclasses.asdict(strategy_params(strategy, values)), mode, rerank or NO_RERANK,
+                dict(rerank_params or {}))
 
 
-def param_control(sp: SharedParam, api: bool = False):
+SIDES = ("left", "right")
+
+
+def config_from(values: dict, side: str) -> Spec:
+    """One panel's configuration from the handlers' keyword values: `<side>_strategy`,
+    `<side>_mode`, `<side>_<param>` for every strategy parameter, and `<side>_rerank` where a
+    re-ranker control exists (none yet: "none")."""
+    params = {sp.name: values.get(f"{side}_{sp.name}") for sp in shared_params()}
+    rerank = values.get(f"{side}_rerank") or NO_RERANK
+    rerank_params = {k[len(side) + 8:]: v for k, v in values.items() if k.startswith(f"{side}_rerank_")}
+    return spec_from(values[f"{side}_strategy"], values[f"{side}_mode"], params, rerank, rerank_params)
+
+
+def configs_from(values: dict) -> tuple[Spec, Spec]:
+    """(left, right) from the handlers' keyword values (see `config_from`)."""
+    return config_from(values, "left"), config_from(values, "right")
+
+
+def visible_params(strategy: str) -> dict[str, bool]:
+    """Which parameter controls the strategy uses (SharedParam.defaults: the strategies taking each)."""
+    return {sp.name: strategy in sp.defaults for sp in shared_params()}
+
+
+def on_strategy(strategy: str) -> list:
+    """A panel's strategy changed → its parameter group, then each parameter control, shown
+    only where the strategy takes it (the group hidden when it takes none)."""
+    shown = visible_params(strategy)
+    return [gr.update(visible=any(shown.values())), *(gr.update(visible=v) for v in shown.values())]
+
+
+def param_control(sp: SharedParam, api: bool = False, visible: bool = True):
     """The control for one strategy parameter, from its registry metadata: a file upload,
     a slider (where it declares a range), else a number or text box.  `api`: a plain value."""
     label = sp.name if api else f"{sp.name}: {sp.describe()}"
     if sp.metadata.get("file"):
-        return gr.File(label=label, file_types=list(sp.metadata["file"]), type="filepath")
+        return gr.File(label=label, file_types=list(sp.metadata["file"]), type="filepath", visible=visible)
     if "range" in sp.metadata and not api:
         lo, hi = sp.metadata["range"]
-        return gr.Slider(lo, hi, sp.default, step=sp.metadata.get("step", (hi - lo) / 20), label=label)
+        return gr.Slider(lo, hi, sp.default, step=sp.metadata.get("step", (hi - lo) / 20), label=label,
+                         visible=visible)
     if typing.get_origin(sp.type) is typing.Literal:  # a fixed set of values: choose, don't type
-        return gr.Dropdown(list(typing.get_args(sp.type)), value=sp.default, label=label)
+        return gr.Dropdown(list(typing.get_args(sp.type)), value=sp.default, label=label, visible=visible)
     if sp.type in (int, float):
-        return gr.Number(sp.default, precision=0 if sp.type is int else None, label=label)
-    return gr.Textbox(sp.default, label=label)
+        return gr.Number(sp.default, precision=0 if sp.type is int else None, label=label, visible=visible)
+    return gr.Textbox(sp.default, label=label, visible=visible)
 
 
 def gallery_items(svc: RetrievalService, panel: Panel) -> list:
@@ -84,6 +118,8 @@ def panel_title(side: str, panel: Panel, k: int) -> str:
 
 
 class Handlers:
+    """Each handler takes the two panels' configurations as keyword values (`config_from`)."""
+
     def __init__(self, svc: RetrievalService):
         self.svc = svc
 
@@ -92,40 +128,58 @@ class Handlers:
             return self.svc.query_from_item(int(qstate["id"]))
         return self.svc.query_from_upload(upload)
 
-    def on_search(self, qstate, upload, strategy, mode, k, **params):
-        """→ left title, left gallery, right title, right gallery, status, results state, M′ heatmap,
-        M′ report, 2-D map, share link.  `params`: every strategy parameter control's value, by name."""
+    def on_search(self, qstate, upload, k, **cfg):
+        """→ left title, left gallery, right title, right gallery, status, results state, left and
+        right heatmaps, metric report, 2-D map, share link."""
         k = int(k)
         try:
             q = self._query(qstate, upload)
-            spec = spec_from(strategy, mode, params)
-            left, right = self.svc.compare(q, spec, k, left_mode=mode if mode == "cosine" else "bilinear")
-            rep = self.svc.metric_report(spec)
+            lspec, rspec = configs_from(cfg)
+            left, right = self.svc.compare(q, rspec, k, left=lspec)
             known = "" if q.label is None else f" Query class: **{self.svc.class_name(q.label)}**."
-            status = f"Searched {self.svc.data.manifest['count']} gallery images.{known}"
+            overlap = jaccard([x["id"] for x in left.results], [x["id"] for x in right.results])
+            status = (f"Searched {self.svc.data.manifest['count']} gallery images.{known} Overlap of the two top "
+                      f"{k} (Jaccard@{k}): {overlap:.2f}. Click a result to see why it moved.")
             ids = {"left": [x["id"] for x in left.results], "right": [x["id"] for x in right.results]}
+            reports = "\n\n".join(report_md(side, s, self.svc.metric_report(s))
+                                   for side, s in (("left", lspec), ("right", rspec)))
             return (panel_title("Left", left, k), gallery_items(self.svc, left),
                     panel_title("Right", right, k), gallery_items(self.svc, right), status, ids,
-                    self.svc.heatmap(spec), report_md(spec, rep), self.svc.gallery_map(q), share_link(q, spec, k))
+                    self.svc.heatmap(lspec), self.svc.heatmap(rspec), reports, self.svc.gallery_map(q),
+                    share_link(q, lspec, rspec, k))
         except UserError as e:
             gr.Warning(str(e))
             return ("### Left", [], "### Right", [], f"⚠️ {e}", {"left": [], "right": []},
-                    gr.update(), gr.update(), gr.update(), gr.update())
+                    gr.update(), gr.update(), gr.update(), gr.update(), gr.update())
 
-    def on_export(self, qstate, upload, strategy, mode, k, **params):
+    def on_why(self, qstate, upload, selected, k, **cfg):
+        """A result picked in either panel → the why panel's HTML (and the accordion opened)."""
+        if selected is None:
+            return gr.update(), gr.update()
+        try:
+            q = self._query(qstate, upload)
+            lspec, rspec = configs_from(cfg)
+            why = self.svc.why(q, int(selected), rspec, lspec, int(k))
+        except UserError as e:
+            gr.Warning(str(e))
+            return f"<p>⚠️ {e}</p>", gr.update(open=True)
+        return why_html(self.svc, why), gr.update(open=True)
+
+    def on_export(self, qstate, upload, k, **cfg):
         """→ the JSON and CSV files of the current comparison (in a fresh temp folder)."""
         try:
             q = self._query(qstate, upload)
-            payload = self.svc.export(q, spec_from(strategy, mode, params), int(k), left_mode=mode)
+            lspec, rspec = configs_from(cfg)
+            payload = self.svc.export(q, rspec, int(k), left=lspec)
         except UserError as e:
             gr.Warning(str(e))
             return None
         return list(write_exports(payload))
 
     def on_load(self, request: gr.Request):
-        """A shared link's comparison → query state, query image, strategy, mode, k, each parameter
-        control, status (nothing changes for a plain URL)."""
-        n = 5 + len(shared_params())
+        """A shared link's comparison → query state, query image, k, then per side (left, right) its
+        strategy, mode and each parameter control, then status (nothing changes for a plain URL)."""
+        n = 3 + 2 * (2 + len(shared_params()))
         try:
             st = parse_state(request.query_params if request is not None else {})
             if st is None:
@@ -134,41 +188,47 @@ class Handlers:
         except UserError as e:
             gr.Warning(f"link: {e}")
             return (gr.update(),) * n + (f"⚠️ link: {e}",)
-        values = [st["params"].get(sp.name, gr.update()) for sp in shared_params()]
-        return ({"kind": "item", "id": st["q"]}, self.svc.thumbnail(st["q"], size=200), st["strategy"], st["mode"],
-                st["k"], *values, f"Opened the shared comparison of gallery item {st['q']}.")
+        sides = []
+        for side in SIDES:
+            c = st[side]
+            sides += [c.strategy, c.mode, *(c.params.get(sp.name, gr.update()) for sp in shared_params())]
+        return ({"kind": "item", "id": st["q"]}, self.svc.thumbnail(st["q"], size=200), st["k"], *sides,
+                f"Opened the shared comparison of gallery item {st['q']}.")
 
     # ------------------------------------------------------------ the Compare tab
-    def _comparison(self, strategy, mode, params):
-        return self.svc.comparison(spec_from(strategy, mode, params), left_mode=mode)
+    def _comparison(self, k, cfg):
+        lspec, rspec = configs_from(cfg)
+        return self.svc.comparison(rspec, lspec, k=int(k))
 
-    def on_compare(self, qstate, strategy, mode, which, **params):
+    def on_compare(self, qstate, which, k, colour, max_jaccard, **cfg):
         """→ summary, AP scatter, disagreements table, their ids, cursor, per-class table."""
         try:
-            cmp = self._comparison(strategy, mode, params)
+            cmp = self._comparison(k, cfg)
         except UserError as e:
             gr.Warning(str(e))
             return f"⚠️ {e}", "", [], [], -1, []
         q_id = qstate.get("id") if qstate and qstate.get("kind") == "item" else None
-        dis_rows, ids = disagreement_table(cmp, which)
+        max_j = None if max_jaccard is None or float(max_jaccard) >= 1 else float(max_jaccard)
+        dis_rows, ids = disagreement_table(cmp, which, max_j)
         summary = f"**{cmp.label_a}** (x) vs **{cmp.label_b}** (y): {cmp.summary_text()}"
         classes = [[r["class_name"], r["label"], r["n"], round(r["ap_a"], 4), round(r["ap_b"], 4), round(r["delta"], 4)]
                    for r in cmp.per_class()]
-        return summary, self.svc.scatter_html(cmp, q_id), dis_rows, ids, -1, classes
+        return summary, self.svc.scatter_html(cmp, q_id, colour, max_j), dis_rows, ids, -1, classes
 
-    def on_filter(self, strategy, mode, which, **params):
+    def on_filter(self, which, k, max_jaccard, **cfg):
         try:
-            rows, ids = disagreement_table(self._comparison(strategy, mode, params), which)
+            max_j = None if max_jaccard is None or float(max_jaccard) >= 1 else float(max_jaccard)
+            rows, ids = disagreement_table(self._comparison(k, cfg), which, max_j)
         except UserError as e:
             gr.Warning(str(e))
             return [], [], -1
         return rows, ids, -1
 
-    def on_class(self, strategy, mode, evt: gr.SelectData, **params):
+    def on_class(self, k, evt: gr.SelectData, **cfg):
         """A per-class table row → that class's queries (table, ids)."""
         label = int(evt.row_value[1])
         try:
-            rows = self._comparison(strategy, mode, params).class_queries(label)
+            rows = self._comparison(k, cfg).class_queries(label)
         except UserError as e:
             gr.Warning(str(e))
             return [], []
@@ -188,55 +248,56 @@ class Handlers:
         gr.Info(f"disagreement {cursor + 1} of {len(ids)}")
         return (*self.open_item(ids[cursor]), cursor)
 
-    def on_maps(self, qstate, strategy, mode, method, **params):
-        """→ the gallery's 2-D map under M* and under M′."""
+    def on_maps(self, qstate, method, **cfg):
+        """→ the gallery's 2-D map under the left and under the right configuration."""
         try:
-            spec = spec_from(strategy, mode, params)
+            lspec, rspec = configs_from(cfg)
             q_id = qstate.get("id") if qstate and qstate.get("kind") == "item" else None
-            return (self.svc.map_html(Spec("trained", {}, mode), method, f"M*: embeddings Wφ · {mode}", q_id),
-                    self.svc.map_html(spec, method, f"M′ = {spec.label()}", q_id))
+            return (self.svc.map_html(lspec, method, f"left: {lspec.label()}", q_id),
+                    self.svc.map_html(rspec, method, f"right: {rspec.label()}", q_id))
         except UserError as e:
             gr.Warning(str(e))
             return gr.update(), gr.update()
 
-    def on_disagreements(self, strategy, mode, **params):
+    def on_disagreements(self, **cfg):
         try:
-            spec = spec_from(strategy, mode, params)
-            rows = self.svc.disagreements(spec, left_mode=mode if mode == "cosine" else "bilinear")
+            lspec, rspec = configs_from(cfg)
+            rows = self.svc.disagreements(rspec, lspec)
         except UserError as e:
             gr.Warning(str(e))
             return [], [], f"⚠️ {e}"
         items = [(self.svc.thumbnail(x["id"]),
                   f"{x['class_name']} ΔAP {x['delta']:+.2f} ({x['ap_a']:.2f}→{x['ap_b']:.2f})")
                  for x in rows]
-        msg = (f"{len(rows)} test queries with the largest AP change from trained to {spec.label()}. "
-               "Click one to search with it.") if rows else "The two metrics agree on every query."
+        msg = (f"{len(rows)} test queries with the largest AP change from {lspec.label()} to {rspec.label()}. "
+               "Click one to search with it.") if rows else "The two configurations agree on every query."
         return items, [x["id"] for x in rows], msg
 
 
-def share_link(q, spec: Spec, k: int) -> str:
+def share_link(q, left: Spec, right: Spec, k: int) -> str:
     """The query string of this comparison (the page's script prefixes the page address)."""
     if q.self_id is None:
         return "(an uploaded query cannot be in a link: pick a gallery image to share)"
     try:
-        return state_query(q.self_id, spec.strategy, spec.params, spec.mode, k)
+        return state_query(q.self_id, left, right, k)
     except UserError as e:
         return f"({e})"
 
 
 def query_row(r: dict) -> list:
-    return [r["id"], r["class_name"], round(r["ap_a"], 4), round(r["ap_b"], 4), round(r["delta"], 4)]
+    return [r["id"], r["class_name"], round(r["ap_a"], 4), round(r["ap_b"], 4), round(r["delta"], 4),
+            round(r.get("jaccard", float("nan")), 3)]
 
 
-def disagreement_table(cmp, which: str) -> tuple[list, list]:
-    rows = cmp.disagreements(which)
+def disagreement_table(cmp, which: str, max_jaccard: float | None = None) -> tuple[list, list]:
+    rows = cmp.disagreements(which, max_jaccard=max_jaccard)
     return [query_row(r) for r in rows], [r["id"] for r in rows]
 
 
-def report_md(spec: Spec, rep: dict) -> str:
-    return (f"**M′ = {spec.label()}**  \n"
-            f"tr(M′) = {rep['trace']:.4g} · ‖M′‖_F = {rep['frobenius']:.4g} · "
-            f"‖M′_off‖_F = {rep['offdiag_frobenius']:.4g}  \n"
+def report_md(side: str, spec: Spec, rep: dict) -> str:
+    return (f"**{side}: M = {spec.label()}**  \n"
+            f"tr(M) = {rep['trace']:.4g} · ‖M‖_F = {rep['frobenius']:.4g} · "
+            f"‖M_off‖_F = {rep['offdiag_frobenius']:.4g}  \n"
             f"principle 1 tr/‖·‖_F = {rep['trace_over_frobenius']:.4g} · principle 2 ‖·‖_F/tr = "
             f"{rep['frobenius_over_trace']:.4g}  \n"
             f"{'PSD' if rep['psd'] else 'indefinite'} (min eigenvalue {rep['min_eigenvalue']:.3g}), rank {rep['rank']}")
@@ -265,8 +326,8 @@ def offline_theme():
 
 CSS = (".result-gallery .caption-label {font-size: 13px;}\n"
        ".cmp-plot circle {cursor: pointer;} .cmp-plot circle:hover {stroke: black; stroke-width: 1.5;}")
-QUERY_COLUMNS = ("id", "class", "AP trained", "AP M′", "ΔAP")
-CLASS_COLUMNS = ("class", "label", "n", "AP trained", "AP M′", "Δ")
+QUERY_COLUMNS = ("id", "class", "AP left", "AP right", "ΔAP", "Jaccard@k")
+CLASS_COLUMNS = ("class", "label", "n", "AP left", "AP right", "Δ")
 K_DEFAULT = 12  # results per panel shown at first
 
 # The page's scripts, kept as JavaScript files beside this module (Gradio takes them as source text):
@@ -297,20 +358,52 @@ def plot_html(svc: RetrievalService, elem_id: str) -> gr.HTML:
 
 
 @dataclasses.dataclass
-class Shared:
-    """The components every tab reads or writes: the query, the chosen metric, the tab switch."""
-    qstate: gr.State
-    query: gr.Image
+class ConfigControls:
+    """One panel's configuration: strategy, mode, and a control per strategy parameter (only the
+    chosen strategy's shown, in `group`)."""
+    side: str
     strategy: gr.Dropdown
     mode: gr.Radio
+    group: gr.Accordion
     controls: dict
+
+    @property
+    def kwargs(self) -> dict:
+        """The handlers' keyword inputs (`config_from` reads them back)."""
+        return {f"{self.side}_strategy": self.strategy, f"{self.side}_mode": self.mode,
+                **{f"{self.side}_{name}": c for name, c in self.controls.items()}}
+
+    @property
+    def components(self) -> list:
+        """In `on_load`'s order: strategy, mode, each parameter control."""
+        return [self.strategy, self.mode, *self.controls.values()]
+
+
+def config_controls(svc: RetrievalService, side: str, spec: Spec) -> ConfigControls:
+    strategy = gr.Dropdown(svc.strategy_choices(), value=spec.strategy, label=f"{side.capitalize()} strategy",
+                           elem_id=f"{side}-strategy")
+    mode = gr.Radio(list(reversed(MODES)), value=spec.mode, label=f"{side.capitalize()} mode", elem_id=f"{side}-mode")
+    shown = visible_params(spec.strategy)
+    with gr.Accordion(f"{side.capitalize()} strategy parameters", open=True, visible=any(shown.values())) as group:
+        controls = {sp.name: param_control(sp, visible=shown[sp.name]) for sp in shared_params()}
+    return ConfigControls(side, strategy, mode, group, controls)
+
+
+@dataclasses.dataclass
+class Shared:
+    """The components every tab reads or writes: the query, the two configurations, k, the tab switch."""
+    qstate: gr.State
+    query: gr.Image
+    left: ConfigControls
+    right: ConfigControls
     k: gr.Slider
     tabs: gr.Tabs
     status: gr.Markdown
 
     @property
-    def inputs(self) -> list:
-        return [self.qstate, self.query, self.strategy, self.mode, self.k]
+    def configs(self) -> dict:
+        """Both panels' configuration controls, as the handlers' keyword inputs."""
+        return self.left.kwargs | self.right.kwargs
 
     @property
     def opened(self) -> list:
@@ -325,7 +418,8 @@ def header_md(svc: RetrievalService, name: str | None, others) -> str:
             f"Gallery: **{man['count']}** images of **{man['classes']}** "
             f"classes ({man.get('dataset', '?')} {man.get('split', '')}), backbone "
             f"`{man.get('backbone')}`, trunk d = {man['trunk_dim']}, embedding k = {man['embed_dim']}, "
-            f"tr(M*) = {trace:.4g}. Left: the **trained** metric M* = WᵀW; right: the metric you choose.")
+            f"tr(M*) = {trace:.4g}. Each panel ranks under a configuration you choose (a refinement strategy, "
+            "its parameters, a mode): at first the **trained** metric M* = WᵀW on the left, the identity on the right.")
     if others:
         text += f"  \nThis app serves another index too: {index_links(others)}."
     return text
@@ -337,8 +431,8 @@ def index_links(others) -> str:
 
 
 def search_tab(svc: RetrievalService, tabs: gr.Tabs) -> tuple[Shared, dict]:
-    """The Search tab: query, metric controls, the two panels, share/export, examples, disagreements.
-    Returns the shared components and this tab's own (wired by `wire_search`)."""
+    """The Search tab: query, each panel's configuration and results, the why panel, share/export,
+    examples, disagreements.  Returns the shared components and this tab's own (wired by `wire_search`)."""
     from app.compare_view import K_RANGE
 
     example_ids = svc.examples()
@@ -346,26 +440,28 @@ def search_tab(svc: RetrievalService, tabs: gr.Tabs) -> tuple[Shared, dict]:
     results_state = gr.State({"left": [], "right": []})
     selected, dis_ids = gr.State(None), gr.State([])
     with gr.Row():
-        with gr.Column(scale=1, min_width=280):
+        with gr.Column(scale=1, min_width=260):
             query = UploadImage(label="Query: upload or paste an image", type="filepath",
                                 sources=["upload", "clipboard"], height=200)
-            strategy = gr.Dropdown(svc.strategy_choices(), value="identity", label="Right-panel strategy")
-            mode = gr.Radio(list(reversed(MODES)), value="cosine", label="Mode (both panels)")
-            with gr.Accordion("Strategy parameters", open=True):
-                controls = {sp.name: param_control(sp) for sp in shared_params()}
             k = gr.Slider(*K_RANGE, K_DEFAULT, step=1, label="k")
             go = gr.Button("Search", variant="primary")
             status = gr.Markdown("Pick an example below or upload an image.")
-        with gr.Column(scale=3):
+        with gr.Column(scale=4):
             with gr.Row():
                 with gr.Column():
+                    left_cfg = config_controls(svc, "left", SearchConfig())
                     left_title = gr.Markdown("### Left: trained")
                     left = gr.Gallery(columns=4, height=430, allow_preview=False, elem_classes="result-gallery",
-                                      object_fit="contain", label="trained M*")
+                                      object_fit="contain", label="left", elem_id="left-results")
                 with gr.Column():
-                    right_title = gr.Markdown("### Right: refined")
+                    right_cfg = config_controls(svc, "right", DEFAULT_RIGHT)
+                    right_title = gr.Markdown("### Right: identity")
                     right = gr.Gallery(columns=4, height=430, allow_preview=False, elem_classes="result-gallery",
-                                       object_fit="contain", label="refined M′")
+                                       object_fit="contain", label="right", elem_id="right-results")
+            with gr.Accordion("Why did this result move? Click a result in either panel", open=False,
+                              elem_id="why-accordion") as why_box:
+                why = gr.HTML("<p>Click a result in either panel: its rank and score under both configurations, "
+                              "and which directions of the metrics' difference moved it.</p>", elem_id="why")
             follow = gr.Button("Search with the selected result")
             with gr.Row():
                 link = gr.Textbox(label="Link to this comparison", buttons=["copy"], interactive=False,
@@ -379,37 +475,40 @@ def search_tab(svc: RetrievalService, tabs: gr.Tabs) -> tuple[Shared, dict]:
                                  for i in example_ids],
                           label="Examples from the test split: click one to query", columns=12,
                           height=200, allow_preview=False, object_fit="contain")
-    with gr.Accordion("Disagreements: test queries where the two metrics differ most", open=False):
-        dis_go = gr.Button("Find disagreements for the current strategy")
+    with gr.Accordion("Disagreements: test queries where the two configurations differ most", open=False):
+        dis_go = gr.Button("Find disagreements for the current configurations")
         dis_msg = gr.Markdown()
         dis = gr.Gallery(columns=6, height=300, allow_preview=False, label="largest |ΔAP|", object_fit="contain")
-    sh = Shared(qstate, query, strategy, mode, controls, k, tabs, status)
+    sh = Shared(qstate, query, left_cfg, right_cfg, k, tabs, status)
     own = dict(example_ids=example_ids, results_state=results_state, selected=selected, dis_ids=dis_ids, go=go,
                left_title=left_title, left=left, right_title=right_title, right=right, follow=follow, link=link,
                export=export, link_qs=link_qs, exported=exported, examples=examples, dis_go=dis_go,
-               dis_msg=dis_msg, dis=dis)
+               dis_msg=dis_msg, dis=dis, why=why, why_box=why_box)
     return sh, own
 
 
 def wire_search(svc: RetrievalService, h: Handlers, sh: Shared, t: dict, analysis: tuple, demo: gr.Blocks):
     """The Search tab's events, once every tab exists (a search also updates the Analysis tab's
     `analysis` components).  Returns `search_on`: chains a search after any event."""
-    qstate, query, strategy, mode, controls, k, status = (sh.qstate, sh.query, sh.strategy, sh.mode, sh.controls,
-                                                          sh.k, sh.status)
+    qstate, query, k, status = sh.qstate, sh.query, sh.k, sh.status
     example_ids, results_state, selected, dis_ids, link_qs = (t["example_ids"], t["results_state"], t["selected"],
                                                               t["dis_ids"], t["link_qs"])
     left, right = t["left"], t["right"]
     outputs = [t["left_title"], left, t["right_title"], right, status, results_state, *analysis, link_qs]
 
     def search_on(event):
-        return event(h.on_search, sh.inputs, outputs, inputs_kwargs=controls, api_visibility="private")
+        return event(h.on_search, [qstate, query, k], outputs, inputs_kwargs=sh.configs, api_visibility="private")
 
     search_on(t["go"].click)
     search_on(query.upload(lambda: {"kind": "upload"}, None, qstate, api_visibility="private").then)
-    for ctl in (strategy, mode, *controls.values(), k):
-        # sliders search when let go, boxes on enter, the rest on any change
-        search_on(ctl.release if isinstance(ctl, gr.Slider) else
-                  ctl.submit if isinstance(ctl, (gr.Number, gr.Textbox)) else ctl.change)
+    for cc in (sh.left, sh.right):
+        # a strategy shows its own parameters only (then searches, as every control's change does)
+        cc.strategy.change(on_strategy, cc.strategy, [cc.group, *cc.controls.values()], api_visibility="private")
+        for ctl in (cc.strategy, cc.mode, *cc.controls.values()):
+            # sliders search when let go, boxes on enter, the rest on any change
+            search_on(ctl.release if isinstance(ctl, gr.Slider) else
+                      ctl.submit if isinstance(ctl, (gr.Number, gr.Textbox)) else ctl.change)
+    search_on(k.release)
 
     def pick_example(evt: gr.SelectData):
         i = example_ids[evt.index]
@@ -423,8 +522,10 @@ def wire_search(svc: RetrievalService, h: Handlers, sh: Shared, t: dict, analysi
             return lst[evt.index] if evt.index < len(lst) else None
         return f
 
-    left.select(pick_result("left"), results_state, selected, api_visibility="private")
-    right.select(pick_result("right"), results_state, selected, api_visibility="private")
+    for side, gallery in (("left", left), ("right", right)):
+        gallery.select(pick_result(side), results_state, selected, api_visibility="private").then(
+            h.on_why, [qstate, query, selected, k], [t["why"], t["why_box"]], inputs_kwargs=sh.configs,
+            api_visibility="private")
 
     def follow_up(sel):
         if sel is None:
@@ -433,8 +534,8 @@ def wire_search(svc: RetrievalService, h: Handlers, sh: Shared, t: dict, analysi
         return {"kind": "item", "id": int(sel)}, svc.thumbnail(int(sel), size=200)
 
     search_on(t["follow"].click(follow_up, selected, [qstate, query], api_visibility="private").then)
-    t["dis_go"].click(h.on_disagreements, [strategy, mode], [t["dis"], dis_ids, t["dis_msg"]], inputs_kwargs=controls,
-                 api_visibility="private")
+    t["dis_go"].click(h.on_disagreements, None, [t["dis"], dis_ids, t["dis_msg"]], inputs_kwargs=sh.configs,
+                      api_visibility="private")
 
     def pick_dis(ids, evt: gr.SelectData):
         i = ids[evt.index]
@@ -442,26 +543,32 @@ def wire_search(svc: RetrievalService, h: Handlers, sh: Shared, t: dict, analysi
 
     search_on(t["dis"].select(pick_dis, dis_ids, [qstate, query], api_visibility="private").then)
     link_qs.change(None, link_qs, t["link"], js=LINK_JS)
-    t["export"].click(h.on_export, sh.inputs, t["exported"], inputs_kwargs=controls, api_visibility="private")
-    search_on(demo.load(h.on_load, None, [qstate, query, strategy, mode, k, *controls.values(), status],
+    t["export"].click(h.on_export, [qstate, query, k], t["exported"], inputs_kwargs=sh.configs,
+                      api_visibility="private")
+    search_on(demo.load(h.on_load, None, [qstate, query, k, *sh.left.components, *sh.right.components, status],
                         api_visibility="private").then)
     return search_on
 
 
 def compare_tab(svc: RetrievalService) -> dict:
-    """The Compare tab: every test query under the trained metric against the chosen one."""
+    """The Compare tab: every test query under the left configuration against the right one."""
     from index.analysis.compare import FILTERS
 
     cmp_ids, cmp_cursor, class_q_ids = gr.State([]), gr.State(-1), gr.State([])
-    gr.Markdown("### Every test query: the trained M* (x) against the right-panel strategy (y)\n"
-                "Strategy, mode and parameters are the Search tab's. Click a point, a disagreement or a "
+    gr.Markdown("### Every test query: the left configuration (x) against the right one (y)\n"
+                "Both configurations and k are the Search tab's. Click a point, a disagreement or a "
                 "class's query to open it in the Search tab; keys **n** / **p** step through the "
-                "filtered disagreements.")
+                "filtered disagreements. Jaccard@k: how much a query's two top-k lists overlap (1: the same items).")
     cmp_go = gr.Button("Compare on every test query", variant="primary")
     cmp_summary = gr.Markdown()
     with gr.Row():
         scatter = plot_html(svc, "cmp-scatter")
         with gr.Column():
+            with gr.Row():
+                colour = gr.Radio([("ΔAP: improved / worsened", "outcome"), ("Jaccard@k", "jaccard")],
+                                  value=SCATTER_COLOURS[0], label="colour points by", elem_id="cmp-colour")
+                max_jaccard = gr.Slider(0, 1, 1, step=0.05, label="only queries with Jaccard@k at most",
+                                        elem_id="cmp-max-jaccard")
             which = gr.Radio(list(FILTERS), value="all", label="Disagreements (by |ΔAP|)")
             with gr.Row():
                 prev_btn = gr.Button("◀ previous (p)", elem_id="cmp-prev", size="sm")
@@ -473,7 +580,8 @@ def compare_tab(svc: RetrievalService) -> dict:
                                    label="per class (sort by a header; click a class for its queries)")
         class_queries = gr.Dataframe(headers=list(QUERY_COLUMNS), interactive=False, max_height=360,
                                      label="the class's queries")
-    with gr.Accordion("2-D maps of the gallery under M* and M′ (computed once per strategy)", open=False):
+    with gr.Accordion("2-D maps of the gallery under the left and the right metric (computed once per metric)",
+                      open=False):
         with gr.Row():
             method = gr.Radio(list(MAP_METHODS), value="t-SNE", label="projection")
             maps_go = gr.Button("Draw the maps")
@@ -482,17 +590,18 @@ def compare_tab(svc: RetrievalService) -> dict:
     return dict(cmp_ids=cmp_ids, cmp_cursor=cmp_cursor, class_q_ids=class_q_ids, cmp_go=cmp_go,
                 cmp_summary=cmp_summary, scatter=scatter, which=which, prev_btn=prev_btn, next_btn=next_btn,
                 dis_table=dis_table, class_table=class_table, class_queries=class_queries, method=method,
-                maps_go=maps_go, map_a=map_a, map_b=map_b)
+                maps_go=maps_go, map_a=map_a, map_b=map_b, colour=colour, max_jaccard=max_jaccard)
 
 
 def wire_compare(h: Handlers, sh: Shared, c: dict, cmp_tab, search_on) -> None:
-    controls = sh.controls
+    cfg = sh.configs
     cmp_out = [c["cmp_summary"], c["scatter"], c["dis_table"], c["cmp_ids"], c["cmp_cursor"], c["class_table"]]
-    for ev in (c["cmp_go"].click, cmp_tab.select):
-        ev(h.on_compare, [sh.qstate, sh.strategy, sh.mode, c["which"]], cmp_out, inputs_kwargs=controls,
+    for ev in (c["cmp_go"].click, cmp_tab.select, c["colour"].change, c["max_jaccard"].release):
+        ev(h.on_compare, [sh.qstate, c["which"], sh.k, c["colour"], c["max_jaccard"]], cmp_out, inputs_kwargs=cfg,
            api_visibility="private")
-    c["which"].change(h.on_filter, [sh.strategy, sh.mode, c["which"]], [c["dis_table"], c["cmp_ids"], c["cmp_cursor"]],
-                      inputs_kwargs=controls, api_visibility="private")
+    c["which"].change(h.on_filter, [c["which"], sh.k, c["max_jaccard"]], [c["dis_table"], c["cmp_ids"],
+                                                                         c["cmp_cursor"]],
+                      inputs_kwargs=cfg, api_visibility="private")
 
     def open_clicked(evt: PointClick):
         return h.open_item(evt.id)
@@ -507,15 +616,15 @@ def wire_compare(h: Handlers, sh: Shared, c: dict, cmp_tab, search_on) -> None:
     for btn, step in ((c["next_btn"], 1), (c["prev_btn"], -1)):
         search_on(btn.click(lambda ids, cur, s=step: h.on_step(ids, cur, s), [c["cmp_ids"], c["cmp_cursor"]],
                             [*sh.opened, c["cmp_cursor"]], api_visibility="private").then)
-    c["class_table"].select(h.on_class, [sh.strategy, sh.mode], [c["class_queries"], c["class_q_ids"]],
-                            inputs_kwargs=controls, api_visibility="private")
-    c["maps_go"].click(h.on_maps, [sh.qstate, sh.strategy, sh.mode, c["method"]], [c["map_a"], c["map_b"]],
-                       inputs_kwargs=controls, api_visibility="private")
+    c["class_table"].select(h.on_class, [sh.k], [c["class_queries"], c["class_q_ids"]], inputs_kwargs=cfg,
+                            api_visibility="private")
+    c["maps_go"].click(h.on_maps, [sh.qstate, c["method"]], [c["map_a"], c["map_b"]], inputs_kwargs=cfg,
+                       api_visibility="private")
 
 
 def analysis_tab(svc: RetrievalService):
-    """The Analysis tab: `index evaluate`'s table and figures, M* and the current M′, the gallery map.
-    Returns the components a search updates: the M′ heatmap, its report, the gallery map."""
+    """The Analysis tab: `index evaluate`'s table and figures, both panels' metrics, the gallery map.
+    Returns the components a search updates: the left and right heatmaps, their reports, the gallery map."""
     a = svc.analysis()
     gr.Markdown("### Strategy evaluation on the test classes (`python -m index evaluate`)")
     gr.Markdown(a["table"] or "_No evaluation found: run `python -m index evaluate`._")
@@ -528,16 +637,16 @@ def analysis_tab(svc: RetrievalService):
                 gr.Image(img, show_label=False, interactive=False)
     with gr.Row():
         with gr.Column():
-            gr.Markdown("**M* (trained)**")
-            gr.Image(svc.heatmap(Spec("trained", {}, "bilinear")), show_label=False, interactive=False)
+            gr.Markdown("**left panel's metric** (at first M*, trained)")
+            m_left = gr.Image(svc.heatmap(Spec("trained", {}, "cosine")), show_label=False, interactive=False)
         with gr.Column():
-            gr.Markdown("**current M′**")
-            m_prime = gr.Image(show_label=False, interactive=False)
+            gr.Markdown("**right panel's metric**")
+            m_right = gr.Image(show_label=False, interactive=False)
         with gr.Column():
             gr.Markdown("**2-D map of the gallery**")
             gal_map = gr.Image(svc.gallery_map(), show_label=False, interactive=False)
     m_report = gr.Markdown()
-    return m_prime, m_report, gal_map
+    return m_left, m_right, m_report, gal_map
 
 
 def api_endpoint(svc: RetrievalService) -> None:

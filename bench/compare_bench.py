@@ -31,7 +31,15 @@ from core.atomic import write_json, write_text
 
 NEW_STRATEGIES = [("identity", {}, "cosine"), ("spectral", {"p": 0.5}, "cosine"), ("shrink", {"alpha": 0.3}, "cosine"),
                   ("random", {"r": 0.5, "seed": 1}, "bilinear"), ("diagonal", {"r": 0.3, "seed": 2}, "bilinear")]
-CONTROLS = {"r": 0.5, "seed": 0, "alpha": 0.5, "p": 0.5, "path": None}
+CONTROLS = {"r": 0.5, "seed": 0, "psd": "abs", "alpha": 0.5, "p": 0.5, "path": None}
+
+
+def panels(right: str, mode: str, params: dict | None = None) -> dict:
+    """The Compare handler's keyword values: trained on the left (in `mode`), `right` on the right."""
+    out = {"left_strategy": "trained", "left_mode": mode, "right_strategy": right, "right_mode": mode}
+    for side, given in (("left", {}), ("right", params or {})):
+        out |= {f"{side}_{k}": v for k, v in (CONTROLS | given).items()}
+    return out
 
 
 def timed(fn):
@@ -46,17 +54,18 @@ def compare_tab(index: str) -> dict:
 
     svc = RetrievalService(index, verify=False)
     h = Handlers(svc)
-    _, first = timed(lambda: h.on_compare(None, "trained", "bilinear", "all", **CONTROLS))  # the baseline alone
+    _, first = timed(lambda: h.on_compare(None, "all", 12, "outcome", 1.0, **panels("trained", "bilinear")))
     rows = []
     for name, params, mode in NEW_STRATEGIES:
         svc.comparer.per_query_ap("trained", {}, mode)  # the baseline of this mode, cached
-        out, s = timed(lambda: h.on_compare(None, name, mode, "all", **(CONTROLS | params)))
-        _, again = timed(lambda: h.on_compare(None, name, mode, "all", **(CONTROLS | params)))
+        out, s = timed(lambda: h.on_compare(None, "all", 12, "outcome", 1.0, **panels(name, mode, params)))
+        _, again = timed(lambda: h.on_compare(None, "all", 12, "outcome", 1.0, **panels(name, mode, params)))
         rows.append({"strategy": out[0].split("(y)")[0].split("vs")[1].strip(" *"), "seconds": s,
                      "cached_seconds": again})
     warm = RetrievalService(index, verify=False)
     warm.warm()  # what the app does in the background at start
-    _, first_warm = timed(lambda: Handlers(warm).on_compare(None, "trained", "bilinear", "all", **CONTROLS))
+    _, first_warm = timed(lambda: Handlers(warm).on_compare(None, "all", 12, "outcome", 1.0,
+                                                            **panels("trained", "bilinear")))
     return {"first_comparison_s": first, "first_comparison_after_warm_s": first_warm, "new_strategy": rows,
             "new_strategy_median_s": float(np.median([r["seconds"] for r in rows])),
             "new_strategy_max_s": float(max(r["seconds"] for r in rows))}
@@ -98,7 +107,7 @@ def search_breakdown(index: str, repeats: int) -> dict:
 
         def render():
             gallery_items(svc, left), gallery_items(svc, right)
-            svc.heatmap(spec), report_md(spec, svc.metric_report(spec)), svc.gallery_map(q)
+            svc.heatmap(spec), report_md("right", spec, svc.metric_report(spec)), svc.gallery_map(q)
         stages["rendering"].append(timed(render)[1])
     return {k: {"median_ms": 1e3 * float(np.median(v)), "max_ms": 1e3 * float(np.max(v))} for k, v in stages.items()}
 

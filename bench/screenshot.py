@@ -38,7 +38,7 @@ def main():
         page.goto(f"http://127.0.0.1:{port}/", wait_until="load")
         page.wait_for_selector("button.thumbnail-item", timeout=120000)
         page.get_by_text("Disagreements: test queries").click()
-        page.get_by_role("button", name="Find disagreements for the current strategy").click()
+        page.get_by_role("button", name="Find disagreements for the current configurations").click()
         page.get_by_text("test queries with the largest AP change").wait_for(timeout=180000)
         thumbs = page.locator("button.thumbnail-item")
         n_examples = len(svc.examples())

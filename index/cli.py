@@ -341,6 +341,7 @@ def cmd_select(args) -> int:
 def cmd_report(args) -> int:
     from .analysis.report import write_report
     from .backends.store import read_index
+    from .search_config import SearchConfig
 
     apply_threads(args.threads)
     analysis = Path(args.analysis) if args.analysis else None
@@ -348,8 +349,21 @@ def cmd_report(args) -> int:
         raise UserError(f"--analysis folder not found: {analysis}")
     if args.top < 1 or args.k < 1:
         raise UserError("--top and --k must be at least 1")
-    out = write_report(read_index(args.index, verify=not args.no_verify), args.out, args.strategy,
-                       strategy_params_from(args), args.mode, top=args.top, k=args.k, analysis=analysis)
+    # the left side is checked here, not by argparse: a bad value is one `error:` line
+    left_mode = args.mode if args.left_mode is None else args.left_mode
+    if left_mode not in MODES:
+        raise UserError(f"--left-mode must be one of {', '.join(MODES)}, got {left_mode!r}")
+    try:
+        REFINEMENTS.get(args.left_strategy)
+    except UserError as e:
+        raise UserError(f"--left-strategy: {e}") from None
+    try:  # strict: a parameter the left strategy does not take is refused, with those it takes
+        left = SearchConfig.of(args.left_strategy, args.left_param, left_mode, strict=True)
+    except UserError as e:
+        raise UserError(f"--left-param: {e}") from None
+    right = SearchConfig.of(args.strategy, strategy_params_from(args), args.mode)
+    out = write_report(read_index(args.index, verify=not args.no_verify), args.out, left, right, top=args.top,
+                       k=args.k, analysis=analysis)
     print(f"written: {out}")
     return 0
 
@@ -551,16 +565,30 @@ def _sweep_args(e) -> None:
 
 
 def _report_parser(sub) -> None:
-    rp = sub.add_parser("report", help="one self-contained HTML page: trained vs a strategy over every query")
+    rp = sub.add_parser("report", help="one self-contained HTML page: two configurations (trained vs a strategy, "
+                                       "by default) over every query")
     rp.add_argument("--index", required=True, help="index directory (every item is a query, leave-one-out)")
     rp.add_argument("--out", required=True, help="the HTML file to write (figures and thumbnails inlined)")
     rp.add_argument("--analysis", help="folder written by `python -m index evaluate`: its strategy table and "
                                        "curves go into the report (default: none)")
     rp.add_argument("--top", type=int, default=20,
                     help="improved and worsened queries shown, each (default: %(default)s)")
-    rp.add_argument("--k", type=int, default=8, help="results shown per query and metric (default: %(default)s)")
+    rp.add_argument("--k", type=int, default=8, help="results shown per query and configuration, and the k of "
+                                                     "Jaccard@k, their top-k overlap (default: %(default)s)")
     rp.add_argument("--no-verify", action="store_true", help="skip the checksum verification at load")
     add_shared_args(rp, "threads")
+    g = rp.add_argument_group("left configuration (x; the flags below --strategy set the right one, y)")
+    g.add_argument("--left-strategy", default="trained", metavar="NAME",
+                   help=f"refinement strategy of the left side, one of {', '.join(REFINEMENTS.names())} "
+                        "(default: %(default)s)")
+    g.add_argument("--left-param", action="append", default=[], metavar="KEY=VALUE",
+                   help="a parameter of --left-strategy, repeated for each (e.g. --left-param r=0.3 --left-param "
+                        "seed=1; `python -m index list` shows each strategy's) (default: none: the strategy's own "
+                        "defaults)")
+    g.add_argument("--left-mode", default=None, metavar="MODE",
+                   help=f"mode of the left side, one of {', '.join(MODES)} (default: the right side's --mode, "
+                        "cosine unless given, so that a report without left flags compares trained in the same "
+                        "mode)")
     _strategy_args(rp)
     rp.set_defaults(func=cmd_report)
 

@@ -19,3 +19,16 @@ def run_module(module: str, *args, cwd, check: bool = False, env: dict | None = 
     if check and r.returncode != 0:
         raise AssertionError(f"python -m {module} {' '.join(map(str, args))} failed:\n{r.stderr}")
     return r
+
+
+CONTROLS = {"r": 0.5, "seed": 0, "psd": "abs", "alpha": 0.5, "p": 0.5, "path": None}  # every parameter control
+
+
+def panels(left=("trained", "cosine"), right=("identity", "cosine"), left_params=None, right_params=None) -> dict:
+    """The app handlers' keyword values for two panels, (strategy, mode) each, every parameter
+    control at its first value unless given (as app.ui.ConfigControls.kwargs names them)."""
+    out = {}
+    for side, (strategy, mode), given in (("left", left, left_params), ("right", right, right_params)):
+        out |= {f"{side}_strategy": strategy, f"{side}_mode": mode}
+        out |= {f"{side}_{k}": v for k, v in (CONTROLS | (given or {})).items()}
+    return out

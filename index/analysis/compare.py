@@ -6,7 +6,10 @@ whole index is one batched computation: up to `sweep.MAX_N` items the score
 matrix S = Φ M′ Φᵀ of the batched sweep (index/analysis/sweep.py, equal to the search
 path up to floating-point ties) ranked by one top-R per row; above, one
 chunked exact search through `Searcher.query_view`.  Results are cached per
-(strategy, parameters, mode).  The app's Compare tab and `index report` use it.
+(strategy, parameters, mode), with each query's top `NEIGHBOURS` items: how much
+two configurations' top-k lists overlap (Jaccard@k) needs no second search.
+Either side of a comparison is any configuration (index/search_config.py).  The
+app's Compare tab and `index report` use it.
 """
 from __future__ import annotations
 
@@ -21,26 +24,42 @@ from PIL import Image
 from core.errors import CorruptImageError
 from core.images import load_rgb
 from evaluation.evaluator import evaluate_ranking, per_query_metrics
+from evaluation.knn import knn_chunks
 
 from ..backends.search import Searcher
 from ..backends.store import IndexData
-from ..refinements import strategy_key, strategy_label
+from ..refinements import strategy_key
+from ..search_config import SearchConfig
 from .sweep import MAX_N, GramSweep
 
 FILTERS = ("all", "improved", "worsened")
 TIE_TOL = 1e-12  # APs are equal when their rankings are: only round-off separates "tied"
+NEIGHBOURS = 50  # top items kept per query and configuration: Jaccard@k for k up to this (the app's k ≤ 48)
 
 
 class QuerySweep(GramSweep):
-    """The batched sweep, kept per query: each item's MAP@R under one setting."""
+    """The batched sweep, kept per query: each item's MAP@R and top items under one setting."""
 
-    def per_query_ap(self, S: torch.Tensor, mode: str) -> np.ndarray:
-        """MAP@R of every item (NaN where it has no other item of its class); S is not modified."""
+    def per_query(self, S: torch.Tensor, mode: str, top: int = NEIGHBOURS) -> tuple[np.ndarray, np.ndarray]:
+        """(MAP@R of every item, NaN where it has no other item of its class; its `top` first
+        rows, −1 where there are fewer or it is no query); S is not modified."""
         ap = np.full(self.n, np.nan)
-        k = int(self.R.max(initial=0))  # R ≤ n − 1: every needed rank exists
+        nbr = np.full((self.n, top), -1, dtype=np.int64)
+        k = min(max(int(self.R.max(initial=0)), top), self.n - 1)  # R ≤ n − 1: every needed rank exists
         for rows, idx in self.ranked(S, mode, k):
             ap[rows] = per_query_metrics(self.labels[idx], self.labels[rows], self.R[rows], ks=(1,))["map@r"]
-        return ap
+            nbr[rows, : min(top, k)] = idx[:, :top]
+        return ap, nbr
+
+
+def jaccard_at_k(a: np.ndarray, b: np.ndarray, k: int) -> np.ndarray:
+    """Per row, |A ∩ B| / |A ∪ B| of the first k entries of a and of b (item rows, each row's
+    entries distinct; −1 is no item); 1 where both are empty."""
+    both = np.sort(np.concatenate([a[:, :k], b[:, :k]], axis=1), axis=1)
+    real = both >= 0
+    inter = ((both[:, 1:] == both[:, :-1]) & real[:, 1:]).sum(axis=1)
+    union = real.sum(axis=1) - inter
+    return np.where(union > 0, inter / np.maximum(union, 1), 1.0)
 
 
 def sign_test(improved: int, worsened: int) -> float:
@@ -67,7 +86,8 @@ def bootstrap_ci(values: np.ndarray, seed: int = 0, n_boot: int = 2000, level: f
 
 @dataclass
 class Comparison:
-    """Per-query AP of the same queries under metric A (x, the trained) and B (y, the chosen M′)."""
+    """Per-query AP of the same queries under configuration A (x, the left side) and B (y, the
+    right side), and how much their top-k lists overlap (Jaccard@k, where computed)."""
     label_a: str
     label_b: str
     ids: np.ndarray            # item ids of the queries (those with a relevant item)
@@ -76,6 +96,8 @@ class Comparison:
     ap_b: np.ndarray
     class_names: dict = field(default_factory=dict)
     seed: int = 0
+    jaccard: np.ndarray | None = None  # per query: Jaccard of the two top-k lists
+    k: int = 0                         # the k of `jaccard`
 
     @property
     def delta(self) -> np.ndarray:
@@ -94,32 +116,48 @@ class Comparison:
     def summary(self) -> dict:
         c = self.counts()
         lo, hi = bootstrap_ci(self.delta, self.seed)
-        return c | {"map_a": float(self.ap_a.mean()) if len(self.ap_a) else float("nan"),
-                    "map_b": float(self.ap_b.mean()) if len(self.ap_b) else float("nan"),
-                    "mean_delta": float(self.delta.mean()) if len(self.delta) else float("nan"),
-                    "ci95": (lo, hi), "sign_test_p": sign_test(c["improved"], c["worsened"])}
+        out = c | {"map_a": float(self.ap_a.mean()) if len(self.ap_a) else float("nan"),
+                   "map_b": float(self.ap_b.mean()) if len(self.ap_b) else float("nan"),
+                   "mean_delta": float(self.delta.mean()) if len(self.delta) else float("nan"),
+                   "ci95": (lo, hi), "sign_test_p": sign_test(c["improved"], c["worsened"])}
+        if self.jaccard is not None:
+            out["mean_jaccard"] = float(self.jaccard.mean()) if len(self.jaccard) else float("nan")
+        return out
 
     def summary_text(self) -> str:
         s = self.summary()
-        return (f"{s['queries']:,} queries: {s['improved']:,} improved, {s['worsened']:,} worsened, "
+        text = (f"{s['queries']:,} queries: {s['improved']:,} improved, {s['worsened']:,} worsened, "
                 f"{s['tied']:,} tied · MAP@R {s['map_a']:.4f} → {s['map_b']:.4f} · mean ΔAP {s['mean_delta']:+.4f} "
                 f"(bootstrap 95% CI [{s['ci95'][0]:+.4f}, {s['ci95'][1]:+.4f}]) · two-sided sign test "
                 f"p = {s['sign_test_p']:.3g}")
+        if "mean_jaccard" in s:
+            text += f" · mean top-{self.k} overlap (Jaccard@{self.k}) {s['mean_jaccard']:.3f}"
+        return text
 
     def class_name(self, label: int) -> str:
         return self.class_names.get(int(label), str(int(label)))
 
     def row(self, i: int) -> dict:
-        return {"id": int(self.ids[i]), "label": int(self.labels[i]), "class_name": self.class_name(self.labels[i]),
-                "ap_a": float(self.ap_a[i]), "ap_b": float(self.ap_b[i]), "delta": float(self.delta[i])}
+        out = {"id": int(self.ids[i]), "label": int(self.labels[i]), "class_name": self.class_name(self.labels[i]),
+               "ap_a": float(self.ap_a[i]), "ap_b": float(self.ap_b[i]), "delta": float(self.delta[i])}
+        if self.jaccard is not None:
+            out["jaccard"] = float(self.jaccard[i])
+        return out
 
-    def disagreements(self, which: str = "all", top: int | None = None, label: int | None = None) -> list[dict]:
+    def _overlap_at_most(self, max_jaccard: float | None) -> np.ndarray:
+        if max_jaccard is None or self.jaccard is None:
+            return np.ones(len(self.ids), dtype=bool)
+        return self.jaccard <= max_jaccard + TIE_TOL
+
+    def disagreements(self, which: str = "all", top: int | None = None, label: int | None = None,
+                      max_jaccard: float | None = None) -> list[dict]:
         """Queries by |ΔAP|, largest first (ties by position): `which` of FILTERS (all: every
-        query that changed), optionally of one class."""
+        query that changed), optionally of one class, optionally only those whose top-k lists
+        overlap at most `max_jaccard`."""
         if which not in FILTERS:
             raise ValueError(f"filter must be one of {FILTERS}, got {which!r}")
         o = self.outcome()
-        keep = {"all": o != 0, "improved": o > 0, "worsened": o < 0}[which]
+        keep = {"all": o != 0, "improved": o > 0, "worsened": o < 0}[which] & self._overlap_at_most(max_jaccard)
         if label is not None:
             keep = keep & (self.labels == label)
         rows = np.nonzero(keep)[0]
@@ -156,43 +194,66 @@ class Comparer:
     def resolve(self, strategy: str, params: dict | None, mode: str) -> str:
         return self.searcher.resolve_mode(strategy, params or {}, mode)[0]
 
-    def per_query_ap(self, strategy: str = "trained", params: dict | None = None, mode: str = "cosine") -> np.ndarray:
-        """MAP@R of every index item as a query, in index order (NaN: no other item of its class).
-        `mode` is used as given (resolve an indefinite M′'s cosine first: `resolve`)."""
+    def _entry(self, strategy: str, params: dict | None, mode: str, neighbours: bool = False) -> dict:
         rm = self.searcher.metric(strategy, params)
         key = (strategy_key(strategy, rm.params), mode)
         with self._lock:  # one computation at a time: each holds N² floats
-            if key not in self._cache:
-                self._cache[key] = self._compute(rm, strategy, params, mode)
+            entry = self._cache.get(key)
+            if entry is None:
+                entry = self._cache[key] = self._compute(rm, strategy, params, mode)
                 while len(self._cache) > self._cache_size:
                     self._cache.pop(next(iter(self._cache)))
-            return self._cache[key]
+            if neighbours and entry["top"] is None:
+                entry["top"] = self._search_neighbours(strategy, params, mode)
+            return entry
 
-    def _compute(self, rm, strategy, params, mode) -> np.ndarray:
+    def per_query_ap(self, strategy: str = "trained", params: dict | None = None, mode: str = "cosine") -> np.ndarray:
+        """MAP@R of every index item as a query, in index order (NaN: no other item of its class).
+        `mode` is used as given (resolve an indefinite M′'s cosine first: `resolve`)."""
+        return self._entry(strategy, params, mode)["ap"]
+
+    def neighbours(self, strategy: str = "trained", params: dict | None = None, mode: str = "cosine") -> np.ndarray:
+        """Each item's first `NEIGHBOURS` rows as a query (itself left out; −1: none), in index order."""
+        return self._entry(strategy, params, mode, neighbours=True)["top"]
+
+    def _compute(self, rm, strategy, params, mode) -> dict:
         y = self.data.items.labels
         if self.searcher.exact and len(y) <= MAX_N:
             if self._sweep is None:
                 self._sweep = QuerySweep(np.array(self.data.features, dtype=np.float32), y, self.data.W)
             if mode == "cosine" and not rm.report["psd"]:
                 self.searcher.query_view(strategy, params, mode)  # raises the search path's refusal
-            return self._sweep.per_query_ap(self._sweep.scores(rm.M, rm.op), mode)
+            ap, top = self._sweep.per_query(self._sweep.scores(rm.M, rm.op), mode)
+            return {"ap": ap, "top": top}
         transform, index, _ = self.searcher.query_view(strategy, params, mode)
         q = self.searcher.prepare_queries(np.asarray(self.data.features, dtype=np.float32))
         res = evaluate_ranking(index, transform(q), y, y, same_set=True, ks=(1,), return_per_query=True)
-        return res["per_query"]["map@r"]
+        return {"ap": res["per_query"]["map@r"], "top": None}  # the top lists: a search of their own, when asked
 
-    def compare(self, strategy: str, params: dict | None = None, mode: str = "cosine",
-                left_mode: str = "cosine", seed: int = 0) -> Comparison:
-        """Trained M* (`left_mode`) vs the strategy (its mode resolved), over the queries that
-        have a relevant item."""
-        mode = self.resolve(strategy, params, mode)
-        a = self.per_query_ap("trained", {}, left_mode)
-        b = self.per_query_ap(strategy, params, mode)
+    def _search_neighbours(self, strategy, params, mode) -> np.ndarray:
+        transform, index, _ = self.searcher.query_view(strategy, params, mode)
+        n = len(self.data.items)
+        top = np.full((n, NEIGHBOURS), -1, dtype=np.int64)
+        q = transform(self.searcher.prepare_queries(np.asarray(self.data.features, dtype=np.float32)))
+        for rows, _, ids in knn_chunks(q, index, NEIGHBOURS, self_ids=np.arange(n)):
+            top[rows, : ids.shape[1]] = ids
+        return top
+
+    def compare(self, left: SearchConfig, right: SearchConfig, seed: int = 0, k: int = 10) -> Comparison:
+        """Configuration `left` (x) against `right` (y), each mode resolved (an indefinite M′ has no
+        cosine), over the queries that have a relevant item; Jaccard@k of their top-k lists
+        (k capped at NEIGHBOURS)."""
+        sides = []
+        for cfg in (left, right):
+            cfg.check_searchable()
+            mode = self.resolve(cfg.strategy, cfg.params, cfg.mode)
+            sides.append((cfg.normalized().with_mode(mode), self.per_query_ap(cfg.strategy, cfg.params, mode),
+                          self.neighbours(cfg.strategy, cfg.params, mode)))
+        (ca, a, top_a), (cb, b, top_b) = sides
         ok = ~np.isnan(a)
-        rm = self.searcher.metric(strategy, params)
-        return Comparison(f"trained · {left_mode}", f"{strategy_label(strategy, rm.params)} · {mode}",
-                          self.data.items.ids[ok], self.data.items.labels[ok], a[ok], b[ok],
-                          dict(self.data.class_names), seed)
+        k = max(1, min(int(k), NEIGHBOURS))
+        return Comparison(ca.label(), cb.label(), self.data.items.ids[ok], self.data.items.labels[ok], a[ok], b[ok],
+                          dict(self.data.class_names), seed, jaccard_at_k(top_a[ok], top_b[ok], k), k)
 
 
 def item_image(data: IndexData, row: int) -> Image.Image | None:

@@ -1,9 +1,11 @@
-"""`python -m index report`: one self-contained HTML page comparing the trained metric with a
-refined one over every query of an index (figures and thumbnails inlined as base64 PNGs).
+"""`python -m index report`: one self-contained HTML page comparing two configurations (the
+trained metric and a refined one, by default) over every query of an index (figures and
+thumbnails inlined as base64 PNGs).
 
 Contents: the strategy table and curves of `python -m index evaluate` (given its folder), the
-per-query AP scatter, the queries that improved and worsened most, each with its results
-under both metrics, and the per-class table.
+per-query AP scatter, the queries that improved and worsened most from left to right, each
+with its results under both configurations and the overlap of their top k (Jaccard@k), and the
+per-class table.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from core.errors import UserError
 
 from ..backends.search import Searcher
 from ..backends.store import IndexData
+from ..search_config import SearchConfig
 from .compare import Comparer, Comparison, item_image
 
 CSS = """body{font-family:system-ui,sans-serif;margin:24px;max-width:1300px;color:#222}
@@ -84,14 +87,14 @@ def scatter_png(cmp: Comparison) -> str:
     return _fig_png(fig)
 
 
-def neighbours(searcher: Searcher, ids: list[int], strategy: str, params: dict, mode: str, k: int) -> list[list]:
-    """Each item query's top k (its own item left out): [(id, label, score)]."""
+def neighbours(searcher: Searcher, ids: list[int], cfg: SearchConfig, k: int) -> list[list]:
+    """Each item query's top k under `cfg` (its mode as given; its own item left out): [(id, label, score)]."""
     if not ids:
         return []
     data = searcher.data
     row = {int(i): r for r, i in enumerate(data.items.ids)}
     rows = [row[i] for i in ids]
-    res = searcher.search(np.asarray(data.features[rows]), strategy, params, mode, k + 1)
+    res = searcher.search(np.asarray(data.features[rows]), cfg.strategy, cfg.params, cfg.mode, k + 1)
     out = []
     for q, rs, ss in zip(ids, res.rows, res.scores, strict=True):
         kept = [(int(data.items.ids[r]), int(data.items.labels[r]), float(s)) for r, s in zip(rs, ss, strict=True)
@@ -146,23 +149,27 @@ def query_rows(cmp: Comparison, rows: list[dict], res_a: list, res_b: list, thum
     for r, a, b in zip(rows, res_a, res_b, strict=True):
         q = (f'<td><img src="{thumbs(r["id"])}" width="64"><br>{html.escape(r["class_name"])}<br>'
              f'<small>id {r["id"]}</small></td>')
-        out.append([q, _num(r["ap_a"]), _num(r["ap_b"]), _num(r["delta"], signed=True),
-                    f'<td class="res">{cmp.label_a}<br>{strip(a, r["label"])}<br>{cmp.label_b}<br>'
-                    f'{strip(b, r["label"])}</td>'])
-    return _table(["query", "AP trained", "AP M′", "ΔAP", "results (green: same class)"], out, cls)
+        out.append([q, _num(r["ap_a"]), _num(r["ap_b"]), _num(r["delta"], signed=True), _num(r["jaccard"]),
+                    f'<td class="res">{html.escape(cmp.label_a)}<br>{strip(a, r["label"])}<br>'
+                    f'{html.escape(cmp.label_b)}<br>{strip(b, r["label"])}</td>'])
+    return _table(["query", "AP left", "AP right", "ΔAP", f"Jaccard@{cmp.k}", "results (green: same class)"],
+                  out, cls)
 
 
-def build_report(data: IndexData, strategy: str, params: dict, mode: str = "cosine", top: int = 20, k: int = 8,
+def build_report(data: IndexData, left: SearchConfig, right: SearchConfig, top: int = 20, k: int = 8,
                  analysis: Path | None = None, seed: int = 0) -> str:
-    """The report's HTML (one string, nothing linked)."""
+    """The report's HTML (one string, nothing linked): `left` (x) against `right` (y)."""
     comparer = Comparer(data)
-    cmp = comparer.compare(strategy, params, mode, left_mode=mode, seed=seed)
-    rmode = comparer.resolve(strategy, params, mode)
+    cmp = comparer.compare(left, right, seed=seed, k=k)
+    sides = [c.with_mode(comparer.resolve(c.strategy, c.params, c.mode)) for c in (left, right)]
     thumbs = Thumbs(data)
-    parts = [f"<h1>Trained vs {html.escape(cmp.label_b)}</h1>",
+    title = f"{cmp.label_a} vs {cmp.label_b}"
+    parts = [f"<h1>{html.escape(title)}</h1>",
              f"<p>Index <code>{html.escape(str(data.path))}</code>: {len(data.items):,} items of "
              f"{len(np.unique(data.items.labels)):,} classes; every item is a query against the rest "
-             "(leave-one-out), scored by MAP@R.</p>",
+             "(leave-one-out), scored by MAP@R. Left (x): <b>" + html.escape(cmp.label_a) + "</b>; right (y): <b>"
+             + html.escape(cmp.label_b) + f"</b>. Jaccard@{cmp.k}: how much the two top-{cmp.k} lists of a query "
+             "overlap (1: the same items).</p>",
              f"<p><b>{html.escape(cmp.summary_text())}</b></p>",
              "<h2>Strategy table</h2>", analysis_section(analysis),
              "<h2>Per-query AP</h2>", f'<img src="{scatter_png(cmp)}" alt="AP scatter">']
@@ -170,18 +177,18 @@ def build_report(data: IndexData, strategy: str, params: dict, mode: str = "cosi
         rows = cmp.disagreements(which, top)
         ids = [r["id"] for r in rows]
         parts += [f"<h2>Top {len(rows)} {title} queries (of {cmp.counts()[which]:,})</h2>",
-                  query_rows(cmp, rows, neighbours(comparer.searcher, ids, "trained", {}, mode, k),
-                             neighbours(comparer.searcher, ids, strategy, params, rmode, k), thumbs, cls)]
+                  query_rows(cmp, rows, neighbours(comparer.searcher, ids, sides[0], k),
+                             neighbours(comparer.searcher, ids, sides[1], k), thumbs, cls)]
     per_class = sorted(cmp.per_class(), key=lambda r: r["delta"])
     parts += ["<h2>Per class (by Δ)</h2>",
-              _table(["class", "label", "n", "AP trained", "AP M′", "Δ"],
+              _table(["class", "label", "n", "AP left", "AP right", "Δ"],
                      [[r["class_name"], r["label"], r["n"], _num(r["ap_a"]), _num(r["ap_b"]), _num(r["delta"], True)]
                       for r in per_class])]
-    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>Compare: trained vs {html.escape(cmp.label_b)}"
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>Compare: {html.escape(title)}"
             f"</title><style>{CSS}</style></head><body>{''.join(parts)}</body></html>")
 
 
-def write_report(data: IndexData, out, strategy: str, params: dict, mode: str = "cosine", **kw) -> Path:
+def write_report(data: IndexData, out, left: SearchConfig, right: SearchConfig, **kw) -> Path:
     out = Path(out)
-    write_text(out, build_report(data, strategy, params, mode, **kw))
+    write_text(out, build_report(data, left, right, **kw))
     return out

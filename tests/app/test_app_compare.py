@@ -6,7 +6,7 @@ import urllib.parse
 
 import numpy as np
 import pytest
-from support import run_module
+from support import panels, run_module
 
 from app.compare_view import parse_state, state_query, tick_label, write_exports
 from app.service import RetrievalService, Spec
@@ -15,8 +15,7 @@ from core.errors import UserError
 from evaluation.evaluator import evaluate_ranking
 from evaluation.knn import flat_index
 from index.backends.gallery import RESULT_FIELDS
-
-CONTROLS = {"r": 0.5, "seed": 0, "alpha": 0.5, "p": 0.5, "path": None}  # every parameter control
+from index.refinements import REFINEMENTS, shared_params
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +31,7 @@ def evaluator_ap(X: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def test_scatter_points_are_the_evaluators_per_query_ap(svc):
-    cmp = svc.comparison(Spec("identity", {}, "cosine"), left_mode="cosine")
+    cmp = svc.comparison(Spec("identity", {}, "cosine"))  # the left side: trained, cosine
     X, y = np.asarray(svc.data.features), svc.data.items.labels
     # trained cosine = cosine of the embeddings Wφ; identity cosine = cosine of φ
     np.testing.assert_allclose(cmp.ap_a, evaluator_ap(X @ svc.data.W.T, y), atol=1e-6)
@@ -53,21 +52,22 @@ def test_compare_handler_counts_filters_classes_and_steps(svc):
     from app.ui import Handlers
 
     h = Handlers(svc)
-    summary, svg, rows, ids, cursor, classes = h.on_compare(None, "random", "bilinear", "all", **CONTROLS)
-    cmp = svc.comparison(Spec("random", {"r": 0.5, "seed": 0}, "bilinear"), left_mode="bilinear")
+    cfg = panels(left=("trained", "bilinear"), right=("random", "bilinear"))
+    summary, svg, rows, ids, cursor, classes = h.on_compare(None, "all", 12, "outcome", 1.0, **cfg)
+    cmp = svc.comparison(Spec("random", {"r": 0.5, "seed": 0}, "bilinear"), Spec("trained", {}, "bilinear"))
     c = cmp.counts()
     assert f"{c['improved']:,} improved, {c['worsened']:,} worsened, {c['tied']:,} tied" in summary
-    assert "sign test" in summary and "95% CI" in summary and svg.startswith("<svg")
+    assert "sign test" in summary and "95% CI" in summary and svg.startswith("<svg") and "Jaccard@12" in summary
     assert len(rows) == len(ids) == c["improved"] + c["worsened"] and cursor == -1
     assert sum(r[2] for r in classes) == c["queries"]
-    worse, wids, _ = h.on_filter("random", "bilinear", "worsened", **CONTROLS)
+    worse, wids, _ = h.on_filter("worsened", 12, 1.0, **cfg)
     assert len(worse) == c["worsened"] and all(r[4] < 0 for r in worse)
     # next from the start opens the first, previous from the start the last
     q, _, _, cur = h.on_step(ids, -1, 1)
     assert q == {"kind": "item", "id": ids[0]} and cur == 0
     q, _, _, cur = h.on_step(ids, -1, -1)
     assert q["id"] == ids[-1] and cur == len(ids) - 1
-    out = h.on_compare(None, "custom", "bilinear", "all", **CONTROLS)
+    out = h.on_compare(None, "all", 12, "outcome", 1.0, **panels(right=("custom", "bilinear")))
     assert out[0].startswith("⚠️") and "upload" in out[0]
 
 
@@ -87,32 +87,78 @@ def test_maps_are_cached_and_mark_the_query(svc, monkeypatch):
 
 
 def test_url_state_round_trips_and_refuses_bad_values():
-    qs = state_query(17, "random", {"r": 0.3, "seed": 4, "alpha": 0.9, "p": None}, "bilinear", 8)
-    assert qs == "?q=17&strategy=random&r=0.3&seed=4&mode=bilinear&k=8"  # only the strategy's own parameters
+    left, right = Spec("spectral", {"p": 0.25}, "bilinear"), Spec("random", {"r": 0.3, "seed": 4}, "bilinear")
+    qs = state_query(17, left, right, 8)
+    # only each strategy's own parameters; the left side's keys prefixed
+    assert qs == "?q=17&left_strategy=spectral&left_p=0.25&left_mode=bilinear&strategy=random&r=0.3&seed=4" \
+                 "&mode=bilinear&k=8"
     parsed = dict(urllib.parse.parse_qsl(qs[1:]))
-    assert parse_state(parsed) == {"q": 17, "strategy": "random", "params": {"r": 0.3, "seed": 4},
-                                   "mode": "bilinear", "k": 8}
+    assert parse_state(parsed) == {"q": 17, "left": left, "right": right, "k": 8}
     st = parse_state({"q": "5"})
-    assert (st["strategy"], st["mode"], st["k"]) == ("identity", "cosine", 12)
+    assert (st["left"], st["right"], st["k"]) == (Spec(), Spec("identity"), 12)
     assert parse_state({}) is None
     for bad, msg in (({"q": "x"}, "must be integers"), ({"q": "1", "k": "99"}, "k must be between"),
                      ({"q": "1", "mode": "l3"}, "mode must be one of"), ({"q": "1", "strategy": "nope"}, "nope"),
-                     ({"q": "1", "strategy": "custom"}, "cannot carry it")):
+                     ({"q": "1", "strategy": "custom"}, "cannot carry it"),
+                     ({"q": "1", "left_strategy": "nope"}, "the link's left strategy: unknown"),
+                     ({"q": "1", "left_mode": "l3"}, "the link's left mode must be one of"),
+                     ({"q": "1", "left_strategy": "custom"}, "cannot carry it"),
+                     ({"q": "1", "left_strategy": "random", "left_r": "7"}, "restraint degree r must be in"),
+                     ({"q": "1", "rerank": "aqe"}, "re-ranker 'aqe' is not available")):
         with pytest.raises(UserError, match=msg):
             parse_state(bad)
     with pytest.raises(UserError, match="cannot be shared"):
-        state_query(1, "custom", {"path": "m.npy"}, "bilinear", 4)
+        state_query(1, Spec(), Spec("custom", {"path": "m.npy"}, "bilinear"), 4)
+    with pytest.raises(UserError, match="cannot be shared"):
+        state_query(1, Spec("custom", {"path": "m.npy"}, "bilinear"), Spec(), 4)
+    # the re-ranker axis travels in links already (a search refuses any but "none" until it runs them)
+    rr = Spec("identity", {}, "cosine", "aqe", {"alpha": 3})
+    assert "&rerank=aqe&rerank_alpha=3&" in state_query(1, Spec(), rr, 4)
 
 
-def test_on_load_opens_a_shared_link(svc):
+def test_old_links_open_with_trained_on_the_left(svc):
+    """A link made when only the right side could change (no left_* keys) opens as it did: the
+    trained metric on the left, in the link's mode."""
+    from app.ui import Handlers
+
+    item = int(svc.data.items.ids[2])
+    old = {"q": str(item), "strategy": "shrink", "alpha": "0.25", "mode": "bilinear", "k": "6"}
+    st = parse_state(old)
+    assert st["left"] == Spec("trained", {}, "bilinear") and st["right"] == Spec("shrink", {"alpha": 0.25}, "bilinear")
+    assert parse_state({"q": "3", "strategy": "spectral"})["left"] == Spec("trained", {}, "cosine")
+
+    class Req:  # what gr.Request gives the handler
+        query_params = old
+
+    out = Handlers(svc).on_load(Req())
+    n = len(shared_params())
+    left, right = out[3: 5 + n], out[5 + n: 7 + 2 * n]
+    assert out[:1] == ({"kind": "item", "id": item},) and out[2] == 6
+    assert left[:2] == ("trained", "bilinear") and right[:2] == ("shrink", "bilinear")
+    assert right[2 + [sp.name for sp in shared_params()].index("alpha")] == 0.25
+    # the comparison it opens searches trained · bilinear on the left
+    h = Handlers(svc)
+    values = panels(left=left[:2], right=right[:2], right_params={"alpha": 0.25})
+    res = h.on_search({"kind": "item", "id": item}, None, 6, **values)
+    assert res[0].startswith("### Left: trained · bilinear") and res[2].startswith("### Right: shrink(alpha=0.25)")
+    assert res[-1] == f"?q={item}&left_strategy=trained&left_mode=bilinear&strategy=shrink&alpha=0.25&mode=bilinear&k=6"
+
+
+def test_on_load_opens_a_shared_link_of_two_configurations(svc):
     from app.ui import Handlers
 
     class Req:  # what gr.Request gives the handler
-        query_params = {"q": str(int(svc.data.items.ids[2])), "strategy": "shrink", "alpha": "0.25", "k": "6"}
+        query_params = {"q": str(int(svc.data.items.ids[2])), "left_strategy": "random", "left_r": "0.3",
+                        "left_mode": "bilinear", "strategy": "shrink", "alpha": "0.25", "k": "6"}
 
     out = Handlers(svc).on_load(Req())
-    assert out[0] == {"kind": "item", "id": int(svc.data.items.ids[2])}
-    assert out[2:5] == ("shrink", "cosine", 6) and 0.25 in out[5:-1]
+    n = len(shared_params())
+    names = [sp.name for sp in shared_params()]
+    left, right = out[3: 5 + n], out[5 + n: 7 + 2 * n]
+    assert out[0] == {"kind": "item", "id": int(svc.data.items.ids[2])} and out[2] == 6
+    assert left[:2] == ("random", "bilinear") and left[2 + names.index("r")] == 0.3
+    assert left[2 + names.index("seed")] == 0 and right[:2] == ("shrink", "cosine")
+    assert right[2 + names.index("alpha")] == 0.25 and len(out) == 3 + 2 * (2 + n) + 1
     Req.query_params = {"q": "123456789"}
     assert "no item with id 123456789" in Handlers(svc).on_load(Req())[-1]
 
@@ -122,18 +168,88 @@ def test_share_link_of_an_item_and_of_an_upload(svc, tmp_path):
 
     h = Handlers(svc)
     item = {"kind": "item", "id": int(svc.data.items.ids[1])}
-    out = h.on_search(item, None, "spectral", "cosine", 5, **CONTROLS)
-    assert out[-1] == f"?q={item['id']}&strategy=spectral&p=0.5&mode=cosine&k=5"
+    out = h.on_search(item, None, 5, **panels(right=("spectral", "cosine")))
+    assert out[-1] == f"?q={item['id']}&left_strategy=trained&left_mode=cosine&strategy=spectral&p=0.5&mode=cosine&k=5"
     img = svc.root / svc.data.items.paths[1]
-    assert "uploaded query cannot be in a link" in h.on_search({"kind": "upload"}, str(img), "identity", "cosine", 5,
-                                                               **CONTROLS)[-1]
+    assert "uploaded query cannot be in a link" in h.on_search({"kind": "upload"}, str(img), 5, **panels())[-1]
+
+
+def test_params_shown_are_the_chosen_strategys(svc):
+    """A panel shows the parameter controls its strategy takes, and hides its parameter group when
+    it takes none."""
+    from app.ui import on_strategy, visible_params
+
+    names = [sp.name for sp in shared_params()]
+    want = {"trained": set(), "identity": set(), "diagonal": {"r", "seed"}, "random": {"r", "seed"},
+            "diagonal-psd": {"r", "seed", "psd"}, "random-psd": {"r", "seed", "psd"}, "shrink": {"alpha"},
+            "spectral": {"p"}, "custom": {"path"}}
+    assert set(want) == set(REFINEMENTS.names())
+    for strategy, own in want.items():
+        assert {n for n, v in visible_params(strategy).items() if v} == own == set(
+            REFINEMENTS.get(strategy).param_defaults())
+        group, *controls = on_strategy(strategy)
+        assert group == {"__type__": "update", "visible": bool(own)}
+        assert [u["visible"] for u in controls] == [n in own for n in names]
+
+
+def test_two_configurations_end_to_end(svc, tmp_path):
+    """A non-trained left side through every view: both panels, the share link, the export, the
+    Compare tab's statistics, scatter, disagreements and per-class table, the why panel."""
+    from app.ui import Handlers
+
+    h = Handlers(svc)
+    left, right = Spec("shrink", {"alpha": 0.3}, "cosine"), Spec("random", {"r": 0.5, "seed": 0}, "bilinear")
+    cfg = panels(left=("shrink", "cosine"), right=("random", "bilinear"), left_params={"alpha": 0.3})
+    item = int(svc.data.items.ids[4])
+    q = {"kind": "item", "id": item}
+    out = h.on_search(q, None, 6, **cfg)
+    assert out[0].startswith("### Left: shrink(alpha=0.3) · cosine") and out[2].startswith("### Right: random(r=0.5")
+    direct = svc.searcher.search(svc.data.features[4:5], "shrink", {"alpha": 0.3}, "cosine", 7)
+    assert out[5]["left"] == [int(i) for i in direct.items.ids[direct.rows[0]] if i != item][:6]
+    assert "Jaccard@6" in out[4]
+    assert parse_state(dict(urllib.parse.parse_qsl(out[-1][1:]))) == {"q": item, "left": left, "right": right, "k": 6}
+    # the Compare tab: x is the left configuration's per-query AP, y the right's
+    summary, svg, rows, ids, _, classes = h.on_compare(q, "all", 6, "jaccard", 1.0, **cfg)
+    assert summary.startswith("**shrink(alpha=0.3) · cosine** (x) vs **random(r=0.5, seed=0) · bilinear** (y)")
+    cmp = svc.comparison(right, left, k=6)
+    ok = ~np.isnan(svc.per_query_ap(left))
+    np.testing.assert_array_equal(cmp.ap_a, svc.per_query_ap(left)[ok])
+    np.testing.assert_array_equal(cmp.ap_b, svc.per_query_ap(right)[ok])
+    assert "colour: Jaccard@6" in svg and "★" in svg
+    assert [r[0] for r in rows] == [r["id"] for r in cmp.disagreements("all")] == ids
+    assert [r[5] for r in rows] == [round(r["jaccard"], 3) for r in cmp.disagreements("all")]
+    assert [c[3] for c in classes] == [round(r["ap_a"], 4) for r in cmp.per_class()]
+    few, few_ids, _ = h.on_filter("all", 6, 0.4, **cfg)  # only queries whose top-6 lists overlap ≤ 0.4
+    assert all(r[5] <= 0.4 for r in few) and set(few_ids) <= set(ids)
+    _, svg_few, *_ = h.on_compare(q, "all", 6, "outcome", 0.4, **cfg)
+    assert svg_few.count("<circle") == int((cmp.jaccard <= 0.4).sum())
+    # the export carries both configurations
+    files = h.on_export(q, None, 6, **cfg)
+    payload = json.loads(open(files[0]).read())
+    assert payload["left"]["strategy"] == "shrink" and payload["left"]["params"] == {"alpha": 0.3}
+    assert payload["right"]["label"] == "random(r=0.5, seed=0) · bilinear" and payload["left"]["rerank"] == "none"
+    assert [p["config"]["strategy"] for p in payload["panels"]] == ["shrink", "random"]
+    with open(files[1], newline="") as f:
+        rows_csv = list(csv.DictReader(f))
+    assert {(r["side"], r["strategy"], r["mode"]) for r in rows_csv} == {("left", "shrink", "cosine"),
+                                                                        ("right", "random", "bilinear")}
+    # why a result moved: a result of the right panel, explained against the left
+    moved = out[5]["right"][2]
+    html_out, box = h.on_why(q, None, moved, 6, **cfg)
+    why = svc.why(svc.query_from_item(item), moved, right, left, k=6)
+    assert box == {"__type__": "update", "open": True}
+    assert why.right.rank == 3 and f"rank {why.left.rank} → 3" in html_out
+    assert "change of the norms" in html_out and "score difference (right − left)" in html_out
+    assert sum(d.term for d in why.shown) + why.rest + why.change.norm_term == pytest.approx(why.change.delta)
+    assert html_out.count('class="why-strip"') == len(why.shown) == 5
 
 
 def test_export_equals_cli_search(svc, tmp_path):
     """The exported result lists are `python -m index search`'s for the same (uploaded) query."""
     img = svc.root / svc.data.items.paths[7]
     q = svc.query_from_upload(str(img))
-    payload = svc.export(q, Spec("random", {"r": 0.4, "seed": 2}, "bilinear"), k=6, left_mode="bilinear")
+    right = Spec("random", {"r": 0.4, "seed": 2}, "bilinear")
+    payload = svc.export(q, right, k=6, left=Spec("trained", {}, "bilinear"))
     j, c = write_exports(payload, str(tmp_path))
     exported = json.loads(open(j).read())
     for side, args in (("left", ["--strategy", "trained"]), ("right", ["--strategy", "random", "--r", "0.4",
@@ -158,7 +274,7 @@ def test_export_of_an_item_query_carries_p_at_k_and_ap(svc, tmp_path):
     from app.ui import Handlers
 
     item = {"kind": "item", "id": int(svc.data.items.ids[3])}
-    files = Handlers(svc).on_export(item, None, "identity", "cosine", 4, **CONTROLS)
+    files = Handlers(svc).on_export(item, None, 4, **panels())
     payload = json.loads(open(files[0]).read())
     assert payload["query"]["id"] == item["id"] and all(p["ap"] is not None and p["p_at_k"] is not None
                                                          for p in payload["panels"])

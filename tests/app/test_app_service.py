@@ -4,6 +4,7 @@ import io
 import numpy as np
 import pytest
 from PIL import Image
+from support import panels
 
 from app.service import RetrievalService, Spec
 from core.errors import UserError
@@ -33,8 +34,9 @@ def test_item_query_leaves_itself_out_and_scores_match_evaluator(svc):
 
 def test_strategy_switching_changes_right_panel_only(svc):
     q = svc.query_from_item(int(svc.data.items.ids[0]))
-    l1, r1 = svc.compare(q, Spec("identity", {}, "bilinear"), k=8, left_mode="bilinear")
-    l2, r2 = svc.compare(q, Spec("spectral", {"p": 1.5}, "bilinear"), k=8, left_mode="bilinear")
+    trained = Spec("trained", {}, "bilinear")
+    l1, r1 = svc.compare(q, Spec("identity", {}, "bilinear"), k=8, left=trained)
+    l2, r2 = svc.compare(q, Spec("spectral", {"p": 1.5}, "bilinear"), k=8, left=trained)
     assert [x["id"] for x in l1.results] == [x["id"] for x in l2.results]
     assert "identity" in r1.title and "spectral(p=1.5)" in r2.title
     assert [x["score"] for x in r1.results] != [x["score"] for x in r2.results]
@@ -45,7 +47,7 @@ def test_strategy_switching_changes_right_panel_only(svc):
 
 def test_disagreements_are_the_largest_ap_changes(svc):
     spec = Spec("random", {"r": 1.0, "seed": 0}, "bilinear")
-    rows = svc.disagreements(spec, left_mode="bilinear", top=5)
+    rows = svc.disagreements(spec, Spec("trained", {}, "bilinear"), top=5)
     a = svc.per_query_ap(Spec("trained", {}, "bilinear"))
     b = svc.per_query_ap(spec)
     d = np.abs(np.nan_to_num(b - a))
@@ -99,15 +101,15 @@ def test_ui_handler_turns_errors_into_a_visible_message(svc, tmp_path):
     from app.ui import Handlers
 
     h = Handlers(svc)
-    controls = {"r": 0.5, "seed": 0, "alpha": 0.5, "p": 0.5, "path": None}  # every parameter control
     bad = tmp_path / "bad.jpg"
     bad.write_bytes(b"garbage")
-    out = h.on_search({"kind": "upload"}, str(bad), "identity", "cosine", 5, **controls)
+    out = h.on_search({"kind": "upload"}, str(bad), 5, **panels())
     assert out[1] == [] and out[3] == [] and out[4].startswith("⚠️") and "not a usable image" in out[4]
     item = {"kind": "item", "id": int(svc.data.items.ids[1])}
-    out = h.on_search(item, None, "custom", "bilinear", 5, **controls)
-    assert "strategy custom: upload a symmetric d × d .npy matrix file first" in out[4]
-    ok = h.on_search(item, None, "random", "bilinear", 5, **controls | {"r": 0.3, "seed": 1})
+    for side in ("left", "right"):  # either panel's file-less custom strategy is refused
+        out = h.on_search(item, None, 5, **panels(**{side: ("custom", "bilinear")}))
+        assert "strategy custom: upload a symmetric d × d .npy matrix file first" in out[4]
+    ok = h.on_search(item, None, 5, **panels(right=("random", "bilinear"), right_params={"r": 0.3, "seed": 1}))
     assert len(ok[1]) == 5 and len(ok[3]) == 5 and "random(r=0.3, seed=1) · bilinear" in ok[2]
 
 
@@ -117,8 +119,8 @@ def test_custom_matrix_from_the_ui_is_labelled_by_its_file(svc, tmp_path):
     M = tmp_path / "mine.npy"
     np.save(M, np.eye(svc.data.dim))
     item = {"kind": "item", "id": int(svc.data.items.ids[1])}
-    ok = Handlers(svc).on_search(item, None, "custom", "bilinear", 4, r=0.5, seed=0, alpha=0.5, p=0.5, path=str(M))
-    assert "Right: custom(file=mine.npy) · bilinear" in ok[2] and len(ok[3]) == 4
+    ok = Handlers(svc).on_search(item, None, 4, **panels(left=("custom", "bilinear"), left_params={"path": str(M)}))
+    assert "Left: custom(file=mine.npy) · bilinear" in ok[0] and len(ok[1]) == 4
 
 
 def test_strategy_choices_come_from_the_registry(svc):

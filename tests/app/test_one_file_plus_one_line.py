@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from support import panels
 
 from index.refinements import REFINEMENTS
 
@@ -83,16 +84,19 @@ def test_new_strategy_reaches_the_app(lift_registered, tiny_index):
     assert "lift" in svc.strategy_choices() and "lift" in svc.strategy_choices(with_files=False)
     q = svc.query_from_item(int(svc.data.items.ids[3]))
     assert svc.panel(q, Spec("lift", {"gamma": 0.5}, "cosine"), k=3).title == "lift(gamma=0.5) · cosine"
-    ok = Handlers(svc).on_search({"kind": "item", "id": int(svc.data.items.ids[3])}, None, "lift", "bilinear", 3,
-                                 gamma=0.75, r=0.5, seed=0, alpha=0.5, p=0.5, path=None)
+    ok = Handlers(svc).on_search({"kind": "item", "id": int(svc.data.items.ids[3])}, None, 3,
+                                 **panels(right=("lift", "bilinear"), right_params={"gamma": 0.75}))
     assert "Right: lift(gamma=0.75) · bilinear" in ok[2] and len(ok[3]) == 3
 
     demo = build_ui(svc)
     by_label = {b.label: b for b in demo.blocks.values() if getattr(b, "label", None)}
-    assert "lift" in [v for _, v in by_label["Right-panel strategy"].choices]
+    for side in ("Left", "Right"):
+        assert "lift" in [v for _, v in by_label[f"{side} strategy"].choices]
     assert "lift" in [v for _, v in by_label["strategy"].choices]  # the hidden API's dropdown
-    slider = by_label["gamma: weight γ of the added identity (lift; default: 0.25)"]
-    assert (slider.minimum, slider.maximum, slider.value) == (0.0, 2.0, 0.25)
+    sliders = [b for b in demo.blocks.values()
+               if getattr(b, "label", None) == "gamma: weight γ of the added identity (lift; default: 0.25)"]
+    assert len(sliders) == 2  # one per panel, hidden until a panel chooses lift
+    assert all((s.minimum, s.maximum, s.value, s.visible) == (0.0, 2.0, 0.25, False) for s in sliders)
     api = demo.get_api_info()["named_endpoints"]["/search"]["parameters"]
     assert "gamma" in [p["parameter_name"] for p in api]
 

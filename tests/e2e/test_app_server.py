@@ -184,7 +184,7 @@ def test_real_browser_upload_search_switch(server, tmp_path):
             left_before = page.locator(".result-gallery").first.inner_text()
             assert "✓" not in left_before  # an upload's class is unknown: no marks
             # switch the right-panel strategy
-            page.get_by_label("Right-panel strategy").click()
+            page.get_by_label("Right strategy").click()
             page.get_by_role("option", name="spectral").click()
             page.get_by_text("Right: spectral").first.wait_for(timeout=30000)
             galleries = page.locator(".result-gallery")

@@ -1,4 +1,8 @@
-"""A real browser on the Compare tab: a shared link opens its comparison, a click on a point opens that query."""
+"""A real browser on the Search and Compare tabs: a shared link opens its comparison, a click on a
+point opens that query; a non-trained left side chosen in the page drives both tabs, and a click
+on a result opens the why panel."""
+import re
+
 import pytest
 from app_helpers import chromium_path, needs_chromium
 
@@ -51,3 +55,57 @@ def test_shared_link_then_click_a_point(server, tmp_path):
         finally:
             browser.close()
     assert (tmp_path / "compare_tab.png").stat().st_size > 10_000
+
+
+def choose(page, elem_id: str, option: str):
+    """Pick `option` in the Gradio dropdown `elem_id` (its options appear on focus)."""
+    page.locator(f"#{elem_id} input").click()
+    page.get_by_role("option", name=option, exact=True).click()
+
+
+def visible_controls(page, name: str) -> int:
+    """How many parameter controls labelled `name: …` are shown (one per panel at most)."""
+    return page.get_by_text(re.compile(rf"^{name}: ")).filter(visible=True).count()
+
+
+@needs_chromium
+def test_two_configurations_and_the_why_panel(server, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    url, svc, _ = server
+    q = int(svc.data.items.ids[9])
+    with sync_playwright() as p:
+        browser = launch_chromium(p)
+        try:
+            page = browser.new_page(viewport={"width": 1500, "height": 1300})
+            # an old link (right side only): trained on the left
+            page.goto(f"{url}?q={q}&strategy=spectral&p=0.5&mode=cosine&k=6", wait_until="load")
+            page.get_by_text("Left: trained · cosine").first.wait_for(timeout=60000)
+            wait_for_link(page, q)
+            assert visible_controls(page, "alpha") == 0 and visible_controls(page, "p") == 1  # spectral's own
+            # a non-trained left side, chosen in the page: its parameters appear, both panels search
+            choose(page, "left-strategy", "shrink")
+            page.get_by_text("Left: shrink(alpha=0.5) · cosine").first.wait_for(timeout=60000)
+            page.wait_for_function("() => (document.querySelector('#share-link textarea, #share-link input') || {})"
+                                   ".value?.includes('left_strategy=shrink')", timeout=60000)
+            assert visible_controls(page, "alpha") == 1 and visible_controls(page, "r") == 0
+            assert page.get_by_text("Right: spectral(p=0.5) · cosine").first.is_visible()
+            # why did the right panel's third result move?
+            page.locator("#right-results button.thumbnail-item").nth(2).click()
+            why = page.locator("#why")
+            why.get_by_text("score difference (right − left)").wait_for(timeout=60000)
+            assert why.locator("svg.why-bars rect").count() >= 3
+            assert why.locator(".why-strip").count() >= 1 and "rank" in why.inner_text()
+            page.screenshot(path=str(tmp_path / "why.png"), full_page=True)
+            # the Compare tab compares the two configurations, its scatter coloured by top-k overlap
+            page.get_by_role("tab", name="Compare").click()
+            points = page.locator("#cmp-scatter circle[data-id]")
+            points.first.wait_for(timeout=60000)
+            page.get_by_text("shrink(alpha=0.5) · cosine (x) vs spectral(p=0.5) · cosine (y)").wait_for(timeout=30000)
+            page.locator("#cmp-colour").get_by_text("Jaccard@k").click()
+            page.locator("#cmp-scatter text", has_text="colour: Jaccard@6").wait_for(timeout=30000)
+            assert points.count() == len(svc.data.items)
+            page.screenshot(path=str(tmp_path / "compare_two.png"), full_page=True)
+        finally:
+            browser.close()
+    assert (tmp_path / "why.png").stat().st_size > 10_000

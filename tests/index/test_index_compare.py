@@ -6,9 +6,10 @@ import pytest
 
 import index.analysis.compare as compare
 from evaluation.evaluator import per_query_metrics
-from index.analysis.compare import Comparer, Comparison, bootstrap_ci, sign_test
+from index.analysis.compare import Comparer, Comparison, bootstrap_ci, jaccard_at_k, sign_test
 from index.backends.search import Searcher
 from index.backends.store import in_memory_index
+from index.search_config import SearchConfig
 
 SETTINGS = [("trained", {}, "cosine"), ("identity", {}, "cosine"), ("spectral", {"p": 0.5}, "cosine"),
             ("random", {"r": 0.6, "seed": 2}, "bilinear"), ("diagonal", {"r": 0.3, "seed": 1}, "bilinear")]
@@ -52,7 +53,8 @@ def test_per_query_ap_equals_brute_force(data, monkeypatch, batched, name, param
 
 
 def test_comparison_counts_classes_and_disagreements(data):
-    cmp = Comparer(data).compare("random", {"r": 0.6, "seed": 2}, "bilinear", left_mode="bilinear")
+    cmp = Comparer(data).compare(SearchConfig("trained", {}, "bilinear"), SearchConfig("random", {"r": 0.6, "seed": 2},
+                                                                                        "bilinear"))
     c = cmp.counts()
     assert c["queries"] == 60 == c["improved"] + c["worsened"] + c["tied"]  # the class of one is no query
     assert c["improved"] > 0 and c["worsened"] > 0
@@ -74,9 +76,39 @@ def test_comparison_counts_classes_and_disagreements(data):
         cmp.disagreements("better")
 
 
+@pytest.mark.parametrize("batched", [True, False])
+def test_any_two_configurations_compare(data, monkeypatch, batched):
+    """Neither side need be trained: each side's AP is its own per-query AP, and Jaccard@k is the
+    overlap of the two leave-one-out top-k lists (batched and searched alike)."""
+    if not batched:
+        monkeypatch.setattr(compare, "MAX_N", 0)
+    c = Comparer(data)
+    left, right = SearchConfig("spectral", {"p": 0.5}, "cosine"), SearchConfig("diagonal", {"r": 0.3, "seed": 1},
+                                                                                "cosine")
+    cmp = c.compare(left, right, k=5)
+    assert cmp.label_a == "spectral(p=0.5) · cosine"
+    assert cmp.label_b == "diagonal(r=0.3, seed=1) · bilinear"  # indefinite: no cosine, as the search says
+    ok = ~np.isnan(c.per_query_ap("spectral", {"p": 0.5}, "cosine"))
+    np.testing.assert_array_equal(cmp.ap_a, c.per_query_ap("spectral", {"p": 0.5}, "cosine")[ok])
+    np.testing.assert_array_equal(cmp.ap_b, c.per_query_ap("diagonal", {"r": 0.3, "seed": 1}, "bilinear")[ok])
+    s = Searcher(data)
+    for i in np.nonzero(ok)[0][:10]:
+        tops = []
+        for cfg, mode in ((left, "cosine"), (right, "bilinear")):
+            res = s.search(data.features[i: i + 1], cfg.strategy, cfg.params, mode, 6)
+            tops.append({int(r) for r in res.rows[0] if r != i} if i in res.rows[0] else set(res.rows[0][:5]))
+        j = cmp.jaccard[int(np.nonzero(np.nonzero(ok)[0] == i)[0][0])]
+        assert j == pytest.approx(len(tops[0] & tops[1]) / len(tops[0] | tops[1]))
+    assert cmp.k == 5 and "Jaccard@5" in cmp.summary_text()
+    low = cmp.disagreements("all", max_jaccard=0.5)
+    assert low and all(r["jaccard"] <= 0.5 for r in low)
+    assert {r["id"] for r in low} <= {r["id"] for r in cmp.disagreements("all")}
+
+
 def test_identical_metrics_tie_everywhere(data):
-    cmp = Comparer(data).compare("trained", {}, "cosine")
+    cmp = Comparer(data).compare(SearchConfig(), SearchConfig())
     s = cmp.summary()
+    assert s["mean_jaccard"] == 1.0 and (cmp.jaccard == 1.0).all()
     assert s["tied"] == s["queries"] == 60 and s["mean_delta"] == 0.0 and s["sign_test_p"] == 1.0
     assert s["ci95"] == (0.0, 0.0) and cmp.disagreements() == []
 
@@ -105,3 +137,20 @@ def test_indefinite_cosine_is_refused_like_search(data):
     with pytest.raises(UserError, match="cosine mode needs a positive semi-definite"):
         c.per_query_ap("diagonal", {"r": 0.3, "seed": 1}, "cosine")
     assert c.resolve("diagonal", {"r": 0.3, "seed": 1}, "cosine") == "bilinear"
+
+
+def test_jaccard_at_k_is_the_set_overlap():
+    rng = np.random.default_rng(1)
+    a = np.stack([rng.permutation(30)[:12] for _ in range(50)])
+    b = np.stack([rng.permutation(30)[:12] for _ in range(50)])
+    b[0] = a[0][::-1]  # the same set in another order
+    a[1, 8:] = -1      # a shorter list (fewer items than k)
+    for k in (1, 5, 12):
+        got = jaccard_at_k(a, b, k)
+        want = []
+        for ra, rb in zip(a, b, strict=True):
+            sa, sb = {int(v) for v in ra[:k] if v >= 0}, {int(v) for v in rb[:k] if v >= 0}
+            want.append(len(sa & sb) / len(sa | sb))
+        np.testing.assert_allclose(got, want)
+    assert jaccard_at_k(a, b, 12)[0] == 1.0
+    assert jaccard_at_k(np.full((1, 3), -1), np.full((1, 3), -1), 3)[0] == 1.0  # both empty: identical

@@ -1,10 +1,14 @@
 """`python -m index report`: one self-contained HTML page that parses, with the expected rows."""
 from html.parser import HTMLParser
 
+import pytest
 from support import run_module
 
+from core.cli import run_cli
 from index.analysis.compare import Comparer
 from index.backends.store import read_index
+from index.cli import main
+from index.search_config import SearchConfig
 
 
 class Page(HTMLParser):
@@ -31,8 +35,9 @@ def test_report_html(tiny_index, tmp_path):
     page = Page()
     page.feed(out.read_text())
     page.close()
-    counts = Comparer(read_index(tiny_index)).compare("random", {"r": 0.5, "seed": 0}, "bilinear",
-                                                      left_mode="bilinear").counts()
+    # no left flags: trained, in the right side's mode (as reports without them always compared)
+    right = SearchConfig("random", {"r": 0.5, "seed": 0}, "bilinear")
+    counts = Comparer(read_index(tiny_index)).compare(SearchConfig("trained", {}, "bilinear"), right).counts()
     assert counts["improved"] >= 1 and counts["worsened"] >= 1
     assert page.rows.get("query improved", 0) == min(2, counts["improved"])
     assert page.rows.get("query worsened", 0) == min(2, counts["worsened"])
@@ -50,3 +55,39 @@ def test_report_refuses_a_missing_analysis_folder(tiny_index, tmp_path):
         r.returncode == 2 and r.stderr.startswith("error: --analysis folder not found") and "Traceback" not in r.stderr
     )
     assert not (tmp_path / "r.html").exists()
+
+
+def test_report_of_two_configurations(tiny_index, tmp_path):
+    """--left-*: any configuration on the left; the page names both, and its counts are the comparer's."""
+    out = tmp_path / "two.html"
+    r = run_module("index", "report", "--index", tiny_index, "--left-strategy", "identity", "--left-mode", "cosine",
+                   "--strategy", "random", "--r", "0.5", "--mode", "bilinear", "--top", "2", "--k", "3", "--out", out,
+                   cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    cmp = Comparer(read_index(tiny_index)).compare(SearchConfig("identity", {}, "cosine"),
+                                                   SearchConfig("random", {"r": 0.5, "seed": 0}, "bilinear"), k=3)
+    c = cmp.counts()
+    assert "<h1>identity · cosine vs random(r=0.5, seed=0) · bilinear</h1>" in text
+    assert f"{c['queries']:,} queries: {c['improved']:,} improved, {c['worsened']:,} worsened" in text
+    assert "Jaccard@3" in text and f"mean top-3 overlap (Jaccard@3) {cmp.summary()['mean_jaccard']:.3f}" in text
+    page = Page()
+    page.feed(text)
+    assert page.rows.get("query improved", 0) == min(2, c["improved"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--left-strategy", "nope"], "error: --left-strategy: unknown refinement strategy 'nope'; choose from"),
+    (["--left-strategy", "identity", "--left-param", "r=0.5"], "error: --left-param: refinement strategy "
+                                                               "'identity': no parameter 'r'"),
+    (["--left-strategy", "random", "--left-param", "r"], "error: --left-param: refinement strategy 'random': "
+                                                         "want key=value, got 'r'"),
+    (["--left-strategy", "random", "--left-param", "r=2"], "error: --left-param: restraint degree r must be in"),
+    (["--left-mode", "l3"], "error: --left-mode must be one of bilinear, cosine, got 'l3'"),
+])
+def test_report_refuses_a_bad_left_side(tiny_index, tmp_path, capsys, flags, message):
+    out = tmp_path / "r.html"
+    assert run_cli(main, ["report", "--index", str(tiny_index), "--out", str(out), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1  # one line
+    assert not out.exists()

@@ -1,0 +1,247 @@
+"""Why a result moved between two configurations: its rank and score under each, and the score
+difference split over the eigen-directions of the difference of the two metrics.
+
+Bilinear scores s_M(q, x) = qᵀMx differ by
+
+    s_B − s_A = qᵀ(M_B − M_A)x = Σᵢ μᵢ (vᵢᵀq)(vᵢᵀx),
+
+(μᵢ, vᵢ) the eigenpairs of the symmetric D = M_B − M_A: each direction's term is its share of
+the move, with its sign.  A cosine score is the M-cosine qᵀMx / n, n = ‖q‖_M ‖x‖_M (n = 1 for a
+bilinear side), and then
+
+    s_B − s_A = qᵀDx / n_B  +  qᵀM_A x · (1/n_B − 1/n_A):
+
+the bilinear change over B's norms, split over the directions as above, plus the change of the
+norm factor alone (A's bilinear score rescaled from A's norms to B's).  The parts sum to the
+score difference (float64 round-off aside); a test checks it for every kind of strategy.
+
+Eigenvalues equal up to round-off span one eigenspace whose eigenvectors are arbitrary (for
+identity − M*, the null space of the low-rank M*): its term is reported once, along the query's
+component in it, P q / ‖P q‖, the one direction of the eigenspace that carries its term.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..backends.search import Searcher
+from ..refinements import strategy_key
+from ..search_config import SearchConfig
+
+EIG_TOL = 1e-9  # eigenvalues within this × max |μ| of their neighbour share an eigenspace
+STRIP = 8       # gallery items shown per direction
+
+
+@dataclass
+class Direction:
+    """One eigenspace of D = M_B − M_A and its part of the score difference."""
+    eigenvalue: float    # μ (an eigenspace's mean)
+    dim: int             # 1, or the eigenspace's dimension
+    vector: np.ndarray   # unit vector in trunk-feature space (d,)
+    q_proj: float        # vᵀq
+    x_proj: float        # vᵀx
+    term: float          # Σ μᵢ (vᵢᵀq)(vᵢᵀx) / n_B over the eigenspace
+
+
+@dataclass
+class ScoreChange:
+    mode_a: str
+    mode_b: str
+    score_a: float
+    score_b: float
+    bilinear_a: float    # qᵀM_A x
+    bilinear_b: float
+    norm_a: float        # ‖q‖_M_A ‖x‖_M_A in cosine mode, 1 in bilinear
+    norm_b: float
+    norm_term: float     # qᵀM_A x · (1/n_B − 1/n_A): the norms' part of the difference
+    directions: list[Direction] = field(default_factory=list)  # every eigenspace, largest |term| first
+
+    @property
+    def delta(self) -> float:
+        return self.score_b - self.score_a
+
+    @property
+    def bilinear_term(self) -> float:
+        """qᵀDx / n_B: the directions' terms together."""
+        return float(sum(d.term for d in self.directions))
+
+    @property
+    def parts_sum(self) -> float:
+        return self.bilinear_term + self.norm_term
+
+    def top(self, n: int) -> tuple[list[Direction], float]:
+        """The n directions that carry most of the move, and the sum of the others' terms."""
+        return self.directions[:n], float(sum(d.term for d in self.directions[n:]))
+
+
+@dataclass
+class Eigenspaces:
+    """D = M_B − M_A = V diag(μ) Vᵀ, its eigenvalues grouped into eigenspaces (`starts`: the
+    first column of each group in V's ascending order)."""
+    mu: np.ndarray
+    V: np.ndarray
+    starts: np.ndarray
+
+    @classmethod
+    def of(cls, M_a: np.ndarray, M_b: np.ndarray, tol: float = EIG_TOL) -> Eigenspaces:
+        D = np.asarray(M_b, dtype=np.float64) - np.asarray(M_a, dtype=np.float64)
+        mu, V = np.linalg.eigh((D + D.T) / 2)
+        scale = max(float(np.abs(mu).max(initial=0.0)), 1e-300)
+        gaps = np.diff(mu) > tol * scale
+        return cls(mu, V, np.concatenate([[0], np.nonzero(gaps)[0] + 1]).astype(np.int64))
+
+
+def side_score(q: np.ndarray, x: np.ndarray, M: np.ndarray, mode: str) -> tuple[float, float, float]:
+    """(score, qᵀMx, n) of one configuration: n = ‖q‖_M ‖x‖_M in cosine mode (PSD M), else 1;
+    score = qᵀMx / n, as the search ranks (a zero norm scores 0, as the cosine index does)."""
+    bil = float(q @ M @ x)
+    if mode != "cosine":
+        return bil, bil, 1.0
+    n = float(np.sqrt(max(float(q @ M @ q), 0.0)) * np.sqrt(max(float(x @ M @ x), 0.0)))
+    return (bil / n if n > 0 else 0.0), bil, n
+
+
+def explain_change(q: np.ndarray, x: np.ndarray, M_a: np.ndarray, mode_a: str, M_b: np.ndarray, mode_b: str,
+                   spaces: Eigenspaces | None = None) -> ScoreChange:
+    """The score of x for the query q under A = (M_a, mode_a) and B = (M_b, mode_b), and their
+    difference split into a term per eigenspace of M_b − M_a plus the norms' term (module doc).
+    `spaces`: the eigendecomposition of M_b − M_a, where already computed."""
+    q = np.asarray(q, dtype=np.float64).reshape(-1)
+    x = np.asarray(x, dtype=np.float64).reshape(-1)
+    sa, ba, na = side_score(q, x, M_a, mode_a)
+    sb, bb, nb = side_score(q, x, M_b, mode_b)
+    inv_a = 1.0 / na if na > 0 else 0.0
+    inv_b = 1.0 / nb if nb > 0 else 0.0
+    sp = spaces or Eigenspaces.of(M_a, M_b)
+    pq, px = sp.V.T @ q, sp.V.T @ x
+    terms = sp.mu * pq * px * inv_b
+    ends = np.append(sp.starts[1:], len(sp.mu))
+    dirs = []
+    for s, e in zip(sp.starts, ends, strict=True):
+        term = float(terms[s:e].sum())
+        if e - s == 1:
+            v, a, b = sp.V[:, s], float(pq[s]), float(px[s])
+            if a < 0:  # an eigenvector's sign is arbitrary: show the query on the positive side
+                v, a, b = -v, -a, -b
+        else:
+            a = float(np.linalg.norm(pq[s:e]))
+            v = sp.V[:, s:e] @ (pq[s:e] / a) if a > 0 else sp.V[:, s]
+            b = float(v @ x)
+        dirs.append(Direction(float(sp.mu[s:e].mean()), int(e - s), v, a, b, term))
+    dirs.sort(key=lambda d: -abs(d.term))
+    return ScoreChange(mode_a, mode_b, sa, sb, ba, bb, na if mode_a == "cosine" else 1.0,
+                       nb if mode_b == "cosine" else 1.0, ba * (inv_b - inv_a), dirs)
+
+
+@dataclass
+class Placement:
+    """Where the item sits under one configuration."""
+    label: str
+    score: float
+    rank: int        # 1-based, in the exact full ranking (the query's own item left out)
+    in_top_k: bool
+
+
+@dataclass
+class Why:
+    item_row: int
+    k: int
+    left: Placement
+    right: Placement
+    change: ScoreChange
+    shown: list[Direction]   # the directions that carry most of the move
+    rest: float              # the other directions' terms together
+    strips: list[list[tuple[int, float]]]  # per shown direction: gallery rows with the largest |vᵀx|, and vᵀx
+
+
+class Explainer:
+    """`why` for the app and the tests: the eigendecomposition of M_B − M_A is cached per pair of
+    metrics, and each direction's gallery strip per direction."""
+
+    def __init__(self, searcher: Searcher, cache_size: int = 2, strip_cache: int = 256):
+        self.searcher = searcher
+        self.data = searcher.data
+        self._spaces: OrderedDict = OrderedDict()
+        self._strips: OrderedDict = OrderedDict()
+        self._sizes = (cache_size, strip_cache)
+        self._lock = threading.Lock()
+
+    def resolved(self, cfg: SearchConfig) -> SearchConfig:
+        cfg.check_searchable()
+        return cfg.with_mode(self.searcher.resolve_mode(cfg.strategy, cfg.params, cfg.mode)[0])
+
+    def spaces(self, a: SearchConfig, b: SearchConfig) -> Eigenspaces:
+        ma, mb = self.searcher.metric(a.strategy, a.params), self.searcher.metric(b.strategy, b.params)
+        key = (strategy_key(a.strategy, ma.params), strategy_key(b.strategy, mb.params))
+        with self._lock:
+            hit = self._spaces.get(key)
+        if hit is None:
+            hit = Eigenspaces.of(ma.M, mb.M)  # a d × d eigendecomposition: once per pair of metrics
+            with self._lock:
+                self._spaces[key] = hit
+                while len(self._spaces) > self._sizes[0]:
+                    self._spaces.popitem(last=False)
+        return hit
+
+    def scores(self, q: np.ndarray, cfg: SearchConfig) -> np.ndarray:
+        """The query's score against every gallery item under `cfg` (mode as given), as the
+        exact search ranks them (float32)."""
+        transform, _, norms = self.searcher.query_view(cfg.strategy, cfg.params, cfg.mode)
+        qt = transform(np.asarray(q, dtype=np.float32).reshape(1, -1))[0]
+        feats = self.data.features
+        out = np.empty(len(self.data.items), dtype=np.float32)
+        for s in range(0, len(out), 65536):
+            out[s: s + 65536] = np.asarray(feats[s: s + 65536], dtype=np.float32) @ qt
+        if norms is not None:
+            out *= np.where(norms > 0, 1.0 / np.maximum(norms, 1e-30), 0.0).astype(np.float32)
+        return out
+
+    def rank(self, q: np.ndarray, row: int, cfg: SearchConfig, self_row: int | None = None) -> int:
+        """1-based rank of gallery row `row` in the full ranking under `cfg`, `self_row` left out."""
+        s = self.scores(q, cfg)
+        if self_row is not None and self_row >= 0:
+            s[self_row] = -np.inf
+        return int((s > s[row]).sum()) + 1
+
+    def strip(self, v: np.ndarray, n: int = STRIP) -> list[tuple[int, float]]:
+        """The n gallery rows that project most strongly onto the direction v (largest |vᵀx|),
+        with vᵀx."""
+        v = np.asarray(v, dtype=np.float64)
+        canon = v * (1.0 if v[int(np.argmax(np.abs(v)))] >= 0 else -1.0)  # ±v: the same strip
+        key = (n, hashlib.blake2b(canon.tobytes(), digest_size=16).digest())
+        with self._lock:
+            hit = self._strips.get(key)
+        if hit is None:
+            v32 = canon.astype(np.float32)
+            feats = self.data.features
+            proj = np.concatenate([np.asarray(feats[s: s + 65536], dtype=np.float32) @ v32
+                                   for s in range(0, len(self.data.items), 65536)])
+            rows = np.argsort(-np.abs(proj), kind="stable")[:n]
+            hit = [(int(r), float(proj[r])) for r in rows]
+            with self._lock:
+                self._strips[key] = hit
+                while len(self._strips) > self._sizes[1]:
+                    self._strips.popitem(last=False)
+        sign = 1.0 if np.dot(v, canon) >= 0 else -1.0
+        return [(r, sign * p) for r, p in hit]
+
+    def why(self, q_feats: np.ndarray, row: int, left: SearchConfig, right: SearchConfig,
+            self_row: int | None = None, k: int = 12, top: int = 5, n_strip: int = STRIP) -> Why:
+        """Gallery row `row` as a result of the query `q_feats` (trunk features, 1 × d) under
+        `left` (A) and `right` (B): rank and score under each, the score difference split over
+        the `top` directions that carry most of it (the rest summed), a strip per direction."""
+        q = self.searcher.prepare_queries(q_feats)
+        a, b = self.resolved(left), self.resolved(right)
+        Ma, Mb = self.searcher.metric(a.strategy, a.params).M, self.searcher.metric(b.strategy, b.params).M
+        x = np.asarray(self.data.features[row], dtype=np.float32)
+        change = explain_change(q[0], x, Ma, a.mode, Mb, b.mode, self.spaces(a, b))
+        ranks = [self.rank(q, row, c, self_row) for c in (a, b)]
+        places = [Placement(c.label(), s, r, r <= k)
+                  for c, s, r in zip((a, b), (change.score_a, change.score_b), ranks, strict=True)]
+        shown, rest = change.top(top)
+        return Why(int(row), int(k), places[0], places[1], change, shown, rest,
+                   [self.strip(d.vector, n_strip) for d in shown])
