@@ -1,0 +1,157 @@
+"""Cost of each re-ranker (index/rerankers): online time per query as a ratio to one plain search
+in the same run, and the offline part once per index.
+
+  python bench/rerank_cost.py [--sizes 5750,100000] [--queries 200] [--reps 3] [--threads 1]
+                              [--out bench/results/rerank]
+
+Synthetic gallery: N trunk features, d = 128, drawn around N/30 class centres and L2-normalised
+(an index's features are); a random neck W (64 × d); queries are fresh draws around the same
+centres.  Searched under the trained M′ = WᵀW in cosine mode (the app's default).  Online:
+`rerank(name, space, queries, k=10)` as a whole (its own first search included) against the
+plain `space.search(queries, 10)`, interleaved rep by rep so machine noise hits both alike; the
+median rep is compared.  Offline: each cached pass from an empty cache (neighbour lists, shared
+by dba, kreciprocal and diffusion; row extremes and gallery k-reciprocal sets for kreciprocal;
+the augmented gallery for dba).  Default parameters throughout.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+D, K_EMB, PER_CLASS, K = 128, 64, 30, 10
+TARGETS = {"aqe": 3.0, "kreciprocal": 3.0}  # at N = 10⁵
+
+
+def synthetic(n: int, n_queries: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((max(1, n // PER_CLASS), D)).astype(np.float32)
+
+    def draw(m):
+        lab = rng.integers(0, len(centres), m)
+        return (centres[lab] + 1.2 * rng.standard_normal((m, D)).astype(np.float32)), lab
+    x, y = draw(n)
+    q, _ = draw(n_queries)
+    W = (rng.standard_normal((K_EMB, D)) / np.sqrt(D)).astype(np.float32)
+    return x, y, q, W
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def offline(space) -> dict[str, float]:
+    """Each cached pass, in the order the re-rankers would first ask for it, from an empty cache."""
+    from index.rerankers import reranker_params
+    from index.rerankers.dba import augmented
+    from index.rerankers.kreciprocal import gallery_sets
+    from index.rerankers.neighbours import neighbour_lists, row_extremes
+
+    dp, kp, bp = (reranker_params(n) for n in ("diffusion", "kreciprocal", "dba"))
+    out = {"neighbour lists": timed(lambda: neighbour_lists(space, max(dp.k + 1, kp.k1 + 2, bp.n + 2))),
+           "row extremes": timed(lambda: row_extremes(space))}
+    lists = neighbour_lists(space, kp.k1 + 2)
+    out["k-reciprocal gallery sets"] = timed(lambda: gallery_sets(space, lists, row_extremes(space), kp.k1))
+    out["dba augmented gallery"] = timed(lambda: augmented(space, bp))
+    return out
+
+
+def online(space, queries, names, reps: int) -> dict[str, float]:
+    """Median seconds per query of the plain search and of each re-ranker, interleaved."""
+    from index.rerankers import rerank
+
+    q = space.prepare(queries)
+    for name in names:  # warm: lazily built in-memory parts (FAISS index over the augmented gallery)
+        rerank(name, space, q[:2], K)
+    times = {name: [] for name in ["plain", *names]}
+    for _ in range(reps):
+        times["plain"].append(timed(lambda: space.search(q, K)))
+        for name in names:
+            times[name].append(timed(lambda name=name: rerank(name, space, q, K)))
+    return {name: float(np.median(t)) / len(q) for name, t in times.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="5750,100000")
+    ap.add_argument("--queries", type=int, default=200)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="FAISS and BLAS threads (default: %(default)s)")
+    ap.add_argument("--out", default="bench/results/rerank")
+    args = ap.parse_args()
+
+    import faiss
+    from threadpoolctl import threadpool_limits
+
+    from core.atomic import write_json, write_text
+    from index.backends.search import Searcher
+    from index.backends.store import in_memory_index
+    from index.rerankers import RERANKERS, SearcherSpace
+
+    faiss.omp_set_num_threads(args.threads)
+    threadpool_limits(args.threads)
+    names = [n for n in RERANKERS.names() if n != "none"]
+    command = "python bench/rerank_cost.py " + shlex.join(sys.argv[1:])
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        for n in (int(s) for s in args.sizes.split(",")):
+            x, y, q, W = synthetic(n, args.queries)
+            searcher = Searcher(in_memory_index(x, y, W))
+            space = SearcherSpace(searcher, "trained", None, "cosine", cache_dir=Path(cache) / str(n))
+            off = offline(space)
+            on = online(space, q, names, args.reps)
+            rows.append({"n": n, "plain_ms": on["plain"] * 1e3,
+                         "online_ms": {m: on[m] * 1e3 for m in names},
+                         "ratio": {m: on[m] / on["plain"] for m in names},
+                         "offline_s": off})
+            print(f"N = {n}: plain {on['plain'] * 1e3:.3f} ms/query; "
+                  + ", ".join(f"{m} {on[m] / on['plain']:.2f}×" for m in names), flush=True)
+    meta = {"command": command, "date": _dt.date.today().isoformat(), "threads": args.threads,
+            "queries": args.queries, "reps": args.reps, "k": K, "dim": D, "strategy": "trained", "mode": "cosine",
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
+            "numpy": np.__version__, "faiss": faiss.__version__,
+            "params": {m: RERANKERS.get(m).param_defaults() for m in names}, "targets_at_1e5": TARGETS}
+    out = Path(args.out)
+    write_json(out / "cost.json", {"meta": meta, "rows": rows})
+    write_text(out / "cost.md", table(meta, rows, names))
+    print(table(meta, rows, names))
+
+
+def table(meta: dict, rows: list[dict], names: list[str]) -> str:
+    lines = [f"# Re-ranking cost ({meta['date']})", "",
+             f"`{meta['command']}`; {meta['machine']}; {meta['threads']} thread(s); numpy {meta['numpy']}, "
+             f"faiss {meta['faiss']}; d = {meta['dim']}, k = {meta['k']}, {meta['queries']} queries, median of "
+             f"{meta['reps']} interleaved reps; strategy {meta['strategy']}, mode {meta['mode']}; default parameters.",
+             "", "Online: time per query of `rerank(...)` (its first search included) ÷ one plain search.", "",
+             "| re-ranker | " + " | ".join(f"N = {r['n']:,}" for r in rows) + " | target at N = 10⁵ |",
+             "|---|" + "---|" * len(rows) + "---|",
+             "| plain search (ms/query) | " + " | ".join(f"{r['plain_ms']:.3f}" for r in rows) + " | |"]
+    for m in names:
+        tgt = f"≤ {TARGETS[m]:g}×" if m in TARGETS else "—"
+        lines.append(f"| {m} | " + " | ".join(f"{r['ratio'][m]:.2f}× ({r['online_ms'][m]:.2f} ms)" for r in rows)
+                     + f" | {tgt} |")
+    lines += ["", "Offline, once per (index, strategy, params, mode), seconds:", "",
+              "| pass | used by | " + " | ".join(f"N = {r['n']:,}" for r in rows) + " |",
+              "|---|---|" + "---|" * len(rows)]
+    users = {"neighbour lists": "dba, kreciprocal, diffusion", "row extremes": "kreciprocal",
+             "k-reciprocal gallery sets": "kreciprocal", "dba augmented gallery": "dba"}
+    for p in rows[0]["offline_s"]:
+        lines.append(f"| {p} | {users.get(p, '')} | " + " | ".join(f"{r['offline_s'][p]:.1f}" for r in rows) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
