@@ -88,7 +88,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="5750,100000")
     ap.add_argument("--queries", type=int, default=200)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="FAISS and BLAS threads (default: %(default)s)")
     ap.add_argument("--out", default="bench/results/rerank")
     args = ap.parse_args()

@@ -40,7 +40,8 @@ from core.params import param
 from .neighbours import neighbour_lists, row_extremes, without
 from .registry import RERANKERS, candidates
 
-BATCH = 32  # probes re-ranked together (one vectorised pass; memory grows with it)
+BATCH = 32          # probes re-ranked together (one vectorised pass) ...
+BATCH_CELLS = 1 << 22  # ... at most this many probe × gallery cells (S and the change flags: ~30 MB)
 
 
 @dataclass
@@ -48,7 +49,8 @@ class KReciprocalParams:
     k1: int = param(20, "k of the k-reciprocal sets R(p, k1)")
     k2: int = param(6, "neighbours averaged in the local query expansion of the V vectors (1: none)")
     lambda_value: float = param(0.3, "λ: d* = (1 − λ) d_Jaccard + λ d_original")
-    pool: int = param(100, "the query's first-search candidates that are re-ranked")
+    pool: int = param(100, "the query's first-search candidates that are re-ranked (≥ k1 + 1: the query's own "
+                           "N(p, k1 + 1) is read from them)")
 
     def validate(self):
         if self.k1 < 1:
@@ -57,8 +59,8 @@ class KReciprocalParams:
             raise UserError(f"kreciprocal: k2 must be in [1, k1 + 1], got {self.k2}")
         if not 0.0 <= self.lambda_value <= 1.0:
             raise UserError(f"kreciprocal: lambda_value must be in [0, 1], got {self.lambda_value}")
-        if self.pool < 1:
-            raise UserError(f"kreciprocal: pool must be ≥ 1, got {self.pool}")
+        if self.pool < self.k1 + 1:
+            raise UserError(f"kreciprocal: pool must be ≥ k1 + 1 = {self.k1 + 1}, got {self.pool}")
 
 
 def unique(a: np.ndarray) -> np.ndarray:
@@ -121,9 +123,8 @@ class _Batch:
                 ch[bb, yy] = True
                 ch[ob, oy] = True
                 t = ch.copy()
-                t[bb, self.rows[yy, k]] = True   # the entry the probe pushes out
-                t[ob, self.rows[oy, k]] = True   # the entries a removed row shifts (and lets in)
-                t[ob, self.rows[oy, k + 1]] = True
+                t[bb, self.rows[yy, k]] = True      # the entry the probe pushes out
+                t[ob, self.rows[oy, k + 1]] = True  # the entry that comes in where the own row leaves
                 self.changed[k], self.touched[k] = ch, t
 
     def probe(self) -> np.ndarray:
@@ -375,11 +376,12 @@ def kreciprocal(space, queries, first, k, *, self_ids, params: KReciprocalParams
     # a gallery too small for lists of k1 + 2 is small enough to compute every set
     offline = gallery_sets(space, lists, ext, p.k1) if lists[0].shape[1] >= p.k1 + 2 else None
     reverse = reverse_lists(space, lists[0], p.k1) if offline is not None else None
-    rows, _ = candidates(first, self_ids, max(p.pool, k, p.k1 + 1))
+    rows, _ = candidates(first, self_ids, max(p.pool, k))
     out_r = np.full((len(queries), k), -1, dtype=np.int64)
     out_s = np.full((len(queries), k), -np.inf, dtype=np.float32)
-    for a in range(0, len(queries), BATCH):
-        q, own, cand = queries[a: a + BATCH], self_ids[a: a + BATCH], rows[a: a + BATCH]
+    step = max(1, min(BATCH, BATCH_CELLS // max(space.n, 1)))
+    for a in range(0, len(queries), step):
+        q, own, cand = queries[a: a + step], self_ids[a: a + step], rows[a: a + step]
         S = space.score(q)  # each probe's row: its place in every list and its largest distance
         s_qq = np.einsum("qd,qd->q", space.transform(q), space.key(q))
         batch = _Batch(space, lists, ext, S, s_qq, own, cand, p.k1, offline, reverse)
@@ -387,6 +389,6 @@ def kreciprocal(space, queries, first, k, *, self_ids, params: KReciprocalParams
         d = distances(batch, pools, p)
         order = np.argsort(d, axis=1, kind="stable")[:, :k]
         r, dd = np.take_along_axis(pools, order, 1), np.take_along_axis(d, order, 1)
-        out_r[a: a + BATCH] = np.where(np.isfinite(dd), r, -1)
-        out_s[a: a + BATCH] = np.where(np.isfinite(dd), 1.0 - dd, -np.inf)  # a similarity: higher is closer
+        out_r[a: a + step] = np.where(np.isfinite(dd), r, -1)
+        out_s[a: a + step] = np.where(np.isfinite(dd), 1.0 - dd, -np.inf)  # a similarity: higher is closer
     return space.hits(out_r, out_s)

@@ -11,7 +11,7 @@ import numpy as np
 from .space import MetricSpace
 
 BLOCK = 2048        # rows per search call in the list pass
-SCAN_BLOCK = 128    # rows per full-scan block in the minima pass (128 × n float32)
+SCAN_CELLS = 1 << 23  # cells per full-scan block in the minima pass (rows × n float32: 32 MB)
 
 
 def stored_length(L: int, n: int) -> int:
@@ -46,8 +46,9 @@ def row_extremes(space: MetricSpace) -> dict[str, np.ndarray]:
         n = space.n
         out = {"self": np.empty(n, np.float32), "min1": np.empty(n, np.float32),
                "arg1": np.empty(n, np.int64), "min2": np.empty(n, np.float32)}
-        for s in range(0, n, SCAN_BLOCK):
-            idx = np.arange(s, min(s + SCAN_BLOCK, n))
+        step = max(1, min(1024, SCAN_CELLS // max(n, 1)))
+        for s in range(0, n, step):
+            idx = np.arange(s, min(s + step, n))
             S = space.score(space.gallery_vectors(idx))
             r = np.arange(len(idx))
             out["self"][idx] = S[r, idx]

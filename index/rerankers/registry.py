@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from core.errors import UserError
 from core.registry import Registry, Spec
 
 from ..backends.gallery import Hits
@@ -65,6 +66,9 @@ DEFAULT = "none"
 def reranker_params(name: str, given=None):
     """The re-ranker's typed parameters from a dict, `key=value` strings or a parameter object."""
     if dataclasses.is_dataclass(given) and not isinstance(given, type):
+        if not isinstance(given, RERANKERS.get(name).params):
+            raise UserError(f"re-ranker {name!r} takes {RERANKERS.get(name).params.__name__}, "
+                            f"not {type(given).__name__}")
         return given
     return RERANKERS.params(name, given or {})
 
@@ -86,8 +90,6 @@ def rerank(name: str, space: MetricSpace, queries: np.ndarray, k: int = 10, *, p
     `first`: the plain search's answer when the caller has it already (deep enough: at least
     `first_depth` rows, one more where it may hold the query's own row); otherwise it is
     searched here."""
-    from core.errors import UserError
-
     if k < 1:
         raise UserError(f"k must be ≥ 1, got {k}")
     entry = RERANKERS.get(name)

@@ -243,11 +243,11 @@ def universe_distances(ref, q):
 
 
 @pytest.mark.parametrize("strategy,params,mode", CASES, ids=CASE_IDS)
-@pytest.mark.parametrize("k1,k2,lam", [(20, 6, 0.3), (7, 3, 0.5), (10, 1, 0.0)])
+@pytest.mark.parametrize("k1,k2,lam", [(20, 6, 0.3), (9, 3, 0.5), (10, 1, 0.0)])  # ½·9 rounds to 4 (half to even)
 def test_kreciprocal_is_the_official_algorithm_with_the_full_pool(gallery, strategy, params, mode, k1, k2, lam):
     searcher, x, _ = gallery
     ref = Ref(searcher, strategy, params, mode)
-    q = queries(x)
+    q = np.vstack([queries(x), -x[:2]])  # and two outliers: the farthest item of many rows
     got = rerank("kreciprocal", space_for(searcher, strategy, params, mode), q, 10,
                  params={"k1": k1, "k2": k2, "lambda_value": lam, "pool": N})
     for i, qi in enumerate(ref.prep(q)):
@@ -292,7 +292,7 @@ def test_kreciprocal_offline_sets_change_nothing(tmp_path, monkeypatch, mode):
 
     x, lab, W = features(n=500, seed=3)
     searcher = build(tmp_path / "idx", x, lab, W)
-    own = np.array([-1, -1, -1, 7, 123, 480])
+    own = np.concatenate([[-1, -1, -1], np.arange(0, 500, 2)])  # leave-one-out queries: many lists lose a row
     q = np.vstack([queries(x, 3, seed=4), x[own[3:]]])
     p = {"k1": 12, "k2": 4, "pool": 80}
     fast = rerank("kreciprocal", space_for(searcher, "trained", {}, mode), q, 20, params=p, self_ids=own)
@@ -300,6 +300,62 @@ def test_kreciprocal_offline_sets_change_nothing(tmp_path, monkeypatch, mode):
     slow = rerank("kreciprocal", space_for(searcher, "trained", {}, mode), q, 20, params=p, self_ids=own)
     np.testing.assert_array_equal(fast.rows, slow.rows)
     np.testing.assert_allclose(fast.scores, slow.scores, rtol=0, atol=1e-6)
+
+
+def check_universes(space, ref, q, own, k1):
+    """For each probe (a leave-one-out one too), every node's R(x, k1), R(x, ½k1) (offline sets
+    reused where the probe changes nothing) and largest distance are those of the universe
+    (gallery − own row) ∪ {probe}, written from its distance matrix."""
+    import index.rerankers.kreciprocal as kr
+    from index.rerankers.neighbours import neighbour_lists, row_extremes
+
+    n = space.n
+    lists = neighbour_lists(space, k1 + 2)
+    ext = row_extremes(space)
+    offline, reverse = kr.gallery_sets(space, lists, ext, k1), kr.reverse_lists(space, lists[0], k1)
+    q = space.prepare(q)
+    first = space.search(q, n, exclude=own)
+    batch = kr._Batch(space, lists, ext, space.score(q), np.einsum("qd,qd->q", space.transform(q), space.key(q)),
+                      own, first.rows, k1, offline, reverse)
+    for b, (qb, i) in enumerate(zip(ref.prep(q), own, strict=True)):
+        keep = np.flatnonzero(np.arange(n) != i)                 # universe: [probe, gallery rows in keep]
+        U = np.vstack([qb[None], ref.G[keep]])
+        S = ref.s(U, U)
+        Dm = np.diag(S)[:, None] - S
+        rank = np.argsort(Dm, axis=1, kind="stable")
+        code = np.concatenate([[b * (n + 1) + n], b * (n + 1) + keep])  # the batch's codes of the universe
+        np.testing.assert_allclose(batch.row_max(code), Dm.max(1), rtol=1e-5, atol=1e-6)
+        for k in (k1, kr.half(k1)):
+            got = batch.reciprocal(code, k)
+            for u in range(len(U)):
+                want = {code[j] for j in rank[u, :k + 1] if u in rank[j, :k + 1]}
+                assert set(got[u][got[u] >= 0].tolist()) == want, (b, u, k)
+
+
+@pytest.mark.parametrize("strategy,params,mode", CASES, ids=CASE_IDS)
+def test_kreciprocal_sets_and_row_maxima_are_the_universes(gallery, strategy, params, mode):
+    searcher, x, _ = gallery
+    own = np.concatenate([np.full(4, -1), np.arange(0, N, 5), [1, 2, 3]])
+    rng = np.random.default_rng(5)
+    # plain probes, two outliers (the farthest item of many rows), leave-one-out probes equal to
+    # their item and three that are not (their item's row minimum is then no longer theirs)
+    q = np.vstack([queries(x, 2), -x[:2], x[own[4:-3]], x[1:4] + 0.5 * rng.normal(size=(3, D))])
+    check_universes(space_for(searcher, strategy, params, mode), Ref(searcher, strategy, params, mode), q, own, 10)
+
+
+def test_kreciprocal_sets_when_a_removed_row_lets_an_entry_in(tmp_path):
+    """A leave-one-out probe away from its item: lists that lose the item take in their next
+    entry, whose R(·, k) can gain a member (a gallery where that happens)."""
+    from index.backends.store import in_memory_index
+
+    rng = np.random.default_rng(0)
+    n, d = 40, 3
+    x = (rng.normal(size=(4, d))[rng.integers(0, 4, n)] + 0.8 * rng.normal(size=(n, d))).astype(np.float32)
+    W = rng.normal(size=(3, d)).astype(np.float32)
+    searcher = Searcher(in_memory_index(x, np.zeros(n, dtype=np.int64), W))
+    q = x + 0.5 * rng.normal(size=x.shape).astype(np.float32)
+    check_universes(space_for(searcher, "identity", {}, "cosine"), Ref(searcher, "identity", {}, "cosine"), q,
+                    np.arange(n), 4)
 
 
 # ---------------------------------------------------------------- leave-one-out
@@ -501,6 +557,8 @@ def test_parameters_are_typed_and_checked(gallery):
         rerank("kreciprocal", space, x[:1], 5, params={"k3": 1})
     with pytest.raises(UserError, match="k2 must be in"):
         rerank("kreciprocal", space, x[:1], 5, params=["k2=30"])
+    with pytest.raises(UserError, match="pool must be ≥ k1 \\+ 1 = 21"):
+        rerank("kreciprocal", space, x[:1], 5, params={"pool": 20})
     with pytest.raises(UserError, match="alpha must be in"):
         rerank("diffusion", space, x[:1], 5, params={"alpha": 1.0})
 
