@@ -74,29 +74,31 @@ def conjugate_gradient(A, b: np.ndarray, tol: float, iterations: int) -> np.ndar
     return x
 
 
-def affinity(sub: np.ndarray, rows: np.ndarray, sims: np.ndarray, gamma: float) -> sparse.csr_matrix:
+def affinity(sub: np.ndarray, rows: np.ndarray, sims: np.ndarray, gamma: float, place: np.ndarray) -> sparse.csr_matrix:
     """The mutual-kNN affinity A restricted to `sub` (knngraph.m, then A(sub, sub)): `rows`,
-    `sims` are the k-NN lists of the items in `sub`, in its order."""
+    `sims` are the k-NN lists of the items in `sub`, in its order.  `place`: a gallery-sized
+    array of −1, left as it was found."""
     T, k = rows.shape
-    order = np.argsort(sub, kind="stable")
-    pos = np.searchsorted(sub[order], rows)
-    found = sub[order][np.minimum(pos, T - 1)] == rows
-    local = np.where(found, order[np.minimum(pos, T - 1)], -1)  # each neighbour's place in sub, −1 outside
+    place[sub] = np.arange(T)
+    local = place[rows]  # each neighbour's place in sub, −1 outside
+    place[sub] = -1
     r = np.repeat(np.arange(T), k)
     c = local.ravel()
-    w = np.maximum(sims.ravel().astype(np.float64), 0.0) ** gamma
-    keep = (c >= 0) & (c != r)
-    r, c, w = r[keep], c[keep], w[keep]
-    mutual = (local[c] == r[:, None]).any(1)  # i is in the k-NN of its neighbour j as well
-    return sparse.csr_matrix((w[mutual], (r[mutual], c[mutual])), shape=(T, T))
+    keep = np.flatnonzero((c >= 0) & (c != r))
+    r, c = r[keep], c[keep]
+    edge = np.zeros((T, T), dtype=bool)
+    edge[r, c] = True
+    mutual = edge[c, r]  # i is in the k-NN of its neighbour j as well
+    w = np.maximum(sims.ravel()[keep[mutual]].astype(np.float64), 0.0) ** gamma
+    return sparse.csr_matrix((w, (r[mutual], c[mutual])), shape=(T, T))
 
 
 def normalised(A: sparse.csr_matrix) -> sparse.csr_matrix:
     """S = D^{-1/2} A D^{-1/2}; an isolated node's row and column stay 0 (transition_matrix.m)."""
     deg = np.asarray(A.sum(1)).ravel()
     inv = np.where(deg > 0, 1.0 / np.sqrt(np.maximum(deg, 1e-300)), 0.0)
-    D = sparse.diags(inv)
-    return (D @ A @ D).tocsr()
+    A = A.tocoo()
+    return sparse.csr_matrix((A.data * inv[A.row] * inv[A.col], (A.row, A.col)), shape=A.shape)
 
 
 @RERANKERS.register("diffusion", DiffusionParams, offline=True, depth="truncation",
@@ -108,13 +110,14 @@ def diffusion(space, queries, first, k, *, self_ids, params: DiffusionParams):
     rows, _ = candidates(first, self_ids, max(p.truncation, k))
     out_r = np.full((len(queries), k), -1, dtype=np.int64)
     out_s = np.full((len(queries), k), -np.inf, dtype=np.float32)
+    place = np.full(space.n, -1, dtype=np.int64)
     for b in range(len(queries)):
         sub = rows[b][rows[b] >= 0]
         if not len(sub):
             continue
         own = np.full(len(sub), self_ids[b])
         nr, ns = without(lists[sub], sims[sub], own, min(p.k, space.n))
-        S = normalised(affinity(sub, nr, ns, p.gamma))
+        S = normalised(affinity(sub, nr, ns, p.gamma, place))
         seed = min(p.kq, len(sub))
         y = np.zeros(len(sub))
         s = space.score(queries[b: b + 1], sub[:seed])[0]  # sub is in first-search order: its top kq
