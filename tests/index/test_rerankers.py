@@ -302,6 +302,22 @@ def test_kreciprocal_offline_sets_change_nothing(tmp_path, monkeypatch, mode):
     np.testing.assert_allclose(fast.scores, slow.scores, rtol=0, atol=1e-6)
 
 
+def test_kreciprocal_candidates_are_each_rows_exact_top():
+    """The candidates from the probe's full similarity row: a sampled threshold then a sort, the
+    probe's own column left out; a row whose best entries the sample misses is partitioned whole."""
+    from index.rerankers.kreciprocal import top_rows
+
+    rng = np.random.default_rng(0)
+    S = rng.normal(size=(6, 20000)).astype(np.float32)
+    S[1, ::4] += 5.0  # the sample (every 4th column) is all of row 1's best: its threshold is too high
+    S[2] = np.round(S[2], 1)  # ties: the lower column first
+    own = np.array([-1, 3, int(np.argmax(S[2])), -1, 7, int(np.argsort(-S[5])[40])])
+    got = top_rows(S, own, 100)
+    for b in range(6):
+        order = [c for c in np.argsort(-S[b], kind="stable") if c != own[b]][:100]
+        np.testing.assert_array_equal(got[b], order)
+
+
 def check_universes(space, ref, q, own, k1):
     """For each probe (a leave-one-out one too), every node's R(x, k1), R(x, ½k1) (offline sets
     reused where the probe changes nothing) and largest distance are those of the universe
