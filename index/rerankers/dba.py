@@ -1,0 +1,123 @@
+"""Database-side augmentation (αDBA): Radenović, Tolias, Chum, "Fine-tuning CNN Image Retrieval
+with No Human Annotation", TPAMI 2019 (§5, alongside αQE).
+
+Offline, every gallery item is replaced by the normalised, similarity-weighted sum of itself and
+its top n neighbours (itself left out of them), with αQE's weights:
+
+    x′ = normalise(x + Σ_{i ≤ n} max(s(x, y_i), 0)^α · y_i)
+
+and queries are searched, unexpanded, against the augmented gallery: s(q, x′) = t(q) · x′.
+The augmented keys are cached per (index, strategy, params, mode, n, α).
+
+Leave-one-out: a query that is gallery item i must meet the gallery augmented without i.  The
+items whose n neighbours include i (its reverse neighbours) are re-augmented online from their
+lists with i removed (which is why lists are stored longer than n + 1), i itself is left out,
+and the answer is merged from the cached search and those items' corrected scores: exactly the
+augmentation of the gallery without i.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import faiss
+import numpy as np
+
+from core.errors import UserError
+from core.params import param
+
+from .neighbours import neighbour_lists
+from .registry import RERANKERS
+
+
+@dataclass
+class DBAParams:
+    n: int = param(2, "neighbours averaged into each gallery item (nDBA)")
+    alpha: float = param(3.0, "power α of the similarity weights (0: plain average)")
+
+    def validate(self):
+        if self.n < 1:
+            raise UserError(f"dba: n must be ≥ 1, got {self.n}")
+        if self.alpha < 0:
+            raise UserError(f"dba: alpha must be ≥ 0, got {self.alpha}")
+
+
+def _without_self(rows: np.ndarray, sims: np.ndarray, own: np.ndarray, drop: np.ndarray, n: int):
+    """Each item's list with itself (and `drop`, a leave-one-out row, −1 none) removed, cut to n."""
+    mask = (rows == own[:, None]) | (rows == drop[:, None])
+    order = np.argsort(mask, axis=1, kind="stable")[:, :n]
+    r, s = np.take_along_axis(rows, order, 1), np.take_along_axis(sims, order, 1)
+    gone = np.take_along_axis(mask, order, 1)  # a list shorter than n + 2 may run out
+    return np.where(gone, -1, r), np.where(gone, 0.0, s)
+
+
+def _augment(space, own: np.ndarray, nb: np.ndarray, s: np.ndarray, alpha: float) -> np.ndarray:
+    w = np.where(nb >= 0, np.maximum(s, 0.0) ** alpha, 0.0).astype(np.float32)
+    return space.normalise(space.gallery_vectors(own) + np.einsum("qn,qnd->qd", w,
+                                                                   space.gallery_vectors(np.maximum(nb, 0))))
+
+
+def augmented(space, p: DBAParams) -> dict[str, np.ndarray]:
+    """The cached augmented keys ("keys", n × d) and the neighbours each used ("nb", n × nDBA)."""
+    def compute():
+        rows, sims = neighbour_lists(space, p.n + 2)
+        own = np.arange(space.n)
+        nb, s = _without_self(rows, sims, own, np.full(space.n, -1), p.n)
+        keys = np.empty((space.n, space.dim), dtype=np.float32)
+        for a in range(0, space.n, 8192):
+            keys[a: a + 8192] = _augment(space, own[a: a + 8192], nb[a: a + 8192], s[a: a + 8192], p.alpha)
+        return {"keys": keys, "nb": nb.astype(np.int32)}
+    return space.store.get("dba", asdict(p), compute)
+
+
+def _index(space, p: DBAParams, aug: dict) -> tuple[faiss.Index, np.ndarray, np.ndarray]:
+    """An exact inner-product index over the augmented keys, and the reverse-neighbour lists
+    (CSR: rev[ptr[i]:ptr[i+1]] are the items whose nDBA neighbours include i); kept in memory."""
+    memo = space.store.memo
+    name = f"dba-index-{p.n}-{p.alpha}"
+    if name not in memo:
+        idx = faiss.IndexFlatIP(space.dim)
+        idx.add(np.ascontiguousarray(aug["keys"]))
+        nb = aug["nb"]
+        flat = nb.ravel()
+        keep = flat >= 0
+        src = np.repeat(np.arange(space.n), nb.shape[1])[keep]
+        order = np.argsort(flat[keep], kind="stable")
+        ptr = np.zeros(space.n + 1, dtype=np.int64)
+        np.add.at(ptr, flat[keep] + 1, 1)
+        memo[name] = {"index": idx, "rev": src[order], "ptr": np.cumsum(ptr)}
+    m = memo[name]
+    return m["index"], m["rev"], m["ptr"]
+
+
+@RERANKERS.register("dba", DBAParams, offline=True, reads_first=False,
+                    grid={"n": (1, 2, 3, 5, 10), "alpha": (0.0, 1.0, 3.0, 5.0)})
+def dba(space, queries, first, k, *, self_ids, params: DBAParams):
+    """Database-side augmentation (Radenović et al. TPAMI 2019): search x′ = normalise(x + Σ s(x, yᵢ)^α yᵢ)."""
+    aug = augmented(space, params)
+    index, rev, ptr = _index(space, params, aug)
+    t = space.transform(queries)
+    k = min(k, space.n)
+    sc, found = index.search(t, k)
+    rows, scores = found.astype(np.int64), sc.astype(np.float32)
+    for b in np.nonzero(self_ids >= 0)[0]:
+        rows[b], scores[b] = _leave_one_out(space, params, index, rev, ptr, t[b], int(self_ids[b]), k)
+    return space.hits(rows, scores)
+
+
+def _leave_one_out(space, p: DBAParams, index, rev, ptr, t: np.ndarray, i: int, k: int):
+    """One query's top k against the gallery augmented without item i."""
+    affected = rev[ptr[i]: ptr[i + 1]]
+    kk = min(space.n, k + len(affected) + 1)
+    sc, found = index.search(t[None], kk)
+    ok = (found[0] >= 0) & (found[0] != i) & ~np.isin(found[0], affected)
+    rows, scores = found[0][ok].astype(np.int64), sc[0][ok].astype(np.float32)
+    if len(affected):
+        lists, sims = neighbour_lists(space, p.n + 2)
+        nb, s = _without_self(lists[affected], sims[affected], affected, np.full(len(affected), i), p.n)
+        keys = _augment(space, affected, nb, s, p.alpha)
+        rows = np.concatenate([rows, affected])
+        scores = np.concatenate([scores, (keys @ t).astype(np.float32)])
+    order = np.argsort(-scores, kind="stable")[:k]
+    out_r, out_s = np.full(k, -1, dtype=np.int64), np.full(k, -np.inf, dtype=np.float32)
+    out_r[: len(order)], out_s[: len(order)] = rows[order], scores[order]
+    return out_r, out_s

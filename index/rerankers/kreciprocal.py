@@ -1,0 +1,424 @@
+"""k-reciprocal re-ranking: Zhong, Zheng, Cao, Li, "Re-ranking Person Re-identification with
+k-reciprocal Encoding", CVPR 2017, following its official code (github zhunzhong07/
+person-re-ranking, python-version/re_ranking_ranklist.py, the same as evaluation/utils/re_ranking.m).
+
+Over the universe U = gallery ∪ {p} (the probe p), with N(x, k) the top k of x's row of
+distances (x itself included):
+  Eq. 3   R(x, k) = {y ∈ N(x, k+1) : x ∈ N(y, k+1)}                  (code: k+1 with x itself)
+  Eq. 6   R*(x, k) = R(x, k) ∪ R(c, ½k) for every c ∈ R(x, k) with
+          |R(x, k) ∩ R(c, ½k)| > ⅔ |R(c, ½k)|                            (code: ½k = round(k/2))
+  Eq. 7   V_x[y] = exp(−d(x, y)) / Σ_{y′ ∈ R*(x)} exp(−d(x, y′)) on R*(x), 0 elsewhere
+  §4.4    local query expansion: V_x ← mean of V_y over y ∈ N(x, k2)
+  Eq. 10  d_J(p, g) = 1 − Σ_j min(V_p[j], V_g[j]) / Σ_j max(V_p[j], V_g[j])
+  Eq. 12  d*(p, g) = (1 − λ) d_J(p, g) + λ d(p, g)
+Distances: the code uses squared Euclidean distances, each row divided by its maximum.  Here
+d(x, y) = s(x, x) − s(x, y) under the space's similarity, row-normalised the same way: in
+cosine mode this is ½‖x̂ − ŷ‖²_M′ and the row normalisation makes it exactly the code's
+distance of M′-normalised features; in bilinear mode it is the same drop in similarity.
+
+What scales it.  Offline, once per space (cached): the gallery–gallery lists N(·, k1 + 2) and
+each row's smallest similarities (neighbours.py), and over the gallery alone every item's
+R(x, k1), R(x, ½k1) and R*(x, k1).  Online, the probe enters the lists (it takes its place in
+every list whose (k+1)-th entry it does not fall below, and in every row's maximum; a
+leave-one-out probe's own row leaves them).  Such a change of y's list can change R(x, k) only
+for x = y, for the entry it pushes out and for the one a removed row lets in, so R(·, k) is
+recomputed for those nodes alone, R*(x) only where x or a member of R(x, k1) is one of them, and
+the offline sets serve everywhere else: the result is the same as recomputing everything.
+Only the query's top `pool` candidates are re-ranked, and only what their d* reads is computed:
+the V vectors of N(p, k2) and of N(g, k2) for each candidate g.  The candidates come from the
+probe's full similarity row, which the row normalisation needs anyway, not from a second (first)
+search.  With pool ≥ the gallery size this is the official code, run for one probe at a time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from core.errors import UserError
+from core.params import param
+
+from .neighbours import neighbour_lists, row_extremes, without
+from .registry import RERANKERS
+
+BATCH = 32          # probes re-ranked together (one vectorised pass) ...
+BATCH_CELLS = 1 << 22  # ... at most this many probe × gallery cells (S and the change flags: ~30 MB)
+
+
+@dataclass
+class KReciprocalParams:
+    k1: int = param(20, "k of the k-reciprocal sets R(p, k1)")
+    k2: int = param(6, "neighbours averaged in the local query expansion of the V vectors (1: none)")
+    lambda_value: float = param(0.3, "λ: d* = (1 − λ) d_Jaccard + λ d_original")
+    pool: int = param(100, "the query's first-search candidates that are re-ranked (≥ k1 + 1: the query's own "
+                           "N(p, k1 + 1) is read from them)")
+
+    def validate(self):
+        if self.k1 < 1:
+            raise UserError(f"kreciprocal: k1 must be ≥ 1, got {self.k1}")
+        if not 1 <= self.k2 <= self.k1 + 1:
+            raise UserError(f"kreciprocal: k2 must be in [1, k1 + 1], got {self.k2}")
+        if not 0.0 <= self.lambda_value <= 1.0:
+            raise UserError(f"kreciprocal: lambda_value must be in [0, 1], got {self.lambda_value}")
+        if self.pool < self.k1 + 1:
+            raise UserError(f"kreciprocal: pool must be ≥ k1 + 1 = {self.k1 + 1}, got {self.pool}")
+
+
+def unique(a: np.ndarray) -> np.ndarray:
+    """np.unique by sorting (numpy's hash-based unique is several times slower on these codes)."""
+    a = np.sort(a, kind="stable")
+    return a[np.concatenate([[True], a[1:] != a[:-1]])] if len(a) else a
+
+
+def top_rows(S: np.ndarray, own: np.ndarray, m: int) -> np.ndarray:
+    """Each row's m largest entries (its own column, −1 none, left out), best first: the entries
+    above a threshold estimated on a strided sample, sorted (a row where too few pass is
+    partitioned whole).  Exact, and much cheaper than a partition of every row."""
+    B, n = S.shape
+    need = min(m + 1, n)
+    if n <= 8 * need:
+        order = np.argsort(-S, axis=1, kind="stable")[:, :need]
+    else:
+        step = max(1, n // 4096)
+        sample = S[:, ::step]
+        r = min(sample.shape[1], 2 * (need * sample.shape[1]) // n + 16)  # twice the expected count, and some
+        thr = np.partition(sample, sample.shape[1] - r, axis=1)[:, sample.shape[1] - r]
+        short = np.flatnonzero((S >= thr[:, None]).sum(1) < need)
+        for b in short:  # rare: the sample's threshold is too high for this row
+            thr[b] = np.partition(S[b], n - need)[n - need]
+        bb, cc = np.divmod(np.flatnonzero(S >= thr[:, None]), n)
+        o = np.lexsort((cc, -S[bb, cc], bb))  # by row, then best first (ties: lower column first)
+        bb, cc = bb[o], cc[o]
+        start = np.searchsorted(bb, np.arange(B))
+        order = cc[start[:, None] + np.arange(need)[None, :]]
+    rows = order.astype(np.int64)
+    keep = rows != own[:, None]
+    at = np.argsort(~keep, axis=1, kind="stable")[:, :m]  # the own row, if there, goes last and is cut
+    out = np.take_along_axis(rows, at, 1)
+    return np.where(np.take_along_axis(keep, at, 1), out, -1)
+
+
+def half(k1: int) -> int:
+    """The code's ½k1: int(np.around(k1 / 2)) (rounds half to even)."""
+    return int(np.around(k1 / 2.0))
+
+
+class _Batch:
+    """A batch of probes, each in its own universe U_b = (gallery − its own row) ∪ {probe b}.
+    A node is encoded b·(n + 1) + x, x a gallery row or n for the probe itself, so that every
+    step runs over all probes at once.  Lists are the cached gallery lists with the probe's own
+    row taken out and the probe put in its place.  `offline`: the gallery-only sets
+    (`gallery_sets`); without them (building them, or a gallery too small for them) every set
+    is computed."""
+
+    def __init__(self, space, lists, ext, S: np.ndarray, s_qq: np.ndarray, own: np.ndarray, cand: np.ndarray,
+                 k1: int, offline: dict | None = None, reverse: dict | None = None):
+        self.space, self.n = space, space.n
+        self.N1 = space.n + 1
+        self.rows, self.sims = lists
+        self.ext, self.S, self.s_qq, self.own = ext, S, s_qq.astype(np.float64), own
+        self.k1, self.h = k1, half(k1)
+        self.B = len(S)
+        self.M = self.B * self.N1  # one past the largest code
+        has = own >= 0
+        self.q_min = np.minimum(S.min(1) if self.n else np.inf, self.s_qq)
+        for b in np.flatnonzero(has):  # the probe's own row is not in its universe
+            if S[b, own[b]] <= self.q_min[b]:
+                self.q_min[b] = min(float(np.delete(S[b], own[b]).min()) if self.n > 1 else np.inf, self.s_qq[b])
+        # the probes' own lists: their candidates by s(p, ·), each probe in its place
+        cs = np.where(cand >= 0, np.take_along_axis(S, np.maximum(cand, 0), 1), -np.inf)
+        order = np.argsort(-cs, axis=1, kind="stable")
+        c, cs = np.take_along_axis(cand, order, 1), np.take_along_axis(cs, order, 1)
+        self.q_rows = self._insert(c, cs, self.s_qq, k1 + 1)
+        self.offline = offline
+        if offline is not None:
+            # changed[k][b, y]: N(y, k+1) over U_b differs from the gallery's; touched[k]: the
+            # nodes whose R(·, k) that can change: y, the entry the probe pushes out of it, and
+            # where the probe's own row leaves it, the entry that comes in
+            self.changed, self.touched = {}, {}
+            # one pass over S: lists are nested (N(y, ½k1 + 1) ⊂ N(y, k1 + 1)), so the probe
+            # entering a shorter list enters the longer one
+            bb, yy = np.divmod(np.flatnonzero(S >= self.sims[:, k1][None, :]), self.n)  # not below the (k1+1)-th
+            for k in (k1, self.h):
+                if k != k1:
+                    keep = S[bb, yy] >= self.sims[yy, k]
+                    bb, yy = bb[keep], yy[keep]
+                ptr, src = reverse[k]  # lists holding the probe's own row among their first k + 1
+                mine = [src[ptr[own[b]]: ptr[own[b] + 1]] for b in np.flatnonzero(has)]
+                ob = np.concatenate([np.zeros(0, dtype=np.int64),
+                                     *(np.full(len(m), b) for m, b in zip(mine, np.flatnonzero(has), strict=True))])
+                oy = np.concatenate([np.zeros(0, dtype=np.int64), *mine])
+                ch = np.zeros(S.shape, dtype=bool)
+                ch[bb, yy] = True
+                ch[ob, oy] = True
+                t = ch.copy()
+                t[bb, self.rows[yy, k]] = True      # the entry the probe pushes out
+                t[ob, self.rows[oy, k + 1]] = True  # the entry that comes in where the own row leaves
+                self.changed[k], self.touched[k] = ch, t
+
+    def probe(self) -> np.ndarray:
+        return np.arange(self.B) * self.N1 + self.n
+
+    def _insert(self, r: np.ndarray, s: np.ndarray, sv: np.ndarray, L: int) -> np.ndarray:
+        """Lists r (best first, similarities s; −1 padded) with the probe put in at similarity sv
+        (after equal scores), cut to L: rows of gallery rows, n for the probe, −1 none."""
+        if r.shape[1] < L:
+            r = np.pad(r, ((0, 0), (0, L - r.shape[1])), constant_values=-1)
+            s = np.pad(s, ((0, 0), (0, L - s.shape[1])), constant_values=-np.inf)
+        r, s = r[:, :L], s[:, :L]
+        pos = ((s > sv[:, None]) & (r >= 0)).sum(1)[:, None]
+        j = np.arange(L)[None, :]
+        prev = np.concatenate([r[:, :1], r[:, :-1]], 1)
+        return np.where(j < pos, r, np.where(j == pos, self.n, prev))
+
+    def lists(self, e: np.ndarray, L: int) -> np.ndarray:
+        """N(x, L) over each node's universe (L ≤ k1 + 1), encoded (−1: none)."""
+        b, x = np.divmod(e, self.N1)
+        out = np.full((len(e), L), -1, dtype=np.int64)
+        isq = x == self.n
+        out[isq] = self.q_rows[b[isq], :L]
+        g = np.flatnonzero(~isq)
+        if self.offline is not None and len(g):  # an unchanged list is the gallery's
+            same = ~self.changed[self.k1][b[g], x[g]]
+            out[g[same]] = self.rows[x[g[same]], :L]
+            g = g[~same]
+        if len(g):
+            bg, xg = b[g], x[g]
+            r = self.rows[xg, : L + 1].astype(np.int64)
+            s = self.sims[xg, : L + 1]
+            own = self.own[bg]
+            drop = (r == own[:, None]).any(1)
+            if drop.any():  # only the lists that hold the probe's own row are compacted
+                r2, s2 = without(r[drop], s[drop], own[drop], L + 1)
+                r, s = r.copy(), s.copy()
+                r[drop], s[drop] = r2, s2
+                r[drop, L], s[drop, L] = -1, -np.inf
+            out[g] = self._insert(r, s, self.S[bg, xg], L)
+        return np.where(out >= 0, b[:, None] * self.N1 + out, -1)
+
+    def reciprocal(self, e: np.ndarray, k: int) -> np.ndarray:
+        """R(x, k) per node (Eq. 3), as N(x, k+1) with non-members set to −1: from the offline
+        gallery-only sets where no list it reads has changed, computed otherwise."""
+        out = np.full((len(e), k + 1), -1, dtype=np.int64)
+        fresh = np.ones(len(e), dtype=bool)
+        if self.offline is not None:
+            b, x = np.divmod(e, self.N1)
+            g = np.flatnonzero(x < self.n)
+            keep = g[~self.touched[k][b[g], x[g]]]
+            r = self.offline["r1" if k == self.k1 else "rh"][x[keep]].astype(np.int64)
+            out[keep] = np.where(r >= 0, b[keep][:, None] * self.N1 + r, -1)
+            fresh[keep] = False
+        f = np.flatnonzero(fresh)
+        if len(f):
+            F = self.lists(e[f], k + 1)
+            valid = F >= 0
+            u, inv = np.unique(F[valid], return_inverse=True)
+            back = np.zeros(F.shape, dtype=bool)
+            back[valid] = (self.lists(u, k + 1)[inv] == np.broadcast_to(e[f][:, None], F.shape)[valid][:, None]).any(1)
+            out[f] = np.where(back, F, -1)
+        return out
+
+    def expanded(self, e: np.ndarray, k1: int) -> tuple[np.ndarray, np.ndarray]:
+        """R*(x, k1) per node (Eq. 6) as pairs (node index, member), sorted, unique."""
+        R = self.reciprocal(e, k1)
+        mem = R >= 0
+        ri, rv = np.flatnonzero(mem) // mem.shape[1], R[mem]
+        u, inv = np.unique(rv, return_inverse=True)
+        Rh = self.reciprocal(u, half(k1))[inv]  # R(c, ½k1) for each member c
+        size = (Rh >= 0).sum(1)
+        keys = np.sort(ri * self.M + rv)
+        look = np.where(Rh >= 0, ri[:, None] * self.M + Rh, -1)
+        at = np.minimum(np.searchsorted(keys, look), len(keys) - 1)
+        inter = ((keys[at] == look) & (Rh >= 0)).sum(1)
+        ok = inter > 2.0 / 3.0 * size
+        add = ok[:, None] & (Rh >= 0)
+        ai = np.broadcast_to(ri[:, None], Rh.shape)[add]
+        both = unique(np.concatenate([ri * self.M + rv, ai * self.M + Rh[add]]))
+        return np.divmod(both, self.M)
+
+    def similarity(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """s(x, y) for pairs of encoded nodes of the same universe."""
+        b, xl = np.divmod(x, self.N1)
+        yl = y % self.N1
+        out = np.empty(len(x), dtype=np.float64)
+        qx, qy = xl == self.n, yl == self.n
+        out[qx & qy] = self.s_qq[b[qx & qy]]
+        m = qx & ~qy
+        out[m] = self.S[b[m], yl[m]]
+        m = qy & ~qx
+        out[m] = self.S[b[m], xl[m]]
+        g = np.flatnonzero(~qx & ~qy)
+        if len(g):
+            # most pairs are in x's cached list already; the rest are computed
+            lr, ls = self.rows[xl[g]], self.sims[xl[g]]
+            hit = lr == yl[g][:, None]
+            found = hit.any(1)
+            out[g[found]] = ls[found][hit[found]]
+            miss = g[~found]
+            if len(miss):
+                ux, ix = np.unique(xl[miss], return_inverse=True)
+                T = self.space.transform(self.space.gallery_vectors(ux))
+                out[miss] = np.einsum("md,md->m", T[ix], self.space.gallery_vectors(yl[miss]))
+        return out
+
+    def self_similarity(self, e: np.ndarray) -> np.ndarray:
+        b, x = np.divmod(e, self.N1)
+        return np.where(x == self.n, self.s_qq[b], self.ext["self"][np.minimum(x, self.n - 1)]).astype(np.float64)
+
+    def row_max(self, e: np.ndarray) -> np.ndarray:
+        """max_y d(x, y) over the node's universe: s(x, x) − min_y s(x, y)."""
+        b, x = np.divmod(e, self.N1)
+        g = np.minimum(x, self.n - 1)
+        m = np.where(self.ext["arg1"][g] == self.own[b], self.ext["min2"][g], self.ext["min1"][g])
+        m = np.minimum(m, self.S[b, g])  # the probe's column
+        m = np.where(x == self.n, self.q_min[b], m)
+        d = self.self_similarity(e) - m
+        return np.where(d > 0, d, 1.0)  # a row without a positive distance: left unscaled
+
+    def members(self, e: np.ndarray, k1: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """R*(x, k1) per node as (node index, member, s(x, member)), sorted by node index: the
+        offline gallery-only set where R(x, k1) and each of its members' R(·, ½k1) are the
+        gallery's, computed otherwise."""
+        if self.offline is None:
+            ri, y = self.expanded(e, k1)
+            return ri, y, self.similarity(e[ri], y)
+        b, x = np.divmod(e, self.N1)
+        fresh = x == self.n
+        g = np.flatnonzero(~fresh)
+        r1 = self.offline["r1"][x[g]]
+        th = self.touched[self.h]
+        fresh[g] = self.touched[k1][b[g], x[g]] | ((r1 >= 0) & th[b[g][:, None], np.maximum(r1, 0)]).any(1)
+        idx_f, idx_c = np.flatnonzero(fresh), np.flatnonzero(~fresh)
+        ri_f, y_f = self.expanded(e[idx_f], k1)
+        ri_f = idx_f[ri_f]
+        s_f = self.similarity(e[ri_f], y_f)
+        ptr, mem, sims = self.offline["ptr"], self.offline["rows"], self.offline["sims"]
+        xc = x[idx_c]
+        cnt = ptr[xc + 1] - ptr[xc]
+        ri_c = np.repeat(idx_c, cnt)
+        at = np.repeat(ptr[xc] - (np.cumsum(cnt) - cnt), cnt) + np.arange(cnt.sum())
+        y_c = b[ri_c] * self.N1 + mem[at]
+        ri = np.concatenate([ri_f, ri_c])
+        order = np.argsort(ri, kind="stable")
+        return ri[order], np.concatenate([y_f, y_c])[order], np.concatenate([s_f, sims[at]])[order]
+
+    def V(self, e: np.ndarray, k1: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Eq. 7's V_x for each node, sparse: (node index, member, weight), by node."""
+        ri, y, s = self.members(e, k1)
+        w = np.exp(-(self.self_similarity(e)[ri] - s) / self.row_max(e)[ri])
+        total = np.bincount(ri, weights=w, minlength=len(e))
+        return ri, y, w / np.maximum(total[ri], 1e-300)  # an empty R*(x) (bilinear oddities): V_x = 0
+
+
+def distances(batch: _Batch, pools: np.ndarray, p: KReciprocalParams) -> np.ndarray:
+    """d*(p, g) (Eq. 12) for each probe and each row g of its pool (B × pool, inf where −1)."""
+    B, width = pools.shape
+    probes = batch.probe()
+    Y = np.concatenate([probes[:, None], np.where(pools >= 0, probes[:, None] - batch.n + pools, -1)], 1)
+    Lk2 = np.full((Y.size, p.k2), -1, dtype=np.int64)        # N(y, k2) for the probe and its pool
+    valid = Y.ravel() >= 0
+    # k2 = 1 is no expansion in the code (V_y itself), not V of y's nearest, which need not be y
+    Lk2[valid] = batch.lists(Y.ravel()[valid], p.k2) if p.k2 > 1 else Y.ravel()[valid][:, None]
+    X, inv = np.unique(Lk2[Lk2 >= 0], return_inverse=True)
+    ri, col, w = batch.V(X, p.k1)                              # V_z for every z there
+    # V_qe(y) = mean of V_z over z ∈ N(y, k2) (§4.4).  The probe's first, as a dense table over
+    # the codes (a column is b·(n + 1) + x: one table serves the whole batch)
+    n_y = (Lk2 >= 0).sum(1)
+    start = np.searchsorted(ri, np.arange(len(X)))
+    cnt = np.bincount(ri, minlength=len(X))
+    idx = np.full(Lk2.shape, -1)
+    idx[Lk2 >= 0] = inv
+    p_rows = idx.reshape(B, width + 1, p.k2)[:, 0]              # the probe's N(p, k2), as indices of X
+    pz = p_rows[p_rows >= 0]
+    pb = np.flatnonzero(p_rows >= 0) // p_rows.shape[1]
+    reps = cnt[pz]
+    at = np.repeat(start[pz] - (np.cumsum(reps) - reps), reps) + np.arange(reps.sum())
+    vp = np.bincount(col[at], weights=w[at] / n_y[np.repeat(pb * (width + 1), reps)], minlength=batch.M)
+    # the pool's: only entries in the probe's support count (min(·) is 0 elsewhere), summed per (y, column)
+    keep = vp[col] > 0
+    yi = np.flatnonzero(Lk2 >= 0) // p.k2                       # row-major: the order of `inv`
+    yi, zi = yi[~(yi % (width + 1) == 0)], inv[~(yi % (width + 1) == 0)]
+    kc = np.cumsum(keep)
+    k_start = np.concatenate([[0], kc])[start]                  # kept entries of each node, contiguous
+    k_cnt = np.bincount(ri[keep], minlength=len(X))
+    kept = np.flatnonzero(keep)
+    reps = k_cnt[zi]
+    at = kept[np.repeat(k_start[zi] - (np.cumsum(reps) - reps), reps) + np.arange(reps.sum())]
+    t_y = np.repeat(yi, reps)
+    key = t_y * batch.M + col[at]
+    uk, kinv = np.unique(key, return_inverse=True)
+    val = np.bincount(kinv, weights=w[at] / n_y[t_y])
+    ky, kcol = np.divmod(uk, batch.M)
+    tmin = np.bincount(ky, weights=np.minimum(val, vp[kcol]), minlength=Y.size).reshape(B, width + 1)[:, 1:]
+    d_j = 1.0 - tmin / (2.0 - tmin)                            # Σ max = Σ V_p + Σ V_g − Σ min = 2 − Σ min
+    s_pg = np.take_along_axis(batch.S, np.maximum(pools, 0), 1)
+    d_orig = (batch.s_qq[:, None] - s_pg) / batch.row_max(probes)[:, None]
+    d = (1.0 - p.lambda_value) * d_j + p.lambda_value * d_orig
+    return np.where(pools >= 0, d, np.inf)
+
+
+def gallery_sets(space, lists, ext, k1: int) -> dict[str, np.ndarray]:
+    """Offline: over the gallery alone, every item's R(x, k1) and R(x, ½k1) (its list entries,
+    −1 where not reciprocal: "r1", "rh") and R*(x, k1) with s(x, ·) of its members (CSR:
+    rows[ptr[x]:ptr[x+1]], sims alike)."""
+    def compute():
+        none = _Batch(space, lists, ext, np.full((1, space.n), -np.inf, dtype=np.float32), np.zeros(1),
+                      np.full(1, -1), np.zeros((1, 0), dtype=np.int64), k1)  # a probe that enters no list
+        n, h = space.n, half(k1)
+        out = {"r1": np.empty((n, k1 + 1), np.int32), "rh": np.empty((n, h + 1), np.int32)}
+        ptr, parts_r, parts_s = np.zeros(n + 1, dtype=np.int64), [], []
+        for a in range(0, n, 4096):
+            e = np.arange(a, min(a + 4096, n))
+            out["r1"][e], out["rh"][e] = none.reciprocal(e, k1), none.reciprocal(e, h)
+            ri, y = none.expanded(e, k1)
+            parts_r.append(y.astype(np.int32))
+            parts_s.append(none.similarity(e[ri], y).astype(np.float32))
+            ptr[e + 1] = np.bincount(ri, minlength=len(e))
+        return out | {"ptr": np.cumsum(ptr), "rows": np.concatenate(parts_r), "sims": np.concatenate(parts_s)}
+    return space.store.get("kreciprocal-sets", {"k1": k1}, compute)
+
+
+def reverse_lists(space, rows: np.ndarray, k1: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """For k = k1 and ½k1: (ptr, src) with src[ptr[i]:ptr[i+1]] the items whose first k + 1 list
+    entries hold i (the lists a leave-one-out query's own row changes); kept in memory."""
+    name = f"kreciprocal-reverse-{k1}"
+    if name not in space.store.memo:
+        out = {}
+        for k in (k1, half(k1)):
+            flat = rows[:, : k + 1].ravel().astype(np.int64)
+            src = np.repeat(np.arange(space.n), k + 1)
+            order = np.argsort(flat, kind="stable")
+            ptr = np.zeros(space.n + 1, dtype=np.int64)
+            np.add.at(ptr, flat + 1, 1)
+            out[k] = (np.cumsum(ptr), src[order])
+        space.store.memo[name] = out
+    return space.store.memo[name]
+
+
+@RERANKERS.register("kreciprocal", KReciprocalParams, offline=True, reads_first=False,
+                    grid={"k1": (10, 20, 30), "k2": (1, 3, 6), "lambda_value": (0.1, 0.3, 0.5)})
+def kreciprocal(space, queries, first, k, *, self_ids, params: KReciprocalParams):
+    """k-reciprocal encoding (Zhong et al. CVPR 2017): Jaccard distance of k-reciprocal sets, d* = (1 − λ) d_J + λ d."""
+    p = params
+    lists = neighbour_lists(space, min(p.k1 + 2, space.n))  # + 1: the item itself, + 1: a leave-one-out row
+    ext = row_extremes(space)
+    # a gallery too small for lists of k1 + 2 is small enough to compute every set
+    offline = gallery_sets(space, lists, ext, p.k1) if lists[0].shape[1] >= p.k1 + 2 else None
+    reverse = reverse_lists(space, lists[0], p.k1) if offline is not None else None
+    depth = min(max(p.pool, k), space.n)
+    out_r = np.full((len(queries), k), -1, dtype=np.int64)
+    out_s = np.full((len(queries), k), -np.inf, dtype=np.float32)
+    step = max(1, min(BATCH, BATCH_CELLS // max(space.n, 1)))
+    for a in range(0, len(queries), step):
+        q, own = queries[a: a + step], self_ids[a: a + step]
+        S = space.score(q)  # each probe's row: its place in every list, its largest distance, its candidates
+        cand = top_rows(S, own, depth)
+        s_qq = np.einsum("qd,qd->q", space.transform(q), space.key(q))
+        batch = _Batch(space, lists, ext, S, s_qq, own, cand, p.k1, offline, reverse)
+        pools = cand[:, : max(p.pool, k)]
+        d = distances(batch, pools, p)
+        order = np.argsort(d, axis=1, kind="stable")[:, :k]
+        r, dd = np.take_along_axis(pools, order, 1), np.take_along_axis(d, order, 1)
+        out_r[a: a + step] = np.where(np.isfinite(dd), r, -1)
+        out_s[a: a + step] = np.where(np.isfinite(dd), 1.0 - dd, -np.inf)  # a similarity: higher is closer
+    return space.hits(out_r, out_s)

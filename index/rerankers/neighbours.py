@@ -1,0 +1,69 @@
+"""The offline gallery–gallery pass the re-rankers share: each item's top-L neighbours under the
+space's similarity (the item itself included, where its own score puts it, as a row of a full
+similarity matrix sorted would have it), and each row's extreme similarities.  Both are cached
+in `space.store`; a leave-one-out query removes its own row from them online (`without`),
+which is why every list is stored one entry longer than any re-ranker reads.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .space import MetricSpace
+
+BLOCK = 2048        # rows per search call in the list pass
+SCAN_CELLS = 1 << 23  # cells per full-scan block in the minima pass (rows × n float32: 32 MB)
+
+
+def stored_length(L: int, n: int) -> int:
+    """Lists are stored at least 32 long, in steps of 16, so that re-rankers asking for
+    somewhat different lengths share one pass."""
+    return min(n, max(32, -(-int(L) // 16) * 16))
+
+
+def neighbour_lists(space: MetricSpace, L: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, sims): every item's top-L items, best first (n × L int32, float32; views of the
+    cached arrays: do not write to them)."""
+    L = min(int(L), space.n)
+    got = space.store.load("knn")
+    if got is None or got["rows"].shape[1] < L:
+        Ls = stored_length(L, space.n)
+        rows = np.empty((space.n, Ls), dtype=np.int32)
+        sims = np.empty((space.n, Ls), dtype=np.float32)
+        for s in range(0, space.n, BLOCK):
+            idx = np.arange(s, min(s + BLOCK, space.n))
+            h = space.search(space.gallery_vectors(idx), Ls)
+            rows[idx], sims[idx] = h.rows, h.scores
+        got = {"rows": rows, "sims": sims}
+        space.store.save("knn", None, got)
+    return got["rows"][:, :L], got["sims"][:, :L]
+
+
+def row_extremes(space: MetricSpace) -> dict[str, np.ndarray]:
+    """Per item x: its self-similarity s(x, x), and over every item y (x included) the smallest
+    s(x, y), its row, and the second smallest (the smallest once a leave-one-out query removes
+    the first)."""
+    def compute():
+        n = space.n
+        out = {"self": np.empty(n, np.float32), "min1": np.empty(n, np.float32),
+               "arg1": np.empty(n, np.int64), "min2": np.empty(n, np.float32)}
+        step = max(1, min(1024, SCAN_CELLS // max(n, 1)))
+        for s in range(0, n, step):
+            idx = np.arange(s, min(s + step, n))
+            S = space.score(space.gallery_vectors(idx))
+            r = np.arange(len(idx))
+            out["self"][idx] = S[r, idx]
+            a = S.argmin(1)
+            out["arg1"][idx], out["min1"][idx] = a, S[r, a]
+            S[r, a] = np.inf
+            out["min2"][idx] = S.min(1) if n > 1 else np.inf
+        return out
+    return space.store.get("extremes", None, compute)
+
+
+def without(rows: np.ndarray, sims: np.ndarray, drop: np.ndarray, L: int):
+    """Each list with row `drop[i]` (−1: none) removed, order kept, cut to L."""
+    mask = rows == np.asarray(drop)[:, None]
+    if not mask.any():
+        return rows[:, :L], sims[:, :L]
+    order = np.argsort(mask, axis=1, kind="stable")[:, :L]
+    return np.take_along_axis(rows, order, 1), np.take_along_axis(sims, order, 1)

@@ -1,0 +1,106 @@
+"""Query-time re-rankers on the one Registry: a re-ranker takes the first search's candidates
+under any strategy's M′ and mode and returns a new ranking.
+
+A new re-ranker is one module with `@RERANKERS.register(...)` plus one import line in
+`index/rerankers/__init__.py`.  The registered function is the online call
+
+    fn(space: MetricSpace, queries, first: Hits, k, *, self_ids, params) -> Hits
+
+`queries`: n_q × d, as `space.prepare` returns them; `first`: the plain search's top
+`first_depth(...)` per query (None for a re-ranker registered with reads_first=False), which may
+still hold the query's own row (`candidates` leaves it out); `self_ids`: n_q gallery
+rows (−1: none) of queries that are gallery items (leave-one-out evaluation, the Compare tab):
+such an item must not help its own re-ranking and is never returned.  `rerank(...)` below runs
+the whole thing (prepare, first search, re-rank).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from core.errors import UserError
+from core.registry import Registry, Spec
+
+from ..backends.gallery import Hits
+from .space import MetricSpace, as_rows, drop_rows
+
+
+@dataclass(frozen=True, kw_only=True)
+class RerankerSpec(Spec):
+    """A re-ranker's registration.
+
+    offline: it needs a gallery–gallery pass (neighbour lists, an augmented gallery) computed
+        once per (index, strategy, params, mode) and cached (`space.store`); the first query
+        under a new space pays for it.
+    depth: the parameter naming how many first-search candidates the online part reads (its
+        candidate pool); "" when it reads only the top k.
+    reads_first: it reads the first search at all (database-side augmentation searches its own
+        augmented gallery instead: `first` is then None and no plain search is spent on it).
+    grid: {param: values} a sweep tries (every combination); empty: the defaults only.
+    """
+    offline: bool = False
+    depth: str = ""
+    reads_first: bool = True
+    grid: Mapping[str, tuple] = field(default_factory=dict)
+
+    def check(self, entry) -> None:
+        super().check(entry)
+        names = {f.name for f in dataclasses.fields(entry.params)}
+        unknown = sorted(set(self.grid) - names)
+        if unknown:
+            raise ValueError(f"{entry.what}: grid names {unknown}, which are not its parameters {sorted(names)}")
+        if self.depth and self.depth not in names:
+            raise ValueError(f"{entry.what}: depth={self.depth!r} is not one of its parameters {sorted(names)}")
+
+    def listing_lines(self) -> list[str]:
+        return ["offline part: computed once per index, strategy and mode, cached"] if self.offline else []
+
+
+RERANKERS = Registry("re-ranker", spec=RerankerSpec)
+DEFAULT = "none"
+
+
+def reranker_params(name: str, given=None):
+    """The re-ranker's typed parameters from a dict, `key=value` strings or a parameter object."""
+    if dataclasses.is_dataclass(given) and not isinstance(given, type):
+        if not isinstance(given, RERANKERS.get(name).params):
+            raise UserError(f"re-ranker {name!r} takes {RERANKERS.get(name).params.__name__}, "
+                            f"not {type(given).__name__}")
+        return given
+    return RERANKERS.params(name, given or {})
+
+
+def first_depth(name: str, params, k: int) -> int:
+    """How many first-search candidates the re-ranker reads for a top-k answer."""
+    d = RERANKERS.get(name).spec.depth
+    return max(int(k), int(getattr(params, d)) if d else 0)
+
+
+def candidates(first: Hits, self_ids: np.ndarray, depth: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first search's rows and scores, each query's own row left out, cut to `depth`."""
+    return drop_rows(first.rows, first.scores, self_ids, depth)
+
+
+def rerank(name: str, space: MetricSpace, queries: np.ndarray, k: int = 10, *, params=None, self_ids=None,
+           first: Hits | None = None) -> Hits:
+    """Search `queries` in `space` and re-rank with re-ranker `name`: the top min(k, n) per query.
+    `first`: the plain search's answer when the caller has it already (deep enough: at least
+    `first_depth` rows, one more where it may hold the query's own row); otherwise it is
+    searched here."""
+    if k < 1:
+        raise UserError(f"k must be ≥ 1, got {k}")
+    entry = RERANKERS.get(name)
+    p = reranker_params(name, params)
+    q = space.prepare(queries)
+    ids = as_rows(self_ids, len(q), space.n)
+    k = max(1, min(int(k), space.n - int((ids >= 0).any())))
+    depth = min(first_depth(name, p, k), space.n)
+    # a first search given by the caller may still hold the query's own row: one more then
+    if not entry.spec.reads_first:
+        first = None
+    elif first is None or first.k < min(depth + int((ids >= 0).any()), space.n):
+        first = space.search(q, depth, exclude=ids)
+    return entry.builder(space, q, first, k, self_ids=ids, params=p)

@@ -1,0 +1,590 @@
+"""Re-rankers (index/rerankers) against direct numpy implementations of their papers' formulas,
+leave-one-out honesty, the offline caches' location and invalidation, and the registry."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from core.errors import UserError
+from index.backends.search import Searcher
+from index.backends.store import Items, read_index, write_index
+from index.refinements import refine
+from index.rerankers import RERANKERS, SearcherSpace, rerank
+from index.rerankers.cache import cache_root
+
+D, K_EMB, N = 16, 6, 150
+CASES = [("trained", {}, "cosine"), ("identity", {}, "bilinear"), ("diagonal", {"r": 0.5, "seed": 1}, "bilinear")]
+CASE_IDS = ["trained-cosine", "identity-bilinear", "diagonal-indefinite-bilinear"]
+
+
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path, monkeypatch):
+    """Every cache goes under the test's own folder (XDG_CACHE_HOME), never the user's or the repo."""
+    home = tmp_path / "xdg"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home))
+    return home
+
+
+def features(n=N, seed=0):
+    """Clustered trunk features (classes around centres) and a neck."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(12, D))
+    lab = rng.integers(0, 12, n)
+    x = (centres[lab] + 0.7 * rng.normal(size=(n, D))).astype(np.float32)
+    W = rng.normal(size=(K_EMB, D)).astype(np.float32)
+    return x, lab, W
+
+
+def build(path, x, lab, W, factory=None):
+    n = len(x)
+    items = Items(np.arange(1000, 1000 + n), lab.astype(np.int64), [f"img/{i}.png" for i in range(n)], ["test"] * n)
+    write_index(path, x, items, W, normalize=True, info={"backbone": "synthetic"}, factory=factory)
+    return Searcher(read_index(path))
+
+
+@pytest.fixture
+def gallery(tmp_path):
+    x, lab, W = features()
+    return build(tmp_path / "idx", x, lab, W), x, W
+
+
+def queries(x, m=6, seed=1):
+    rng = np.random.default_rng(seed)
+    return (x[rng.choice(len(x), m, replace=False)] + 0.3 * rng.normal(size=(m, D))).astype(np.float32)
+
+
+# ---------------------------------------------------------------- the reference similarity
+class Ref:
+    """s(a, b) under M′ in float64, written from the definitions (index/metric.py)."""
+
+    def __init__(self, searcher, strategy, params, mode):
+        W = searcher.data.W.astype(np.float64)
+        self.M = refine(strategy, W.T @ W, params)
+        self.mode = mode
+        self.G = np.asarray(searcher.data.features, dtype=np.float64)  # stored: L2-normalised
+
+    def prep(self, q):
+        q = np.asarray(q, dtype=np.float64)
+        return q / np.linalg.norm(q, axis=1, keepdims=True)
+
+    def mnorm(self, v):
+        return np.sqrt(np.maximum(np.einsum("ij,jk,ik->i", v, self.M, v), 0))
+
+    def key(self, v):
+        return v / self.mnorm(v)[:, None] if self.mode == "cosine" else v
+
+    def normalise(self, v):
+        return self.key(v) if self.mode == "cosine" else v / np.linalg.norm(v, axis=1, keepdims=True)
+
+    def t(self, v):
+        return (v @ self.M) / (self.mnorm(v)[:, None] if self.mode == "cosine" else 1.0)
+
+    def s(self, a, b):
+        return self.t(a) @ self.key(b).T
+
+
+def topk(scores, k, exclude=None):
+    s = scores.astype(np.float64).copy()
+    if exclude is not None:
+        s[exclude] = -np.inf
+    order = np.argsort(-s, kind="stable")[:k]
+    return order, s[order]
+
+
+def space_for(searcher, strategy, params, mode):
+    return SearcherSpace(searcher, strategy, params, mode)
+
+
+# ---------------------------------------------------------------- none
+@pytest.mark.parametrize("strategy,params,mode", CASES, ids=CASE_IDS)
+def test_none_is_bit_identical_to_the_plain_search(gallery, strategy, params, mode):
+    searcher, x, _ = gallery
+    q = queries(x)
+    plain = searcher.search(q, strategy, params, mode, k=10)
+    got = rerank("none", space_for(searcher, strategy, params, mode), q, 10)
+    np.testing.assert_array_equal(got.rows, plain.rows)
+    np.testing.assert_array_equal(got.scores, plain.scores)
+    assert got.scores.dtype == plain.scores.dtype and got.rows.dtype == plain.rows.dtype
+
+
+def test_none_returns_the_given_first_search_itself(gallery):
+    searcher, x, _ = gallery
+    q = queries(x)
+    plain = searcher.search(q, "trained", {}, "cosine", k=10)
+    assert rerank("none", space_for(searcher, "trained", {}, "cosine"), q, 10, first=plain) is plain
+
+
+# ---------------------------------------------------------------- αQE
+@pytest.mark.parametrize("strategy,params,mode", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("n,alpha", [(2, 3.0), (5, 1.0), (3, 0.0)])
+def test_aqe_is_the_papers_formula(gallery, strategy, params, mode, n, alpha):
+    searcher, x, _ = gallery
+    ref = Ref(searcher, strategy, params, mode)
+    q = queries(x)
+    got = rerank("aqe", space_for(searcher, strategy, params, mode), q, 10, params={"n": n, "alpha": alpha})
+    for i, qi in enumerate(ref.prep(q)):
+        s = ref.s(qi[None], ref.G)[0]
+        nb, sn = topk(s, n)
+        q2 = ref.normalise(ref.key(qi[None]) + (np.maximum(sn, 0) ** alpha) @ ref.key(ref.G[nb]))
+        rows, scores = topk(ref.s(q2, ref.G)[0], 10)
+        np.testing.assert_array_equal(got.rows[i], rows)
+        np.testing.assert_allclose(got.scores[i], scores, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- αDBA
+@pytest.mark.parametrize("strategy,params,mode", CASES, ids=CASE_IDS)
+def test_dba_is_the_papers_formula(gallery, strategy, params, mode):
+    searcher, x, _ = gallery
+    ref = Ref(searcher, strategy, params, mode)
+    n, alpha = 3, 3.0
+    S = ref.s(ref.G, ref.G)
+    aug = np.empty_like(ref.G)
+    for j in range(N):
+        nb, sn = topk(S[j], n, exclude=j)
+        aug[j] = ref.normalise(ref.key(ref.G[j:j + 1]) + (np.maximum(sn, 0) ** alpha) @ ref.key(ref.G[nb]))[0]
+    q = queries(x)
+    got = rerank("dba", space_for(searcher, strategy, params, mode), q, 10, params={"n": n, "alpha": alpha})
+    for i, qi in enumerate(ref.prep(q)):
+        rows, scores = topk((ref.t(qi[None]) @ aug.T)[0], 10)
+        np.testing.assert_array_equal(got.rows[i], rows)
+        np.testing.assert_allclose(got.scores[i], scores, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- diffusion
+def diffusion_reference(ref, q, k, kq, alpha, gamma):
+    """knngraph.m, transition_matrix.m, ymake.m, then f = (I − αS)⁻¹ y by a dense solve."""
+    S = ref.s(ref.G, ref.G)
+    knn = np.argsort(-S, axis=1, kind="stable")[:, :k]  # each item among its own k
+    A = np.zeros_like(S)
+    for i in range(N):
+        for j in knn[i]:
+            if j != i and i in knn[j]:
+                A[i, j] = max(S[i, j], 0.0) ** gamma
+    d = A.sum(1)
+    inv = np.where(d > 0, 1 / np.sqrt(np.where(d > 0, d, 1)), 0)
+    T = inv[:, None] * A * inv[None, :]
+    s = ref.s(q[None], ref.G)[0]
+    y = np.zeros(N)
+    top = np.argsort(-s, kind="stable")[:kq]
+    y[top] = np.maximum(s[top], 0) ** gamma
+    return np.linalg.solve(np.eye(N) - alpha * T, y)
+
+
+@pytest.mark.parametrize("strategy,params,mode", CASES[:2], ids=CASE_IDS[:2])
+def test_diffusion_is_the_dense_solve_of_the_papers_system(gallery, strategy, params, mode):
+    searcher, x, _ = gallery
+    ref = Ref(searcher, strategy, params, mode)
+    p = {"k": 8, "kq": 4, "alpha": 0.9, "gamma": 3.0, "truncation": N, "iterations": 500, "tol": 1e-12}
+    q = queries(x)
+    got = rerank("diffusion", space_for(searcher, strategy, params, mode), q, 10, params=p)
+    for i, qi in enumerate(ref.prep(q)):
+        f = diffusion_reference(ref, qi, p["k"], p["kq"], p["alpha"], p["gamma"])
+        rows, vals = topk(f, 10)
+        np.testing.assert_array_equal(got.rows[i], rows)
+        np.testing.assert_allclose(got.scores[i], vals, rtol=1e-4, atol=1e-6 * np.abs(f).max())
+
+
+def test_diffusion_with_the_official_settings_stays_near_the_solution(gallery):
+    """run_test.m's α = 0.99 and 20 iterations of pcg: close to the exact f where it matters."""
+    searcher, x, _ = gallery
+    ref = Ref(searcher, "trained", {}, "cosine")
+    q = queries(x)
+    got = rerank("diffusion", space_for(searcher, "trained", {}, "cosine"), q, 5, params={"k": 8, "kq": 4})
+    for i, qi in enumerate(ref.prep(q)):
+        f = diffusion_reference(ref, qi, 8, 4, 0.99, 3.0)
+        np.testing.assert_allclose(got.scores[i], f[got.rows[i]], rtol=0.05, atol=0.05 * np.abs(f).max())
+
+
+# ---------------------------------------------------------------- k-reciprocal
+def kreciprocal_reference(D, k1, k2, lam):
+    """The official code (python-version/re_ranking_ranklist.py), step by step, on a distance
+    matrix over [probe, gallery...]; rows normalised by their maximum as the Matlab version does.
+    Returns the probe's final distances to the gallery."""
+    original = D / D.max(1, keepdims=True)
+    n_all = len(D)
+    V = np.zeros_like(original)
+    rank = np.argsort(original, axis=1, kind="stable")
+    half = int(np.around(k1 / 2.0))
+    for i in range(n_all):
+        forward = rank[i, :k1 + 1]
+        backward = rank[forward, :k1 + 1]
+        recip = forward[np.where(backward == i)[0]]
+        expansion = recip
+        for c in recip:
+            cf = rank[c, :half + 1]
+            cb = rank[cf, :half + 1]
+            c_recip = cf[np.where(cb == c)[0]]
+            if len(np.intersect1d(c_recip, recip)) > 2.0 / 3.0 * len(c_recip):
+                expansion = np.append(expansion, c_recip)
+        expansion = np.unique(expansion)
+        w = np.exp(-original[i, expansion])
+        V[i, expansion] = w / w.sum()
+    if k2 != 1:
+        V = np.stack([V[rank[i, :k2]].mean(0) for i in range(n_all)])
+    temp_min = np.minimum(V[0][None, :], V).sum(1)
+    jaccard = 1 - temp_min / (2 - temp_min)
+    final = jaccard * (1 - lam) + original[0] * lam
+    return final[1:]
+
+
+def by_distance(final, s):
+    """Rows by d*, equal d* (λ = 0 makes Jaccard ties common) in the first search's order."""
+    first = np.argsort(np.argsort(-s, kind="stable"), kind="stable")
+    return np.lexsort((first, np.round(final, 9)))
+
+
+def universe_distances(ref, q):
+    """d(x, y) = s(x, x) − s(x, y) over [probe, gallery...]."""
+    U = np.vstack([q[None], ref.G])
+    S = ref.s(U, U)
+    return np.diag(S)[:, None] - S
+
+
+@pytest.mark.parametrize("strategy,params,mode", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("k1,k2,lam", [(20, 6, 0.3), (9, 3, 0.5), (10, 1, 0.0)])  # ½·9 rounds to 4 (half to even)
+def test_kreciprocal_is_the_official_algorithm_with_the_full_pool(gallery, strategy, params, mode, k1, k2, lam):
+    searcher, x, _ = gallery
+    ref = Ref(searcher, strategy, params, mode)
+    q = np.vstack([queries(x), -x[:2]])  # and two outliers: the farthest item of many rows
+    got = rerank("kreciprocal", space_for(searcher, strategy, params, mode), q, 10,
+                 params={"k1": k1, "k2": k2, "lambda_value": lam, "pool": N})
+    for i, qi in enumerate(ref.prep(q)):
+        final = kreciprocal_reference(universe_distances(ref, qi), k1, k2, lam)
+        rows = by_distance(final, ref.s(qi[None], ref.G)[0])[:10]
+        np.testing.assert_array_equal(got.rows[i], rows)
+        np.testing.assert_allclose(got.scores[i], 1 - final[rows], rtol=0, atol=1e-5)
+
+
+def test_kreciprocal_pool_limits_what_is_ranked_not_how(gallery):
+    """With a pool smaller than the gallery, each candidate's d* is still the full computation's."""
+    searcher, x, _ = gallery
+    ref = Ref(searcher, "trained", {}, "cosine")
+    q = queries(x)
+    pool = 25
+    got = rerank("kreciprocal", space_for(searcher, "trained", {}, "cosine"), q, 10, params={"pool": pool})
+    for i, qi in enumerate(ref.prep(q)):
+        final = kreciprocal_reference(universe_distances(ref, qi), 20, 6, 0.3)
+        cand, _ = topk(ref.s(qi[None], ref.G)[0], pool)
+        order = np.lexsort((np.arange(pool), np.round(final[cand], 9)))[:10]
+        np.testing.assert_array_equal(got.rows[i], cand[order])
+        np.testing.assert_allclose(got.scores[i], 1 - final[cand[order]], rtol=0, atol=1e-5)
+
+
+def test_kreciprocal_distance_is_the_official_one_for_normalised_features(gallery):
+    """Cosine mode under M′ = I on L2-normalised features: d(x, y) = s(x, x) − s(x, y), row-
+    normalised, equals the code's squared Euclidean distance, row-normalised."""
+    searcher, x, _ = gallery
+    ref = Ref(searcher, "identity", {}, "cosine")
+    q = ref.prep(queries(x))[0]
+    ours = universe_distances(ref, q)
+    U = np.vstack([q[None], ref.G])
+    sq = ((U[:, None, :] - U[None, :, :]) ** 2).sum(-1)
+    np.testing.assert_allclose(ours / ours.max(1, keepdims=True), sq / sq.max(1, keepdims=True), atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["cosine", "bilinear"])
+def test_kreciprocal_offline_sets_change_nothing(tmp_path, monkeypatch, mode):
+    """Reusing the gallery-only sets where the probe changes no list they read gives the answer
+    of computing every set afresh, for plain and leave-one-out queries."""
+    import index.rerankers.kreciprocal as kr
+
+    x, lab, W = features(n=500, seed=3)
+    searcher = build(tmp_path / "idx", x, lab, W)
+    own = np.concatenate([[-1, -1, -1], np.arange(0, 500, 2)])  # leave-one-out queries: many lists lose a row
+    q = np.vstack([queries(x, 3, seed=4), x[own[3:]]])
+    p = {"k1": 12, "k2": 4, "pool": 80}
+    fast = rerank("kreciprocal", space_for(searcher, "trained", {}, mode), q, 20, params=p, self_ids=own)
+    monkeypatch.setattr(kr, "gallery_sets", lambda *a, **k: None)
+    slow = rerank("kreciprocal", space_for(searcher, "trained", {}, mode), q, 20, params=p, self_ids=own)
+    np.testing.assert_array_equal(fast.rows, slow.rows)
+    np.testing.assert_allclose(fast.scores, slow.scores, rtol=0, atol=1e-6)
+
+
+def test_kreciprocal_candidates_are_each_rows_exact_top():
+    """The candidates from the probe's full similarity row: a sampled threshold then a sort, the
+    probe's own column left out; a row whose best entries the sample misses is partitioned whole."""
+    from index.rerankers.kreciprocal import top_rows
+
+    rng = np.random.default_rng(0)
+    S = rng.normal(size=(6, 20000)).astype(np.float32)
+    S[1, ::4] += 5.0  # the sample (every 4th column) is all of row 1's best: its threshold is too high
+    S[2] = np.round(S[2], 1)  # ties: the lower column first
+    own = np.array([-1, 3, int(np.argmax(S[2])), -1, 7, int(np.argsort(-S[5])[40])])
+    got = top_rows(S, own, 100)
+    for b in range(6):
+        order = [c for c in np.argsort(-S[b], kind="stable") if c != own[b]][:100]
+        np.testing.assert_array_equal(got[b], order)
+
+
+def check_universes(space, ref, q, own, k1):
+    """For each probe (a leave-one-out one too), every node's R(x, k1), R(x, ½k1) (offline sets
+    reused where the probe changes nothing) and largest distance are those of the universe
+    (gallery − own row) ∪ {probe}, written from its distance matrix."""
+    import index.rerankers.kreciprocal as kr
+    from index.rerankers.neighbours import neighbour_lists, row_extremes
+
+    n = space.n
+    lists = neighbour_lists(space, k1 + 2)
+    ext = row_extremes(space)
+    offline, reverse = kr.gallery_sets(space, lists, ext, k1), kr.reverse_lists(space, lists[0], k1)
+    q = space.prepare(q)
+    first = space.search(q, n, exclude=own)
+    batch = kr._Batch(space, lists, ext, space.score(q), np.einsum("qd,qd->q", space.transform(q), space.key(q)),
+                      own, first.rows, k1, offline, reverse)
+    for b, (qb, i) in enumerate(zip(ref.prep(q), own, strict=True)):
+        keep = np.flatnonzero(np.arange(n) != i)                 # universe: [probe, gallery rows in keep]
+        U = np.vstack([qb[None], ref.G[keep]])
+        S = ref.s(U, U)
+        Dm = np.diag(S)[:, None] - S
+        rank = np.argsort(Dm, axis=1, kind="stable")
+        code = np.concatenate([[b * (n + 1) + n], b * (n + 1) + keep])  # the batch's codes of the universe
+        np.testing.assert_allclose(batch.row_max(code), Dm.max(1), rtol=1e-5, atol=1e-6)
+        for k in (k1, kr.half(k1)):
+            got = batch.reciprocal(code, k)
+            for u in range(len(U)):
+                want = {code[j] for j in rank[u, :k + 1] if u in rank[j, :k + 1]}
+                assert set(got[u][got[u] >= 0].tolist()) == want, (b, u, k)
+
+
+@pytest.mark.parametrize("strategy,params,mode", CASES, ids=CASE_IDS)
+def test_kreciprocal_sets_and_row_maxima_are_the_universes(gallery, strategy, params, mode):
+    searcher, x, _ = gallery
+    own = np.concatenate([np.full(4, -1), np.arange(0, N, 5), [1, 2, 3]])
+    rng = np.random.default_rng(5)
+    # plain probes, two outliers (the farthest item of many rows), leave-one-out probes equal to
+    # their item and three that are not (their item's row minimum is then no longer theirs)
+    q = np.vstack([queries(x, 2), -x[:2], x[own[4:-3]], x[1:4] + 0.5 * rng.normal(size=(3, D))])
+    check_universes(space_for(searcher, strategy, params, mode), Ref(searcher, strategy, params, mode), q, own, 10)
+
+
+def test_kreciprocal_sets_when_a_removed_row_lets_an_entry_in(tmp_path):
+    """A leave-one-out probe away from its item: lists that lose the item take in their next
+    entry, whose R(·, k) can gain a member (a gallery where that happens)."""
+    from index.backends.store import in_memory_index
+
+    rng = np.random.default_rng(0)
+    n, d = 40, 3
+    x = (rng.normal(size=(4, d))[rng.integers(0, 4, n)] + 0.8 * rng.normal(size=(n, d))).astype(np.float32)
+    W = rng.normal(size=(3, d)).astype(np.float32)
+    searcher = Searcher(in_memory_index(x, np.zeros(n, dtype=np.int64), W))
+    q = x + 0.5 * rng.normal(size=x.shape).astype(np.float32)
+    check_universes(space_for(searcher, "identity", {}, "cosine"), Ref(searcher, "identity", {}, "cosine"), q,
+                    np.arange(n), 4)
+
+
+# ---------------------------------------------------------------- leave-one-out
+LOO = [("aqe", {"n": 3}), ("kreciprocal", {"k1": 10, "k2": 4, "pool": 40}), ("kreciprocal", {}),
+       ("dba", {"n": 3}), ("diffusion", {"k": 8, "kq": 4, "truncation": 60}), ("none", {})]
+
+
+@pytest.mark.parametrize("strategy,params,mode", CASES[:2], ids=CASE_IDS[:2])
+@pytest.mark.parametrize("name,rparams", LOO, ids=[f"{n}-{i}" for i, (n, _) in enumerate(LOO)])
+def test_a_gallery_item_as_query_is_reranked_as_if_it_were_not_in_the_gallery(tmp_path, name, rparams, strategy,
+                                                                                params, mode):
+    x, lab, W = features()
+    full = build(tmp_path / "full", x, lab, W)
+    own = np.array([3, 40, 77, 149])
+    got = rerank(name, space_for(full, strategy, params, mode), x[own], 10, params=rparams, self_ids=own)
+    for qi, i in enumerate(own):
+        keep = np.arange(N) != i
+        alone = build(tmp_path / f"without{i}", x[keep], lab[keep], W)
+        want = rerank(name, space_for(alone, strategy, params, mode), x[i:i + 1], 10, params=rparams)
+        back = np.nonzero(keep)[0][want.rows[0]]  # the smaller gallery's rows as the full gallery's
+        np.testing.assert_array_equal(got.rows[qi], back)
+        np.testing.assert_allclose(got.scores[qi], want.scores[0], rtol=1e-4, atol=1e-5)
+        assert i not in got.rows[qi]
+
+
+def test_self_ids_accepts_a_first_search_that_holds_the_query(gallery):
+    searcher, x, _ = gallery
+    space = space_for(searcher, "trained", {}, "cosine")
+    own = np.array([5, 6])
+    plain = searcher.search(x[own], "trained", {}, "cosine", k=60)  # holds each query's own row
+    assert (plain.rows[:, 0] == own).all()
+    for name in ("none", "aqe", "kreciprocal"):
+        with_first = rerank(name, space, x[own], 10, self_ids=own, first=plain)
+        alone = rerank(name, space, x[own], 10, self_ids=own)
+        np.testing.assert_array_equal(with_first.rows, alone.rows)
+        assert not (with_first.rows == own[:, None]).any()
+
+
+@pytest.mark.parametrize("name", ["none", "aqe", "dba", "kreciprocal", "diffusion"])
+def test_rerankers_run_on_an_approximate_index(tmp_path, name):
+    x, lab, W = features()
+    searcher = build(tmp_path / "hnsw", x, lab, W, factory="HNSW16")
+    assert not searcher.exact
+    own = np.array([2, 50, -1])
+    q = np.vstack([x[own[:2]], queries(x, 1)])
+    got = rerank(name, space_for(searcher, "trained", {}, "cosine"), q, 8, self_ids=own)
+    assert got.rows.shape == (3, 8) and (got.rows >= 0).all()
+    assert not (got.rows[:2] == own[:2, None]).any()
+    assert all(len(set(r)) == 8 for r in got.rows.tolist())
+
+
+def test_self_ids_are_checked(gallery):
+    searcher, x, _ = gallery
+    space = space_for(searcher, "trained", {}, "cosine")
+    with pytest.raises(UserError, match="self_ids must be gallery rows"):
+        rerank("aqe", space, x[:2], 5, self_ids=[0, N])
+    with pytest.raises(UserError, match="one row per query"):
+        rerank("aqe", space, x[:2], 5, self_ids=[0])
+
+
+# ---------------------------------------------------------------- caches
+@pytest.mark.parametrize("name", ["dba", "kreciprocal", "diffusion"])
+def test_offline_caches_live_outside_the_index_and_leave_it_verifiable(tmp_path, cache_home, name):
+    x, lab, W = features()
+    searcher = build(tmp_path / "idx", x, lab, W)
+    before = sorted(p.name for p in (tmp_path / "idx").iterdir())
+    space = space_for(searcher, "trained", {}, "cosine")
+    rerank(name, space, queries(x), 5)
+    assert sorted(p.name for p in (tmp_path / "idx").iterdir()) == before
+    read_index(tmp_path / "idx", verify=True)  # every checksum still holds
+    root = cache_root()
+    assert root == cache_home / "dml-retrieval" / "rerank"
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    assert files and all(p.suffix in (".npz", ".json") for p in files)
+    assert all(space.cache_key in p.parts for p in files)
+    npz = [p for p in files if p.suffix == ".npz"]
+    assert npz and all(len(np.load(p, allow_pickle=False).files) for p in npz)  # readable without pickle
+
+
+def test_a_cache_inside_the_index_folder_is_refused(tmp_path):
+    x, lab, W = features()
+    searcher = build(tmp_path / "idx", x, lab, W)
+    space = SearcherSpace(searcher, "trained", {}, "cosine", cache_dir=tmp_path / "idx" / "cache")
+    with pytest.raises(UserError, match="inside the index folder"):
+        rerank("dba", space, queries(x), 5)
+    assert not (tmp_path / "idx" / "cache").exists()
+
+
+def test_changing_the_index_changes_the_cache_key_and_the_answer_follows(tmp_path, cache_home):
+    x, lab, W = features(n=N + 20)
+    path = tmp_path / "idx"
+    q = queries(x[:N])
+    first = space_for(build(path, x[:N], lab[:N], W), "trained", {}, "cosine")
+    rerank("kreciprocal", first, q, 10)
+    rerank("dba", first, q, 10)
+    grown = space_for(build(path, x, lab, W), "trained", {}, "cosine")  # items added in place
+    assert grown.cache_key != first.cache_key
+    got = {n: rerank(n, grown, q, 10) for n in ("kreciprocal", "dba")}
+    dirs = {p.name for p in cache_root().iterdir()}
+    assert dirs == {first.cache_key, grown.cache_key}
+    fresh_home = tmp_path / "fresh"
+    fresh = SearcherSpace(Searcher(read_index(path)), "trained", {}, "cosine", cache_dir=fresh_home)
+    for n, h in got.items():
+        want = rerank(n, fresh, q, 10)
+        np.testing.assert_array_equal(h.rows, want.rows)
+        np.testing.assert_array_equal(h.scores, want.scores)
+    shrunk = space_for(build(path, x[: N - 10], lab[: N - 10], W), "trained", {}, "cosine")
+    assert shrunk.cache_key not in (first.cache_key, grown.cache_key)
+
+
+def test_the_cache_key_follows_strategy_params_and_mode(gallery):
+    searcher, _, _ = gallery
+    keys = {space_for(searcher, s, p, m).cache_key for s, p, m in
+            [("trained", {}, "cosine"), ("trained", {}, "bilinear"), ("diagonal", {"r": 0.5, "seed": 1}, "bilinear"),
+             ("diagonal", {"r": 0.5, "seed": 2}, "bilinear")]}
+    assert len(keys) == 4
+    assert space_for(searcher, "trained", {}, "cosine").cache_key == space_for(searcher, "trained", None,
+                                                                               "cosine").cache_key
+
+
+def test_a_second_process_reads_the_cache_instead_of_recomputing(gallery, monkeypatch):
+    searcher, x, _ = gallery
+    q = queries(x)
+    want = rerank("kreciprocal", space_for(searcher, "trained", {}, "cosine"), q, 10)
+    from index.rerankers.cache import OfflineStore
+
+    def refuse(*a, **k):
+        raise AssertionError("recomputed a cached pass")
+    monkeypatch.setattr(OfflineStore, "save", refuse)
+    got = rerank("kreciprocal", space_for(searcher, "trained", {}, "cosine"), q, 10)  # a new space: from disk
+    np.testing.assert_array_equal(got.rows, want.rows)
+
+
+# ---------------------------------------------------------------- registry
+DUMMY = '''from dataclasses import dataclass
+
+from core.params import param
+from index.rerankers.registry import RERANKERS
+
+
+@dataclass
+class DummyParams:
+    shift: int = param(0, "rotate the first search's list by this much")
+
+
+@RERANKERS.register("dummy-rotate", DummyParams, depth="shift", grid={"shift": (0, 1)})
+def dummy(space, queries, first, k, *, self_ids, params):
+    """A test re-ranker: the first search, rotated."""
+    import numpy as np
+    rows = np.roll(first.rows[:, :k], -params.shift, axis=1)
+    return space.hits(rows, space.score(queries, rows))
+'''
+
+
+@pytest.fixture
+def dummy_module(tmp_path):
+    (tmp_path / "dummy_rotate.py").write_text(DUMMY)
+    spec = importlib.util.spec_from_file_location("dummy_rotate", tmp_path / "dummy_rotate.py")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))  # the "one import line"
+    yield
+    RERANKERS.unregister("dummy-rotate")
+    sys.modules.pop("dummy_rotate", None)
+
+
+def test_a_new_reranker_is_one_file_and_one_import(dummy_module, gallery):
+    assert "dummy-rotate" in RERANKERS
+    assert "dummy-rotate: A test re-ranker: the first search, rotated." in RERANKERS.help_text()
+    assert "dummy-rotate" in RERANKERS.listing() and "shift = 0" in RERANKERS.listing()
+    searcher, x, _ = gallery
+    space = space_for(searcher, "trained", {}, "cosine")
+    got = rerank("dummy-rotate", space, queries(x), 5, params={"shift": 1})
+    plain = searcher.search(queries(x), "trained", {}, "cosine", k=5)
+    np.testing.assert_array_equal(got.rows, np.roll(plain.rows, -1, axis=1))
+
+
+def test_every_reranker_is_listed_with_its_spec():
+    assert {"none", "aqe", "dba", "kreciprocal", "diffusion"} <= set(RERANKERS.names())
+    offline = {e.name for e in RERANKERS.entries() if e.spec.offline}
+    assert offline == {"dba", "kreciprocal", "diffusion"}
+    assert "offline part" in RERANKERS.listing()
+
+
+def test_a_spec_naming_what_is_not_a_parameter_fails_at_registration():
+    from index.rerankers.aqe import AQEParams
+
+    with pytest.raises(ValueError, match=r"'x': grid names \['m'\]"):
+        RERANKERS.register("x", AQEParams, grid={"m": (1,)})(lambda *a, **k: None)
+    with pytest.raises(ValueError, match=r"'x': depth='pool' is not one of its parameters"):
+        RERANKERS.register("x", AQEParams, depth="pool")(lambda *a, **k: None)
+    with pytest.raises(TypeError, match="unknown keyword 'ofline'"):
+        RERANKERS.register("x", AQEParams, ofline=True)
+    assert "x" not in RERANKERS
+
+
+def test_parameters_are_typed_and_checked(gallery):
+    searcher, x, _ = gallery
+    space = space_for(searcher, "trained", {}, "cosine")
+    with pytest.raises(UserError, match="no parameter 'k3'"):
+        rerank("kreciprocal", space, x[:1], 5, params={"k3": 1})
+    with pytest.raises(UserError, match="k2 must be in"):
+        rerank("kreciprocal", space, x[:1], 5, params=["k2=30"])
+    with pytest.raises(UserError, match="pool must be ≥ k1 \\+ 1 = 21"):
+        rerank("kreciprocal", space, x[:1], 5, params={"pool": 20})
+    with pytest.raises(UserError, match="alpha must be in"):
+        rerank("diffusion", space, x[:1], 5, params={"alpha": 1.0})
+
+
+def test_cosine_under_an_indefinite_metric_is_refused_as_in_search(gallery):
+    searcher, _, _ = gallery
+    with pytest.raises(UserError, match="positive semi-definite"):
+        SearcherSpace(searcher, "diagonal", {"r": 0.5, "seed": 1}, "cosine")
+
+
+def test_nothing_is_written_into_the_repository(tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    assert root not in cache_root().parents
