@@ -2,23 +2,24 @@
 each side of `python -m index report` searches under.
 
 A configuration is a refinement strategy with its parameters and a mode, plus a query-time
-re-ranker axis (`rerank`, `rerank_params`).  The re-ranker fields are carried through labels,
-keys, links and exports already, but no search runs a re-ranker yet: `check_searchable`
-refuses any but "none", so a result is never labelled with a re-ranking it did not get.
+re-ranker (index/rerankers) with its parameters.  `search` is the one place a configuration is
+searched: the strategy's exact search, then the re-ranker over its candidates.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from core.errors import UserError
 
+from .backends.gallery import Hits
 from .metric import MODES
 from .refinements import REFINEMENTS, strategy_key, strategy_label, strategy_params
+from .rerankers import RERANKERS, SearcherSpace, rerank, reranker_params
 
 NO_RERANK = "none"
-# the re-rankers a search can run; the re-ranker registry's names once it is wired in
-SEARCHABLE_RERANKERS: tuple[str, ...] = (NO_RERANK,)
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,9 @@ class SearchConfig:
         if mode not in MODES:
             raise UserError(f"mode must be one of {list(MODES)}, got {mode!r}")
         p = REFINEMENTS.params(strategy, given or {}, ignore_unknown=not strict)
-        return cls(strategy, dataclasses.asdict(p), mode, rerank or NO_RERANK, dict(rerank_params or {}))
+        rerank = rerank or NO_RERANK
+        rp = RERANKERS.params(rerank, dict(rerank_params or {}), ignore_unknown=not strict)
+        return cls(strategy, dataclasses.asdict(p), mode, rerank, dataclasses.asdict(rp))
 
     def label(self) -> str:
         """`strategy(params) · mode`, and `· rerank(params)` where a re-ranker is set."""
@@ -66,10 +69,18 @@ class SearchConfig:
         return strategy_params(self.strategy, self.params)
 
     def check_searchable(self) -> None:
-        """Refuse a re-ranker no search can run yet (the one place the re-ranker axis is held back)."""
-        if self.rerank not in SEARCHABLE_RERANKERS:
-            raise UserError(f"re-ranker {self.rerank!r} is not available to this search; "
-                            f"choose from {', '.join(SEARCHABLE_RERANKERS)}")
+        """Refuse an unknown re-ranker or parameters it does not take, with the valid ones."""
+        reranker_params(self.rerank, self.rerank_params)
+
+    def search(self, searcher, queries: np.ndarray, k: int, *, self_ids=None, what: str = "queries") -> Hits:
+        """The top k under this configuration (its mode as given: resolve it first), each query's
+        own gallery row (`self_ids`: a row per query, −1 for none) left out.  Without a re-ranker:
+        the strategy's exact search, bit for bit; with one: the re-ranker over that search."""
+        if self.rerank == NO_RERANK and self_ids is None:
+            return searcher.search(queries, self.strategy, self.params, self.mode, k, what)
+        q = searcher.prepare_queries(queries, what)
+        space = SearcherSpace(searcher, self.strategy, self.params, self.mode)
+        return rerank(self.rerank, space, q, k, params=self.rerank_params, self_ids=self_ids)
 
     def to_dict(self) -> dict:
         """As exports write it (JSON-ready)."""
