@@ -307,12 +307,19 @@ def cmd_evaluate(args) -> int:
         vf, vy, _ = split_features(args.checkpoint, given_data(args), "val", cache, args.progress, args.device)
         val = (vf, vy)
     res = run_evaluation(f, y, W, args.out, val=val, normalize=args.normalize, seeds=args.seeds,
-                         progress=args.progress, split=split, **_narrowing(args))
+                         progress=args.progress, split=split, rerankers=args.rerankers, **_narrowing(args))
     print(counts_line(res["counts"]))
     print(table_markdown(res["table"]))
-    print(f"written: {args.out}/strategies.json, table.md, restraint_sweep.png, principles.png")
+    if "rerank" in res:
+        from .analysis.rerank_eval import matrix_markdown
+
+        print(matrix_markdown(res["rerank"]))
+    print(f"written: {args.out}/strategies.json, table.md{', rerank.md' if 'rerank' in res else ''}, "
+          "restraint_sweep.png, principles.png")
     if args.json:
-        write_json(args.json, {k: res[k] for k in ("table", "counts", "split", "grid", "strategies")})
+        keys = ("table", "counts", "split", "grid", "strategies")
+        write_json(args.json, {k: res[k] for k in keys} | ({"rerank": {k: v for k, v in res["rerank"].items()
+                                                                       if k != "runs"}} if "rerank" in res else {}))
     return 0
 
 
@@ -370,6 +377,8 @@ def cmd_report(args) -> int:
 
 def cmd_list(args) -> int:
     print(REFINEMENTS.listing())
+    print()
+    print(RERANKERS.listing())
     return 0
 
 
@@ -519,7 +528,8 @@ def _info_parser(sub) -> None:
 
 
 def _list_parser(sub) -> None:
-    ls = sub.add_parser("list", help="list the refinement strategies with their parameters and defaults")
+    ls = sub.add_parser("list", help="list the refinement strategies and the re-rankers with their parameters and "
+                                     "defaults")
     ls.set_defaults(func=cmd_list)
 
 
@@ -531,6 +541,10 @@ def _evaluate_parser(sub) -> None:
                    help="the split to evaluate on, and val to add the validation-selected row "
                         "(default: test,val)")
     _sweep_args(e)
+    RERANKERS.add_argument(e, "--rerankers", many=True, default=("none",), default_help="none",
+                           help="re-rankers (comma-separated) applied to one setting per strategy and mode (the "
+                                "one validation chose, else its defaults), each at its defaults: the strategy × "
+                                "re-ranker matrix goes to OUT/rerank.md")
     e.set_defaults(func=cmd_evaluate)
 
 

@@ -267,7 +267,10 @@ def split_counts(labels) -> dict:
 
 
 def run_evaluation(test_feats, test_labels, W, out, val=None, normalize=True, seeds=1, progress=True,
-                   strategies: tuple[str, ...] | None = None, grid_name: str = "coarse", split: str = "test") -> dict:
+                   strategies: tuple[str, ...] | None = None, grid_name: str = "coarse", split: str = "test",
+                   rerankers: tuple[str, ...] = ()) -> dict:
+    """The strategy sweep on `split` (and val), its summary table and plots; with `rerankers`
+    beyond "none", also the strategy × re-ranker matrix (index/analysis/rerank_eval.py)."""
     out = Path(out)
     configs = sweep_configs(seeds, strategies, grid_name)
     given = {split: (test_feats, test_labels)} | ({} if val is None else {"val": val})
@@ -283,6 +286,12 @@ def run_evaluation(test_feats, test_labels, W, out, val=None, normalize=True, se
     table = summary_table(test_agg, val_agg)
     result = {"test": test_agg, "val": val_agg, "table": table, "test_runs": test_rows, "split": split,
               "counts": counts, "grid": grid_name, "strategies": swept_strategies(strategies)}
+    if any(r != "none" for r in rerankers):
+        from .rerank_eval import chosen_settings, matrix_markdown, matrix_table, rerank_matrix
+
+        mat = rerank_matrix(given, W, chosen_settings(test_agg, val_agg), rerankers, normalize, progress)
+        result["rerank"] = matrix_table(mat[split], mat.get("val")) | {"runs": mat}
+        write_text(out / "rerank.md", counts_line(counts) + "\n\n" + matrix_markdown(result["rerank"]))
     write_json(out / "strategies.json", result)
     write_text(out / "table.md", counts_line(counts) + "\n\n" + table_markdown(table))
     plot_sweeps(test_agg, out)
