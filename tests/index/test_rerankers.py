@@ -492,7 +492,7 @@ def test_the_cache_key_follows_strategy_params_and_mode(gallery):
                                                                                "cosine").cache_key
 
 
-def test_a_second_process_reads_the_cache_instead_of_recomputing(gallery, monkeypatch):
+def test_a_new_space_reads_the_cache_from_disk_instead_of_recomputing(gallery, monkeypatch):
     searcher, x, _ = gallery
     q = queries(x)
     want = rerank("kreciprocal", space_for(searcher, "trained", {}, "cosine"), q, 10)
