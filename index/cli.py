@@ -22,6 +22,8 @@ from data import DATASETS, DataConfig
 
 from .build_config import BuildConfig
 from .refinements import GRIDS, MODES, REFINEMENTS, file_params, shared_params
+from .rerankers import RERANKERS
+from .search_config import SearchConfig
 
 log = logging.getLogger("index")
 
@@ -39,6 +41,30 @@ def _strategy_args(p):
                         "the embeddings; an indefinite M′ has none and falls back to bilinear, with a note: "
                         "the *-psd strategies read it as PSD), or bilinear φ(q)ᵀM′φ(x), our extra view "
                         "(default: %(default)s)")
+
+
+def _rerank_args(p, prefix: str = ""):
+    """--rerank NAME and --rerank-param KEY=VALUE[,KEY=VALUE] (prefix "left-": the report's left side)."""
+    side = f" ({prefix.rstrip('-')} side)" if prefix else ""
+    g = p.add_argument_group(f"re-ranking{side} (query time, over the strategy's ranking; `python -m index list` "
+                             "shows each re-ranker's parameters)")
+    RERANKERS.add_argument(g, f"--{prefix}rerank", default="none",
+                           help="re-ranker applied to the strategy's search (none: the search itself)")
+    g.add_argument(f"--{prefix}rerank-param", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                   help=("the re-ranker's parameters, each unset one at its default: "
+                         + RERANKERS.params_help() + " (default: none given)").replace("%", "%%"))
+
+
+def rerank_params_from(values: list[str]) -> dict:
+    """`k1=20,k2=6` (and repeated flags) → {key: text}: SearchConfig types and checks them."""
+    out = {}
+    for v in values:
+        for item in filter(None, (s.strip() for s in v.split(","))):
+            key, eq, val = item.partition("=")
+            if not eq or not key.strip():
+                raise UserError(f"--rerank-param wants KEY=VALUE, got {item!r}")
+            out[key.strip()] = val.strip()
+    return out
 
 
 def _param_type(sp):
@@ -219,15 +245,25 @@ def cmd_search(args) -> int:
     if args.rerank_factor < 1:
         raise UserError(f"--rerank-factor must be ≥ 1, got {args.rerank_factor}")
     serving_threads(args.threads or None)  # BLAS on 1 thread for single queries; FAISS as asked
+    params = strategy_params_from(args)
+    given = {k: v for k, v in params.items() if v is not None}
+    cfg = SearchConfig.of(args.strategy, given, args.mode, args.rerank, rerank_params_from(args.rerank_param),
+                          strict=True)  # every setting checked before the index is read
+    if cfg.rerank != "none" and args.backend != "faiss":
+        raise UserError(f"--rerank {cfg.rerank} needs --backend faiss: a re-ranker reads the gallery's exact "
+                        f"scores and neighbour lists, which the {args.backend} backend does not hold in memory")
     gallery = open_gallery(args)
     feats, names, what = _queries(args, gallery)
-    params = strategy_params_from(args)
     mode, note = gallery.resolve_mode(args.strategy, params, args.mode)
     if note:
         print(f"note: {note}", file=sys.stderr)
-    hits = gallery.search(feats, args.strategy, params, mode, args.k, what)
+    if cfg.rerank == "none":
+        hits = gallery.search(feats, args.strategy, params, mode, args.k, what)
+    else:
+        hits = cfg.with_mode(mode).search(gallery, feats, args.k, what=what)
     payload = {"backend": args.backend, "strategy": args.strategy,
-               "params": {k: v for k, v in params.items() if v is not None}, "mode": mode, "k": hits.k,
+               "params": given, "mode": mode, "rerank": cfg.rerank,
+               "rerank_params": cfg.rerank_params if cfg.rerank != "none" else {}, "k": hits.k,
                "note": note,
                "queries": [{"query": n, "results": r} for n, r in zip(names, hits.results(), strict=True)]}
     if args.json:
@@ -472,6 +508,7 @@ def _search_parser(sub) -> None:
     add_shared_args(s, "json", "threads", "device")
     s.add_argument("--no-verify", action="store_true", help="skip the checksum verification at load")
     _strategy_args(s)
+    _rerank_args(s)
     g = s.add_argument_group("backends other than the index directory's FAISS index")
     g.add_argument("--backend", choices=("faiss", "ondisk", "milvus"), default="faiss",
                    help="faiss: --index's own index in RAM; ondisk: an on-disk IVF (see ivf-build); "

@@ -1,0 +1,161 @@
+"""Re-rankers from the index CLI: `search --rerank`, `list`, `evaluate --rerankers` (the strategy ×
+re-ranker matrix), refusals, and a new re-ranker reaching all of them from one registration."""
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from support import run_module
+
+from core.errors import UserError
+from evaluation.evaluator import per_query_metrics
+from index.analysis.rerank_eval import rerank_matrix, rerank_split
+from index.backends.search import Searcher
+from index.backends.store import in_memory_index, read_index
+from index.cli import build_parser, main
+from index.rerankers import RERANKERS
+from index.search_config import SearchConfig
+
+
+def run_json(args, tmp_path, name="out.json") -> dict:
+    out = tmp_path / name
+    assert main([*args, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_search_with_a_reranker_is_the_configuration_search(tiny_index, tmp_path):
+    data = read_index(tiny_index)
+    q = np.asarray(data.features[:3], dtype=np.float32)
+    np.save(tmp_path / "q.npy", q)
+    got = run_json(["search", "--index", str(tiny_index), "--features", str(tmp_path / "q.npy"), "--k", "4",
+                    "--strategy", "identity", "--rerank", "aqe", "--rerank-param", "n=3,alpha=1"], tmp_path)
+    assert got["rerank"] == "aqe" and got["rerank_params"]["n"] == 3 and got["rerank_params"]["alpha"] == 1.0
+    want = SearchConfig.of("identity", {}, "cosine", "aqe", {"n": 3, "alpha": 1}).search(Searcher(data), q, 4)
+    assert [[r["id"] for r in g["results"]] for g in got["queries"]] == [
+        [int(data.items.ids[r]) for r in row] for row in want.rows]
+
+
+def test_search_without_a_reranker_is_unchanged(tiny_index, tmp_path):
+    data = read_index(tiny_index)
+    np.save(tmp_path / "q.npy", np.asarray(data.features[:2], dtype=np.float32))
+    base = ["search", "--index", str(tiny_index), "--features", str(tmp_path / "q.npy"), "--k", "5"]
+    plain = run_json(base, tmp_path, "a.json")
+    none = run_json([*base, "--rerank", "none"], tmp_path, "b.json")
+    assert plain == none and plain["rerank"] == "none" and plain["rerank_params"] == {}
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--rerank", "aqe", "--rerank-param", "k1=3"], "re-ranker 'aqe'"),
+    (["--rerank", "aqe", "--rerank-param", "n"], "KEY=VALUE"),
+    (["--rerank", "aqe", "--backend", "ondisk"], "needs --backend faiss"),
+])
+def test_bad_rerank_settings_are_refused_before_the_index_is_read(tmp_path, bad, message):
+    with pytest.raises(UserError, match=message):
+        main(["search", "--index", str(tmp_path / "missing"), "--features", str(tmp_path / "q.npy"), *bad])
+
+
+def test_bad_rerank_settings_are_one_line_errors_with_exit_2(tiny_index, tmp_path):
+    r = run_module("index", "search", "--index", tiny_index, "--features", tmp_path / "q.npy",
+                   "--rerank", "bogus", cwd=tmp_path)
+    assert r.returncode == 2 and "unknown re-ranker 'bogus'" in r.stderr and "Traceback" not in r.stderr
+    r = run_module("index", "search", "--index", tiny_index, "--features", tmp_path / "q.npy",
+                   "--rerank", "kreciprocal", "--rerank-param", "k1=many", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_list_names_every_reranker_with_its_parameters(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "re-rankers:" in out
+    for e in RERANKERS.entries():
+        assert e.name in out
+        for k in e.param_defaults():
+            assert f"{k} = " in out
+
+
+def _direct_map_at_r(searcher, cfg, labels):
+    """MAP@R of every query with a relevant item, each query re-ranked alone with itself left out."""
+    X = np.asarray(searcher.data.features, dtype=np.float32)
+    _, inv, counts = np.unique(labels, return_inverse=True, return_counts=True)
+    R = counts[inv] - 1
+    aps = []
+    for i in np.flatnonzero(R > 0):
+        h = cfg.search(searcher, X[i: i + 1], int(max(R.max(), 8)), self_ids=np.array([i]))
+        row = h.rows[0]
+        assert i not in row  # the query never ranks itself
+        m = per_query_metrics(labels[row][None, :], labels[i: i + 1], R[i: i + 1])
+        aps.append(m["map@r"][0])
+    return float(np.mean(aps))
+
+
+def test_matrix_cells_equal_a_direct_per_query_computation():
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((90, 12)).astype(np.float32)
+    y = np.repeat(np.arange(15), 6)
+    X += 1.5 * rng.standard_normal((15, 12)).astype(np.float32)[y]
+    W = rng.standard_normal((6, 12)).astype(np.float32)
+    s = Searcher(in_memory_index(X, y, W, True))
+    for name in ("none", "aqe", "kreciprocal"):
+        cfg = SearchConfig.of("identity", {}, "cosine", name, {"k1": 5, "k2": 2} if name == "kreciprocal" else {})
+        assert rerank_split(s, cfg, y)["map@r"] == pytest.approx(_direct_map_at_r(s, cfg, y), abs=1e-9)
+    none_row = rerank_matrix({"test": (X, y)}, W, [SearchConfig.of("identity", {}, "cosine")], ("aqe",),
+                             progress=False)["test"]
+    assert [r["rerank"] for r in none_row] == ["none", "aqe"]
+
+
+def test_evaluate_writes_the_strategy_by_reranker_matrix(tiny_run, tmp_path, capsys):
+    ck = str(tiny_run[0].out) + "/best.pt"
+    assert main(["evaluate", "--checkpoint", ck, "--out", str(tmp_path / "e"), "--no-progress",
+                 "--cache-dir", str(tmp_path / "c"), "--strategies", "trained,identity",
+                 "--rerankers", "none,aqe,dba"]) == 0
+    res = json.loads((tmp_path / "e" / "strategies.json").read_text())
+    m = res["rerank"]
+    assert m["rerankers"] == ["none", "aqe", "dba"]
+    assert {r["setting"] for r in m["rows"]} >= {"trained [cosine]", "identity [cosine]"}
+    for row in m["rows"]:
+        assert row["cells"]["none"]["delta_map@r"] == 0
+        for n in ("aqe", "dba"):
+            c = row["cells"][n]
+            assert c["delta_map@r"] == pytest.approx(c["map@r"] - row["cells"]["none"]["map@r"])
+    # the none column equals the strategy sweep's own number for the same setting
+    trained = next(r for r in res["test"] if r["strategy"] == "trained" and r["mode"] == "cosine")
+    cell = next(r for r in m["rows"] if r["setting"] == "trained [cosine]")["cells"]["none"]
+    assert cell["map@r"] == pytest.approx(trained["map@r"], abs=1e-9)
+    assert m["selected"]["rerank"] in ("none", "aqe", "dba")
+    assert "| setting |" in (tmp_path / "e" / "rerank.md").read_text()
+    with pytest.raises(SystemExit) as e:
+        main(["evaluate", "--checkpoint", ck, "--out", str(tmp_path / "z"), "--rerankers", "none,nope"])
+    assert e.value.code == 2 and not (tmp_path / "z").exists()
+
+
+@dataclass
+class EchoParams:
+    depth: int = 5
+
+
+def test_a_new_reranker_is_one_registration_away_from_the_cli_and_the_sweep(tiny_index, tmp_path, capsys):
+    @RERANKERS.register("echo_first", EchoParams, doc="the first search, unchanged (a test's re-ranker)",
+                        depth="depth")
+    def echo_first(space, queries, first, k, *, self_ids, params):
+        from index.rerankers import candidates
+
+        rows, scores = candidates(first, self_ids, k)
+        return space.hits(rows, scores)
+
+    try:
+        search = next(a for a in build_parser()._actions if a.dest == "command").choices["search"]
+        assert "echo_first" in search.format_help()
+        assert main(["list"]) == 0 and "echo_first" in capsys.readouterr().out
+        data = read_index(tiny_index)
+        np.save(tmp_path / "q.npy", np.asarray(data.features[:2], dtype=np.float32))
+        got = run_json(["search", "--index", str(tiny_index), "--features", str(tmp_path / "q.npy"), "--k", "3",
+                        "--rerank", "echo_first", "--rerank-param", "depth=4"], tmp_path)
+        plain = run_json(["search", "--index", str(tiny_index), "--features", str(tmp_path / "q.npy"), "--k", "3"],
+                         tmp_path, "plain.json")
+        assert got["rerank"] == "echo_first" and got["queries"] == plain["queries"]
+        rows = rerank_matrix({"test": (np.asarray(data.features), data.items.labels)}, data.W,
+                             [SearchConfig.of("trained", {}, "cosine")], ("echo_first",), progress=False)["test"]
+        assert rows[1]["rerank"] == "echo_first" and rows[1]["map@r"] == pytest.approx(rows[0]["map@r"])
+    finally:
+        RERANKERS.unregister("echo_first")
+    assert "echo_first" not in RERANKERS
