@@ -14,6 +14,7 @@ initialisation), a second index built from it, and the app serving both, each pa
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from contextlib import contextmanager
@@ -62,6 +63,10 @@ def _stage(times: dict, name: str):
     t = time.time()
     yield
     times[name] = time.time() - t
+
+
+# the re-rankers the demo tries on top of the validation-selected strategy (each at its defaults)
+DEMO_RERANKERS = ("aqe", "dba", "kreciprocal", "diffusion")
 
 
 def _row(name: str, res: dict) -> str:
@@ -134,7 +139,14 @@ def run_demo(args) -> int:
     print(f"\ntrained-tail run: {tcfg.out} ({'reused' if reused else 'trained now'}, "
           f"selected epoch {metrics['selected_epoch']} of {tcfg.epochs} on validation); frozen-neck run: {fcfg.out}")
     print(f"\nrefinement strategies on the test classes ({strategies}/table.md):")
-    print((Path(strategies) / "table.md").read_text())
+    print((Path(strategies) / "table.md").read_text().rstrip("\n"))
+    rr_file = Path(strategies) / "rerank_row.json"
+    if rr_file.is_file():
+        rr = json.loads(rr_file.read_text())
+        t, b = rr["test"], rr["test_none"]
+        print(f"| validation-selected + the re-ranker validation prefers ({rr['rerank']}) | {rr['setting']} · "
+              f"{rr['rerank']} | {t['map@r']*100:.2f} ({(t['map@r'] - b['map@r'])*100:+.2f}) | "
+              f"{t['precision@1']*100:.2f} | {t['r_precision']*100:.2f} | {t['recall@4']*100:.2f} |\n")
     print(f"demo pipeline took {time.time() - t0:.1f} s ("
           + ", ".join(f"{k} {v:.0f} s" for k, v in times.items()) + f"); results in {out}/, index in {index_dir}")
     if args.no_ui:
@@ -152,7 +164,6 @@ def run_demo(args) -> int:
 
 def build_demo_index(tcfg: TrainConfig, out: Path, times: dict, suffix: str = "") -> tuple[Path, Path]:
     """The demo index (test split) and strategy evaluation, rebuilt only when the model changed."""
-    import json
 
     from core.hashing import sha256_file
     from index.analysis.strategy_eval import run_evaluation
@@ -181,8 +192,16 @@ def build_demo_index(tcfg: TrainConfig, out: Path, times: dict, suffix: str = ""
         vf, vy, _ = split_features(ck, dcfg, "val", tcfg.cache_dir)
         # `python -m index evaluate`'s default run (coarse grid, one seed); `--grid full --seeds 3`
         # is the whole sweep
-        run_evaluation(f, y, W, strat, val=(vf, vy))
+        res = run_evaluation(f, y, W, strat, val=(vf, vy))
         from core.atomic import write_text
+        from index.analysis.rerank_eval import best_reranker
+        from index.search_config import SearchConfig
+
+        sel = max(res["val"], key=lambda r: r["map@r"])
+        t_rr = time.time()
+        row = best_reranker((f, y), (vf, vy), W, SearchConfig.of(sel["strategy"], sel["params"], sel["mode"]),
+                            DEMO_RERANKERS)
+        write_json(strat / "rerank_row.json", row | {"seconds": time.time() - t_rr})
         write_text(stamp, sha + "\n")
     times[f"6 strategies{suffix}"] = time.time() - t
     return index_dir, strat

@@ -146,3 +146,18 @@ def known(names: tuple[str, ...]) -> tuple[str, ...]:
     for n in names:
         RERANKERS.get(n)
     return names
+
+
+def best_reranker(test: tuple, val: tuple, W: np.ndarray, cfg: SearchConfig, rerankers: tuple[str, ...],
+                  normalize: bool = True) -> dict:
+    """The re-ranker (at its defaults) that validation prefers on top of `cfg`, reported on test
+    beside `cfg` alone: {"setting", "rerank", "val_map@r" per re-ranker, "test": metrics,
+    "test_none": metrics}."""
+    sv = Searcher(in_memory_index(val[0], val[1], W, normalize), cache_size=2)
+    on_val = {n: rerank_split(sv, SearchConfig.of(cfg.strategy, cfg.params, cfg.mode, n), val[1])["map@r"]
+              for n in rerankers}
+    best = max(on_val, key=lambda n: on_val[n])
+    st = Searcher(in_memory_index(test[0], test[1], W, normalize), cache_size=2)
+    return {"setting": cfg.label(), "rerank": best, "val_map@r": on_val,
+            "test": rerank_split(st, SearchConfig.of(cfg.strategy, cfg.params, cfg.mode, best), test[1]),
+            "test_none": rerank_split(st, SearchConfig.of(cfg.strategy, cfg.params, cfg.mode), test[1])}
