@@ -9,12 +9,13 @@ import pytest
 from core.registry import Spec
 from data.registry import DATASETS, DatasetSpec
 from index.refinements.registry import REFINEMENTS, StrategySpec
+from index.rerankers.registry import RERANKERS, RerankerSpec
 from model.backbones.registry import BACKBONES, BackboneSpec
 from training.losses.registry import LOSSES, LossSpec
 from training.regularizers.registry import REGULARIZERS, RegularizerSpec
 
 REGISTRIES = [(BACKBONES, BackboneSpec), (DATASETS, DatasetSpec), (LOSSES, LossSpec),
-              (REGULARIZERS, RegularizerSpec), (REFINEMENTS, StrategySpec)]
+              (REGULARIZERS, RegularizerSpec), (REFINEMENTS, StrategySpec), (RERANKERS, RerankerSpec)]
 
 
 @pytest.mark.parametrize("reg,spec", REGISTRIES, ids=lambda r: getattr(r, "kind", getattr(r, "__name__", "")))
