@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import logging
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,7 @@ from PIL import Image, ImageDraw
 
 from core.errors import CorruptImageError, UserError
 from core.images import load_rgb
+from core.params import parse_items
 from evaluation.evaluator import per_query_metrics
 from index.analysis.compare import Comparer, Comparison, item_image
 from index.analysis.explain import Explainer, Why
@@ -58,6 +61,27 @@ class Panel:
 # the app's name for a configuration: one type from the panels to the comparer and the exports
 Spec = SearchConfig
 DEFAULT_RIGHT = SearchConfig("identity")  # the right panel's first configuration (the left's: SearchConfig())
+
+
+def rerank_params_from(given) -> dict:
+    """A re-ranker's parameters as the APIs take them: a dict, a JSON object, or `key=value`
+    pairs separated by commas or spaces ("n=3, alpha=1"); empty: none (its defaults)."""
+    if given is None:
+        return {}
+    if isinstance(given, dict):
+        return dict(given)
+    text = str(given).strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        try:
+            out = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"rerank_params: not a JSON object ({e.msg})") from None
+        if not isinstance(out, dict):
+            raise UserError("rerank_params: want a JSON object or key=value pairs")
+        return out
+    return parse_items([t for t in re.split(r"[,\s]+", text) if t], "rerank_params")
 
 
 def jaccard(a, b) -> float:
@@ -210,10 +234,10 @@ class RetrievalService:
         re-ranker is computed (every query re-ranked: seconds to a minute on the demo index)."""
         return self.comparer.compare(left or SearchConfig(), right, k=int(k), progress=progress)
 
-    def disagreements(self, right: Spec, left: Spec | None = None, top: int = 12) -> list[dict]:
+    def disagreements(self, right: Spec, left: Spec | None = None, top: int = 12, progress=None) -> list[dict]:
         if not self.data.manifest.get("count"):
             return []
-        return self.comparison(right, left).disagreements("all", top)
+        return self.comparison(right, left, progress=progress).disagreements("all", top)
 
     def scatter_html(self, cmp: Comparison, q_id: int | None = None, colour: str = "outcome",
                      max_jaccard: float | None = None) -> str:
@@ -293,7 +317,9 @@ class RetrievalService:
         return self.searcher.metric(spec.strategy, spec.params).report
 
     def heatmap(self, spec: Spec, max_side: int = 256) -> Image.Image:
-        """|M′| entries block-averaged down to at most max_side², symmetric colour scale."""
+        """|M′| entries block-averaged down to at most max_side², symmetric colour scale (the
+        metric's: a re-ranker does not change it, and is not named)."""
+        spec = spec.without_rerank()
         rm = self.searcher.metric(spec.strategy, spec.params)
         key = (strategy_key(spec.strategy, rm.params), spec.label())
         with self._lock:
