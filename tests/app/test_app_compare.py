@@ -162,9 +162,7 @@ def test_old_links_open_with_trained_on_the_left(svc):
 
 
 def test_on_load_opens_a_shared_link_of_two_configurations(svc):
-    from app.ui import Handlers
-
-    from app.ui import rerank_controls
+    from app.ui import Handlers, rerank_controls
 
     class Req:  # what gr.Request gives the handler
         query_params = {"q": str(int(svc.data.items.ids[2])), "left_strategy": "random", "left_r": "0.3",
