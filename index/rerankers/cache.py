@@ -53,7 +53,7 @@ def fingerprint(data) -> str:
     else:
         for a in (np.ascontiguousarray(data.features), np.ascontiguousarray(data.W), data.items.ids):
             h.update(str((a.dtype.str, a.shape)).encode())
-            h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+            h.update(np.ascontiguousarray(a).data.cast("B"))  # the bytes in place, not a copy
     return h.hexdigest()
 
 
@@ -97,7 +97,7 @@ class OfflineStore:
 
         def writer(tmp: Path) -> None:
             with open(tmp, "wb") as f:  # a file object: np.savez would append .npz to a bare name
-                np.savez(f, **arrays)
+                np.savez(f, allow_pickle=False, **arrays)
         write_with(p, writer)
         self.memo[p.name] = arrays
 

@@ -132,6 +132,8 @@ class _Batch:
         self.q_rows = self._insert(c, cs, self.s_qq, k1 + 1)
         self.offline = offline
         if offline is not None:
+            if reverse is None:
+                raise ValueError("kreciprocal: the offline sets come with their reverse lists (reverse_lists)")
             # changed[k][b, y]: N(y, k+1) over U_b differs from the gallery's; touched[k]: the
             # nodes whose R(·, k) that can change: y, the entry the probe pushes out of it, and
             # where the probe's own row leaves it, the entry that comes in

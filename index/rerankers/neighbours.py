@@ -44,8 +44,8 @@ def row_extremes(space: MetricSpace) -> dict[str, np.ndarray]:
     the first)."""
     def compute():
         n = space.n
-        out = {"self": np.empty(n, np.float32), "min1": np.empty(n, np.float32),
-               "arg1": np.empty(n, np.int64), "min2": np.empty(n, np.float32)}
+        out: dict[str, np.ndarray] = {"self": np.empty(n, np.float32), "min1": np.empty(n, np.float32),
+                                      "arg1": np.empty(n, np.int64), "min2": np.empty(n, np.float32)}
         step = max(1, min(1024, SCAN_CELLS // max(n, 1)))
         for s in range(0, n, step):
             idx = np.arange(s, min(s + step, n))
