@@ -22,6 +22,7 @@ from core.arrays import l2_normalize
 from core.errors import UserError
 from index.backends.gallery import RESULT_FIELDS
 from index.refinements import MODES, REFINEMENTS, file_params
+from index.rerankers import RERANKERS
 from index.search_config import NO_RERANK, SearchConfig
 
 MAP_METHODS = ("t-SNE", "PCA", "UMAP")
@@ -234,6 +235,10 @@ def _parse_config(query: dict, prefix: str, default_strategy: str, default_mode:
     given = {name: query[prefix + name] for name in names if prefix + name in query}
     rerank = query.get(f"{prefix}rerank", NO_RERANK)
     rerank_params = {key[len(prefix) + 7:]: v for key, v in query.items() if key.startswith(f"{prefix}rerank_")}
+    try:  # an unknown re-ranker or a bad value of its parameters is refused with the valid ones
+        RERANKERS.params(rerank, rerank_params, ignore_unknown=True)
+    except UserError as e:
+        raise UserError(f"the link's {side}re-ranker: {e}") from None
     cfg = SearchConfig.of(strategy, given, mode, rerank, rerank_params)
     cfg.check_searchable()
     return cfg
@@ -259,7 +264,8 @@ def parse_state(query: dict) -> dict | None:
 
 
 # ---------------------------------------------------------------- export
-CSV_FIELDS = ("side", "metric", "strategy", "params", "mode", "rerank", "p_at_k", "ap", *RESULT_FIELDS, "correct")
+CSV_FIELDS = ("side", "metric", "strategy", "params", "mode", "rerank", "rerank_params", "p_at_k", "ap",
+              *RESULT_FIELDS, "correct")
 
 
 def write_exports(payload: dict, folder: str | None = None) -> tuple[str, str]:
@@ -276,6 +282,8 @@ def write_exports(payload: dict, folder: str | None = None) -> tuple[str, str]:
             for r in p["results"]:
                 w.writerow({"side": p["side"], "metric": p["metric"], "strategy": cfg["strategy"],
                             "params": json.dumps(cfg["params"], sort_keys=True), "mode": cfg["mode"],
-                            "rerank": cfg["rerank"], "p_at_k": p["p_at_k"], "ap": p["ap"],
+                            "rerank": cfg["rerank"],
+                            "rerank_params": json.dumps(cfg.get("rerank_params", {}), sort_keys=True),
+                            "p_at_k": p["p_at_k"], "ap": p["ap"],
                             **{f: r.get(f) for f in (*RESULT_FIELDS, "correct")}})
     return str(j), str(c)

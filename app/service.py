@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import logging
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,7 @@ from PIL import Image, ImageDraw
 
 from core.errors import CorruptImageError, UserError
 from core.images import load_rgb
+from core.params import parse_items
 from evaluation.evaluator import per_query_metrics
 from index.analysis.compare import Comparer, Comparison, item_image
 from index.analysis.explain import Explainer, Why
@@ -58,6 +61,27 @@ class Panel:
 # the app's name for a configuration: one type from the panels to the comparer and the exports
 Spec = SearchConfig
 DEFAULT_RIGHT = SearchConfig("identity")  # the right panel's first configuration (the left's: SearchConfig())
+
+
+def rerank_params_from(given) -> dict:
+    """A re-ranker's parameters as the APIs take them: a dict, a JSON object, or `key=value`
+    pairs separated by commas or spaces ("n=3, alpha=1"); empty: none (its defaults)."""
+    if given is None:
+        return {}
+    if isinstance(given, dict):
+        return dict(given)
+    text = str(given).strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        try:
+            out = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"rerank_params: not a JSON object ({e.msg})") from None
+        if not isinstance(out, dict):
+            raise UserError("rerank_params: want a JSON object or key=value pairs")
+        return out
+    return parse_items([t for t in re.split(r"[,\s]+", text) if t], "rerank_params")
 
 
 def jaccard(a, b) -> float:
@@ -135,32 +159,40 @@ class RetrievalService:
 
     # ------------------------------------------------------------ search
     def panel(self, q: Query, spec: Spec, k: int = 12) -> Panel:
+        """One panel: the top k under `spec` (its re-ranker included) through `SearchConfig.search`,
+        a gallery query's own item left out (leave-one-out: it neither appears nor helps its own
+        re-ranking), with P@k and AP where the query's class is known."""
         k = int(k)
         if not 1 <= k <= 200:
             raise UserError("k must be between 1 and 200")
         spec.check_searchable()
         mode, note = self.searcher.resolve_mode(spec.strategy, spec.params, spec.mode)
-        extra = 1 if q.self_id is not None else 0
-        res = self.searcher.search(q.feats, spec.strategy, spec.params, mode, k + extra)
-        results = [r for r in res.results()[0] if r["id"] != q.self_id][:k]
+        cfg = spec.with_mode(mode)
+        res = cfg.search(self.searcher, q.feats, k, self_ids=self._self_ids(q))
+        results = res.results()[0][:k]
         for i, r in enumerate(results):
             r["rank"] = i + 1  # after the query's own item is left out
             r["correct"] = None if q.label is None else bool(r["label"] == q.label)
         p_at_k = ap = None
         if q.label is not None and results:
             p_at_k = float(np.mean([r["correct"] for r in results]))
-            ap = self.query_ap(q, spec.strategy, spec.params, mode)
-        return Panel(spec.with_mode(mode).label(), results, p_at_k, ap, note)
+            ap = self.query_ap(q, cfg)
+        return Panel(cfg.label(), results, p_at_k, ap, note)
 
-    def query_ap(self, q: Query, strategy: str, params: dict, mode: str) -> float | None:
-        """MAP@R of this query against the whole index (its own item left out)."""
+    def _self_ids(self, q: Query) -> np.ndarray | None:
+        """The query's own gallery row, for leave-one-out (None for an upload)."""
+        return None if q.self_id is None else np.array([self._row(q.self_id)])
+
+    def query_ap(self, q: Query, cfg: SearchConfig) -> float | None:
+        """MAP@R of this query against the whole index (its own item left out), under `cfg` (its
+        mode as given) and its re-ranker, through `SearchConfig.search`."""
         labels = self.data.items.labels
         R = int((labels == q.label).sum()) - (1 if q.self_id is not None else 0)
         if R <= 0:
             return None
-        res = self.searcher.search(q.feats, strategy, params, mode, R + 1)
-        rows = [r for r in res.rows[0] if r >= 0 and (q.self_id is None or self.data.items.ids[r] != q.self_id)][:R]
-        m = per_query_metrics(labels[np.array(rows)][None, :], np.array([q.label]), np.array([R]), ks=(1,))
+        res = cfg.search(self.searcher, q.feats, R, self_ids=self._self_ids(q))
+        rows = res.rows[0][res.rows[0] >= 0][:R]
+        m = per_query_metrics(labels[rows][None, :], np.array([q.label]), np.array([R]), ks=(1,))
         return float(m["map@r"][0])
 
     def compare(self, q: Query, right: Spec, k: int = 12, left: Spec | None = None) -> tuple[Panel, Panel]:
@@ -191,20 +223,21 @@ class RetrievalService:
                                   k=int(k), top=top)
 
     # ------------------------------------------------------------ the whole test set
-    def per_query_ap(self, spec: Spec) -> np.ndarray:
-        """MAP@R of every index item as a query (leave-one-out), under `spec`; one batched
-        pass, cached (index/analysis/compare.py)."""
-        return self.comparer.per_query_ap(spec.strategy, spec.params, spec.mode)
+    def per_query_ap(self, spec: Spec, progress=None) -> np.ndarray:
+        """MAP@R of every index item as a query (leave-one-out), under `spec` (its mode as given)
+        and its re-ranker; one batched pass without a re-ranker, cached (index/analysis/compare.py)."""
+        return self.comparer.ap(spec, progress)
 
-    def comparison(self, right: Spec, left: Spec | None = None, k: int = 12) -> Comparison:
+    def comparison(self, right: Spec, left: Spec | None = None, k: int = 12, progress=None) -> Comparison:
         """Per-query AP under `left` (default: trained, cosine) vs `right` over every query, and
-        Jaccard@k of their top-k lists."""
-        return self.comparer.compare(left or SearchConfig(), right, k=int(k))
+        Jaccard@k of their top-k lists.  `progress(done, total, what)`: called while a side with a
+        re-ranker is computed (every query re-ranked: seconds to a minute on the demo index)."""
+        return self.comparer.compare(left or SearchConfig(), right, k=int(k), progress=progress)
 
-    def disagreements(self, right: Spec, left: Spec | None = None, top: int = 12) -> list[dict]:
+    def disagreements(self, right: Spec, left: Spec | None = None, top: int = 12, progress=None) -> list[dict]:
         if not self.data.manifest.get("count"):
             return []
-        return self.comparison(right, left).disagreements("all", top)
+        return self.comparison(right, left, progress=progress).disagreements("all", top)
 
     def scatter_html(self, cmp: Comparison, q_id: int | None = None, colour: str = "outcome",
                      max_jaccard: float | None = None) -> str:
@@ -284,7 +317,9 @@ class RetrievalService:
         return self.searcher.metric(spec.strategy, spec.params).report
 
     def heatmap(self, spec: Spec, max_side: int = 256) -> Image.Image:
-        """|M′| entries block-averaged down to at most max_side², symmetric colour scale."""
+        """|M′| entries block-averaged down to at most max_side², symmetric colour scale (the
+        metric's: a re-ranker does not change it, and is not named)."""
+        spec = spec.without_rerank()
         rm = self.searcher.metric(spec.strategy, spec.params)
         key = (strategy_key(spec.strategy, rm.params), spec.label())
         with self._lock:

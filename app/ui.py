@@ -16,10 +16,11 @@ import numpy as np
 from core.errors import UserError
 from index.backends.gallery import RESULT_FIELDS
 from index.refinements import MODES, REFINEMENTS, SharedParam, file_params, shared_params, strategy_params
+from index.rerankers import RERANKERS, reranker_params
 from index.search_config import NO_RERANK, SearchConfig
 
 from .compare_view import MAP_METHODS, SCATTER_COLOURS, parse_state, state_query, write_exports
-from .service import DEFAULT_RIGHT, Panel, RetrievalService, Spec, jaccard
+from .service import DEFAULT_RIGHT, Panel, RetrievalService, Spec, jaccard, rerank_params_from
 from .why_view import why_html
 
 log = logging.getLogger("app")
@@ -45,24 +46,34 @@ def UploadImage(**kw) -> gr.Image:
 
 def spec_from(strategy, mode, values: dict, rerank: str = NO_RERANK, rerank_params: dict | None = None) -> Spec:
     """A configuration from the parameter controls' values (every strategy's, by name): the chosen
-    strategy's typed parameters, so that its label shows exactly what was searched."""
+    strategy's typed parameters, so that its label shows exactly what was searched, and the
+    re-ranker's (only its own: another key is refused with the ones it takes)."""
     for name in file_params(strategy):
         if not values.get(name):
             raise UserError(f"strategy {strategy}: upload {REFINEMENTS.get(strategy).param_help()[name]} first")
-    return Spec(strategy, dataclasses.asdict(strategy_params(strategy, values)), mode, rerank or NO_RERANK,
-                dict(rerank_params or {}))
+    rerank = rerank or NO_RERANK
+    given = {k: v for k, v in (rerank_params or {}).items() if v is not None}
+    return Spec(strategy, dataclasses.asdict(strategy_params(strategy, values)), mode, rerank,
+                dataclasses.asdict(reranker_params(rerank, given)))
 
 
 SIDES = ("left", "right")
 
 
+def rerank_key(side: str, rerank: str, param: str) -> str:
+    """The handlers' keyword name of one re-ranker parameter's control: `<side>_rerank_<name>__<param>`
+    (a control per re-ranker and parameter: each has its own default and help)."""
+    return f"{side}_rerank_{rerank}__{param}"
+
+
 def config_from(values: dict, side: str) -> Spec:
     """One panel's configuration from the handlers' keyword values: `<side>_strategy`,
-    `<side>_mode`, `<side>_<param>` for every strategy parameter, and `<side>_rerank` where a
-    re-ranker control exists (none yet: "none")."""
+    `<side>_mode`, `<side>_<param>` for every strategy parameter, `<side>_rerank` (absent:
+    "none") and the chosen re-ranker's parameters, `rerank_key(side, name, param)`."""
     params = {sp.name: values.get(f"{side}_{sp.name}") for sp in shared_params()}
     rerank = values.get(f"{side}_rerank") or NO_RERANK
-    rerank_params = {k[len(side) + 8:]: v for k, v in values.items() if k.startswith(f"{side}_rerank_")}
+    prefix = rerank_key(side, rerank, "")
+    rerank_params = {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}
     return spec_from(values[f"{side}_strategy"], values[f"{side}_mode"], params, rerank, rerank_params)
 
 
@@ -74,6 +85,24 @@ def configs_from(values: dict) -> tuple[Spec, Spec]:
 def visible_params(strategy: str) -> dict[str, bool]:
     """Which parameter controls the strategy uses (SharedParam.defaults: the strategies taking each)."""
     return {sp.name: strategy in sp.defaults for sp in shared_params()}
+
+
+def rerank_controls() -> list[tuple[str, SharedParam]]:
+    """A control per (re-ranker, parameter), in registry order: (re-ranker name, the parameter as
+    a SharedParam of that one re-ranker, for `param_control`)."""
+    out = []
+    for e in RERANKERS.entries():
+        hints = typing.get_type_hints(e.params)
+        for f in dataclasses.fields(e.params):
+            out.append((e.name, SharedParam(f.name, hints[f.name], f.metadata, {e.name: e.param_defaults()[f.name]})))
+    return out
+
+
+def on_rerank(rerank: str) -> list:
+    """A panel's re-ranker changed → its parameter group (hidden when it takes none), then each
+    re-ranker parameter control, shown only where it is the chosen re-ranker's."""
+    shown = [name == rerank for name, _ in rerank_controls()]
+    return [gr.update(visible=any(shown)), *(gr.update(visible=v) for v in shown)]
 
 
 def on_strategy(strategy: str) -> list:
@@ -115,6 +144,22 @@ def panel_title(side: str, panel: Panel, k: int) -> str:
         score = f" — P@{k} **{panel.p_at_k:.3f}** · AP **{ap}**"
     note = f"  \n_{panel.note}_" if panel.note else ""
     return f"### {side}: {panel.title}{score}{note}"
+
+
+# Gradio hands a handler whose parameter defaults to a gr.Progress that call's progress bar (a
+# no-op outside an event); one instance per handler, as a default would be
+COMPARE_PROGRESS, FILTER_PROGRESS, DISAGREEMENTS_PROGRESS = gr.Progress(), gr.Progress(), gr.Progress()
+
+
+def tracker(progress):
+    """The comparer's progress(done, total, what) on a Gradio progress bar (a side with a re-ranker
+    re-ranks every query: seconds to a minute on the demo index)."""
+    if progress is None:
+        return None
+
+    def track(done: int, total: int, what: str) -> None:
+        progress((done, total), desc=what, unit="queries")
+    return track
 
 
 class Handlers:
@@ -178,8 +223,9 @@ class Handlers:
 
     def on_load(self, request: gr.Request):
         """A shared link's comparison → query state, query image, k, then per side (left, right) its
-        strategy, mode and each parameter control, then status (nothing changes for a plain URL)."""
-        n = 3 + 2 * (2 + len(shared_params()))
+        strategy, mode, each parameter control, re-ranker and each re-ranker parameter control, then
+        status (nothing changes for a plain URL)."""
+        n = 3 + 2 * (3 + len(shared_params()) + len(rerank_controls()))
         try:
             st = parse_state(request.query_params if request is not None else {})
             if st is None:
@@ -191,19 +237,21 @@ class Handlers:
         sides = []
         for side in SIDES:
             c = st[side]
-            sides += [c.strategy, c.mode, *(c.params.get(sp.name, gr.update()) for sp in shared_params())]
+            sides += [c.strategy, c.mode, *(c.params.get(sp.name, gr.update()) for sp in shared_params()), c.rerank,
+                      *(c.rerank_params.get(sp.name, gr.update()) if name == c.rerank else gr.update()
+                        for name, sp in rerank_controls())]
         return ({"kind": "item", "id": st["q"]}, self.svc.thumbnail(st["q"], size=200), st["k"], *sides,
                 f"Opened the shared comparison of gallery item {st['q']}.")
 
     # ------------------------------------------------------------ the Compare tab
-    def _comparison(self, k, cfg):
+    def _comparison(self, k, cfg, progress=None):
         lspec, rspec = configs_from(cfg)
-        return self.svc.comparison(rspec, lspec, k=int(k))
+        return self.svc.comparison(rspec, lspec, k=int(k), progress=tracker(progress))
 
-    def on_compare(self, qstate, which, k, colour, max_jaccard, **cfg):
+    def on_compare(self, qstate, which, k, colour, max_jaccard, progress=COMPARE_PROGRESS, **cfg):
         """→ summary, AP scatter, disagreements table, their ids, cursor, per-class table."""
         try:
-            cmp = self._comparison(k, cfg)
+            cmp = self._comparison(k, cfg, progress)
         except UserError as e:
             gr.Warning(str(e))
             return f"⚠️ {e}", "", [], [], -1, []
@@ -215,10 +263,10 @@ class Handlers:
                    for r in cmp.per_class()]
         return summary, self.svc.scatter_html(cmp, q_id, colour, max_j), dis_rows, ids, -1, classes
 
-    def on_filter(self, which, k, max_jaccard, **cfg):
+    def on_filter(self, which, k, max_jaccard, progress=FILTER_PROGRESS, **cfg):
         try:
             max_j = None if max_jaccard is None or float(max_jaccard) >= 1 else float(max_jaccard)
-            rows, ids = disagreement_table(self._comparison(k, cfg), which, max_j)
+            rows, ids = disagreement_table(self._comparison(k, cfg, progress), which, max_j)
         except UserError as e:
             gr.Warning(str(e))
             return [], [], -1
@@ -253,16 +301,17 @@ class Handlers:
         try:
             lspec, rspec = configs_from(cfg)
             q_id = qstate.get("id") if qstate and qstate.get("kind") == "item" else None
-            return (self.svc.map_html(lspec, method, f"left: {lspec.label()}", q_id),
-                    self.svc.map_html(rspec, method, f"right: {rspec.label()}", q_id))
+            # the metric's map: a re-ranker changes rankings, not the metric, and is not named
+            return (self.svc.map_html(lspec, method, f"left: {lspec.without_rerank().label()}", q_id),
+                    self.svc.map_html(rspec, method, f"right: {rspec.without_rerank().label()}", q_id))
         except UserError as e:
             gr.Warning(str(e))
             return gr.update(), gr.update()
 
-    def on_disagreements(self, **cfg):
+    def on_disagreements(self, progress=DISAGREEMENTS_PROGRESS, **cfg):
         try:
             lspec, rspec = configs_from(cfg)
-            rows = self.svc.disagreements(rspec, lspec)
+            rows = self.svc.disagreements(rspec, lspec, progress=tracker(progress))
         except UserError as e:
             gr.Warning(str(e))
             return [], [], f"⚠️ {e}"
@@ -295,7 +344,7 @@ def disagreement_table(cmp, which: str, max_jaccard: float | None = None) -> tup
 
 
 def report_md(side: str, spec: Spec, rep: dict) -> str:
-    return (f"**{side}: M = {spec.label()}**  \n"
+    return (f"**{side}: M = {spec.without_rerank().label()}**  \n"
             f"tr(M) = {rep['trace']:.4g} · ‖M‖_F = {rep['frobenius']:.4g} · "
             f"‖M_off‖_F = {rep['offdiag_frobenius']:.4g}  \n"
             f"principle 1 tr/‖·‖_F = {rep['trace_over_frobenius']:.4g} · principle 2 ‖·‖_F/tr = "
@@ -304,12 +353,15 @@ def report_md(side: str, spec: Spec, rep: dict) -> str:
 
 
 def api_search(svc: RetrievalService):
-    # the API's parameters: image, strategy, then each file-free strategy parameter, mode, k
-    def search(image, strategy="trained", *, mode="cosine", k=10, **params) -> dict:
-        """Search the gallery with an image under a metric; returns the ranked results."""
+    # the API's parameters: image, strategy, then each file-free strategy parameter, mode, k, and
+    # (optional, after every earlier one: old positional calls keep working) rerank, rerank_params
+    def search(image, strategy="trained", *, mode="cosine", k=10, rerank=NO_RERANK, rerank_params="",
+               **params) -> dict:
+        """Search the gallery with an image under a metric (and a re-ranker); returns the ranked results."""
         try:
+            spec = spec_from(strategy, mode, params, rerank or NO_RERANK, rerank_params_from(rerank_params))
             q = svc.query_from_upload(image)
-            panel = svc.panel(q, spec_from(strategy, mode, params), int(k))
+            panel = svc.panel(q, spec, int(k))
         except UserError as e:
             raise gr.Error(str(e)) from None
         # "relative_path", not "path": gradio_client would take a "path" key for a file to download
@@ -360,23 +412,30 @@ def plot_html(svc: RetrievalService, elem_id: str) -> gr.HTML:
 @dataclasses.dataclass
 class ConfigControls:
     """One panel's configuration: strategy, mode, and a control per strategy parameter (only the
-    chosen strategy's shown, in `group`)."""
+    chosen strategy's shown, in `group`); its re-ranker and a control per re-ranker parameter
+    (only the chosen re-ranker's shown, in `rerank_group`)."""
     side: str
     strategy: gr.Dropdown
     mode: gr.Radio
     group: gr.Accordion
     controls: dict
+    rerank: gr.Dropdown
+    rerank_group: gr.Accordion
+    rerank_controls: dict  # (re-ranker, parameter) → control, in `rerank_controls()`'s order
 
     @property
     def kwargs(self) -> dict:
         """The handlers' keyword inputs (`config_from` reads them back)."""
         return {f"{self.side}_strategy": self.strategy, f"{self.side}_mode": self.mode,
-                **{f"{self.side}_{name}": c for name, c in self.controls.items()}}
+                **{f"{self.side}_{name}": c for name, c in self.controls.items()},
+                f"{self.side}_rerank": self.rerank,
+                **{rerank_key(self.side, r, p): c for (r, p), c in self.rerank_controls.items()}}
 
     @property
     def components(self) -> list:
-        """In `on_load`'s order: strategy, mode, each parameter control."""
-        return [self.strategy, self.mode, *self.controls.values()]
+        """In `on_load`'s order: strategy, mode, each parameter control, re-ranker, each re-ranker
+        parameter control."""
+        return [self.strategy, self.mode, *self.controls.values(), self.rerank, *self.rerank_controls.values()]
 
 
 def config_controls(svc: RetrievalService, side: str, spec: Spec) -> ConfigControls:
@@ -386,7 +445,14 @@ def config_controls(svc: RetrievalService, side: str, spec: Spec) -> ConfigContr
     shown = visible_params(spec.strategy)
     with gr.Accordion(f"{side.capitalize()} strategy parameters", open=True, visible=any(shown.values())) as group:
         controls = {sp.name: param_control(sp, visible=shown[sp.name]) for sp in shared_params()}
-    return ConfigControls(side, strategy, mode, group, controls)
+    rerank = gr.Dropdown([(NO_RERANK if e.name == NO_RERANK else f"{e.name} — {e.doc.split(':')[0]}", e.name)
+                          for e in RERANKERS.entries()], value=spec.rerank,
+                         label=f"{side.capitalize()} re-ranker", elem_id=f"{side}-rerank")
+    owned = [name == spec.rerank for name, _ in rerank_controls()]
+    with gr.Accordion(f"{side.capitalize()} re-ranker parameters", open=True, visible=any(owned)) as rerank_group:
+        rr = {(name, sp.name): param_control(sp, visible=v)
+              for (name, sp), v in zip(rerank_controls(), owned, strict=True)}
+    return ConfigControls(side, strategy, mode, group, controls, rerank, rerank_group, rr)
 
 
 @dataclasses.dataclass
@@ -504,7 +570,10 @@ def wire_search(svc: RetrievalService, h: Handlers, sh: Shared, t: dict, analysi
     for cc in (sh.left, sh.right):
         # a strategy shows its own parameters only (then searches, as every control's change does)
         cc.strategy.change(on_strategy, cc.strategy, [cc.group, *cc.controls.values()], api_visibility="private")
-        for ctl in (cc.strategy, cc.mode, *cc.controls.values()):
+        # a re-ranker likewise
+        cc.rerank.change(on_rerank, cc.rerank, [cc.rerank_group, *cc.rerank_controls.values()],
+                         api_visibility="private")
+        for ctl in (cc.strategy, cc.mode, *cc.controls.values(), cc.rerank, *cc.rerank_controls.values()):
             # sliders search when let go, boxes on enter, the rest on any change
             search_on(ctl.release if isinstance(ctl, gr.Slider) else
                       ctl.submit if isinstance(ctl, (gr.Number, gr.Textbox)) else ctl.change)
@@ -651,17 +720,20 @@ def analysis_tab(svc: RetrievalService):
 
 def api_endpoint(svc: RetrievalService) -> None:
     """The HTTP API `/search` (gradio_client, see the README): hidden components give it typed,
-    file-uploading parameters; the UI never shows them.  Strategies needing a file are left out."""
+    file-uploading parameters; the UI never shows them.  Strategies needing a file are left out.
+    A re-ranker (`rerank`, its parameters as `rerank_params`) comes last, defaulting to none."""
     with gr.Row(visible=False):
         a_img = UploadImage(type="filepath", label="image")
         a_strategy = gr.Dropdown(svc.strategy_choices(with_files=False), value="trained", label="strategy")
         a_params = {sp.name: param_control(sp, api=True) for sp in shared_params() if not sp.metadata.get("file")}
         a_mode = gr.Dropdown(list(MODES), value="cosine", label="mode")  # the CLI's defaults
         a_k = gr.Number(10, precision=0, label="k")
+        a_rerank = gr.Dropdown(RERANKERS.names(), value=NO_RERANK, label="rerank")
+        a_rerank_params = gr.Textbox("", label="rerank_params")  # "n=3, alpha=1" or a JSON object
         a_out = gr.JSON(label="results")
         a_btn = gr.Button()
-    a_btn.click(api_search(svc), [a_img, a_strategy], a_out, inputs_kwargs=a_params | {"mode": a_mode, "k": a_k},
-                api_name="search")
+    last = {"mode": a_mode, "k": a_k, "rerank": a_rerank, "rerank_params": a_rerank_params}
+    a_btn.click(api_search(svc), [a_img, a_strategy], a_out, inputs_kwargs=a_params | last, api_name="search")
 
 
 def build_ui(svc: RetrievalService, name: str | None = None, others=()) -> gr.Blocks:

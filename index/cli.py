@@ -384,6 +384,7 @@ def cmd_select(args) -> int:
 def cmd_report(args) -> int:
     from .analysis.report import write_report
     from .backends.store import read_index
+    from .rerankers import RERANKERS
     from .search_config import SearchConfig
 
     apply_threads(args.threads)
@@ -405,8 +406,27 @@ def cmd_report(args) -> int:
     except UserError as e:
         raise UserError(f"--left-param: {e}") from None
     right = SearchConfig.of(args.strategy, strategy_params_from(args), args.mode)
+    # each side's re-ranker, checked here as the left side is: a bad name or parameter is one `error:` line
+    sides = []
+    for cfg, flag, name, items in ((left, "--left-rerank", args.left_rerank, args.left_rerank_param),
+                                   (right, "--rerank", args.rerank, args.rerank_param)):
+        try:
+            RERANKERS.get(name)
+        except UserError as e:
+            raise UserError(f"{flag}: {e}") from None
+        try:  # strict: a parameter the re-ranker does not take is refused, with those it takes
+            typed = dataclasses.asdict(RERANKERS.params(name, items))
+        except UserError as e:
+            raise UserError(f"{flag}-param: {e}") from None
+        sides.append(dataclasses.replace(cfg, rerank=name, rerank_params=typed))
+    left, right = sides
+
+    def progress(done: int, total: int, what: str) -> None:
+        if sys.stderr.isatty():  # a re-ranked side re-ranks every query: say how far it is
+            print(f"\r{what}: {done:,}/{total:,}", end="\n" if done == total else "", file=sys.stderr, flush=True)
+
     out = write_report(read_index(args.index, verify=not args.no_verify), args.out, left, right, top=args.top,
-                       k=args.k, analysis=analysis)
+                       k=args.k, analysis=analysis, progress=progress)
     print(f"written: {out}")
     return 0
 
@@ -640,7 +660,24 @@ def _report_parser(sub) -> None:
                    help=f"mode of the left side, one of {', '.join(MODES)} (default: the right side's --mode, "
                         "cosine unless given, so that a report without left flags compares trained in the same "
                         "mode)")
+    from .rerankers import RERANKERS
+
+    rr = ("one of " + "; ".join(f"{e.name}: {e.doc.rstrip('.')}" for e in RERANKERS.entries())).replace("%", "%%")
+    rr_params = RERANKERS.params_help().replace("%", "%%")
+    g.add_argument("--left-rerank", default="none", metavar="NAME",
+                   help=f"query-time re-ranker of the left side over its strategy's search, one of "
+                        f"{', '.join(RERANKERS.names())}, as for --rerank (default: %(default)s)")
+    g.add_argument("--left-rerank-param", action="append", default=[], metavar="KEY=VALUE",
+                   help="a parameter of --left-rerank, repeated for each, as for --rerank-param (default: none: "
+                        "the re-ranker's own defaults)")
     _strategy_args(rp)
+    r = rp.add_argument_group("right re-ranker (y: over the right side's strategy and mode; every query is "
+                              "re-ranked with its own item left out)")
+    r.add_argument("--rerank", default="none", metavar="NAME",
+                   help=f"query-time re-ranker of the right side, {rr} (default: %(default)s)")
+    r.add_argument("--rerank-param", action="append", default=[], metavar="KEY=VALUE",
+                   help=f"a parameter of --rerank, repeated for each (e.g. --rerank-param n=3 --rerank-param "
+                        f"alpha=1; {rr_params}) (default: none: the re-ranker's own defaults)")
     rp.set_defaults(func=cmd_report)
 
 

@@ -8,6 +8,9 @@ searched: the strategy's exact search, then the re-ranker over its candidates.
 from __future__ import annotations
 
 import dataclasses
+import threading
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +23,29 @@ from .refinements import REFINEMENTS, strategy_key, strategy_label, strategy_par
 from .rerankers import RERANKERS, SearcherSpace, rerank, reranker_params
 
 NO_RERANK = "none"
+SPACES_PER_SEARCHER = 4  # metric spaces kept per searcher (each may hold its gallery's keys and offline memo)
+_spaces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_spaces_lock = threading.Lock()
+
+
+def searcher_space(searcher, strategy: str, params: dict, mode: str) -> SearcherSpace:
+    """The `SearcherSpace` of (searcher, strategy, params, mode), kept while the searcher lives
+    (the last few per searcher): a re-ranker's offline artefacts, its in-memory indexes and the
+    gallery's keys are then loaded once, not on every search."""
+    key = (strategy_key(strategy, params), mode)
+    with _spaces_lock:
+        per = _spaces.setdefault(searcher, OrderedDict())
+        space = per.get(key)
+        if space is not None:
+            per.move_to_end(key)
+            return space
+    space = SearcherSpace(searcher, strategy, params, mode)  # outside the lock: may build M′'s cosine parts
+    with _spaces_lock:
+        per = _spaces.setdefault(searcher, OrderedDict())
+        space = per.setdefault(key, space)
+        while len(per) > SPACES_PER_SEARCHER:
+            per.popitem(last=False)
+    return space
 
 
 @dataclass(frozen=True)
@@ -79,8 +105,15 @@ class SearchConfig:
         if self.rerank == NO_RERANK and self_ids is None:
             return searcher.search(queries, self.strategy, self.params, self.mode, k, what)
         q = searcher.prepare_queries(queries, what)
-        space = SearcherSpace(searcher, self.strategy, self.params, self.mode)
-        return rerank(self.rerank, space, q, k, params=self.rerank_params, self_ids=self_ids)
+        return rerank(self.rerank, self.space(searcher), q, k, params=self.rerank_params, self_ids=self_ids)
+
+    def space(self, searcher) -> SearcherSpace:
+        """The metric space this configuration's re-ranker runs in (cached per searcher)."""
+        return searcher_space(searcher, self.strategy, self.params, self.mode)
+
+    def without_rerank(self) -> SearchConfig:
+        """The same strategy, parameters and mode, no re-ranker: the first search a re-ranker reads."""
+        return dataclasses.replace(self, params=dict(self.params), rerank=NO_RERANK, rerank_params={})
 
     def to_dict(self) -> dict:
         """As exports write it (JSON-ready)."""

@@ -8,12 +8,21 @@ path up to floating-point ties) ranked by one top-R per row; above, one
 chunked exact search through `Searcher.query_view`.  Results are cached per
 (strategy, parameters, mode), with each query's top `NEIGHBOURS` items: how much
 two configurations' top-k lists overlap (Jaccard@k) needs no second search.
+
+A configuration with a re-ranker is searched through `SearchConfig.search`, every
+item as a query with its own row left out (`self_ids`: it must not help its own
+re-ranking), in chunks of `RERANK_CHUNK` queries (progress reported after each): each
+query's MAP@R is read from its re-ranked top R, its top list from its top NEIGHBOURS,
+exactly what `SearchConfig.search` answers for that k (one pass serves both while
+they stay within the re-ranker's candidate pool).  Cached per `SearchConfig.key()`,
+which names the re-ranker and its parameters.
 Either side of a comparison is any configuration (index/search_config.py).  The
 app's Compare tab and `index report` use it.
 """
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,18 +32,21 @@ from PIL import Image
 
 from core.errors import CorruptImageError
 from core.images import load_rgb
-from evaluation.evaluator import evaluate_ranking, per_query_metrics
+from evaluation.evaluator import evaluate_ranking, per_query_metrics, relevant_counts
 from evaluation.knn import knn_chunks
 
 from ..backends.search import Searcher
 from ..backends.store import IndexData
 from ..refinements import strategy_key
-from ..search_config import SearchConfig
+from ..rerankers import ranked_pool
+from ..search_config import NO_RERANK, SearchConfig
 from .sweep import MAX_N, GramSweep
 
 FILTERS = ("all", "improved", "worsened")
 TIE_TOL = 1e-12  # APs are equal when their rankings are: only round-off separates "tied"
 NEIGHBOURS = 50  # top items kept per query and configuration: Jaccard@k for k up to this (the app's k ≤ 48)
+RERANK_CHUNK = 256  # queries per re-ranked search of a whole-index comparison (progress after each)
+Progress = Callable[[int, int, str], None]  # (queries done, queries in all, what) after each chunk
 
 
 class QuerySweep(GramSweep):
@@ -216,6 +228,71 @@ class Comparer:
         """Each item's first `NEIGHBOURS` rows as a query (itself left out; −1: none), in index order."""
         return self._entry(strategy, params, mode, neighbours=True)["top"]
 
+    def ap(self, cfg: SearchConfig, progress: Progress | None = None) -> np.ndarray:
+        """`per_query_ap` of a configuration (its mode as given), its re-ranker included."""
+        if cfg.rerank == NO_RERANK:
+            return self.per_query_ap(cfg.strategy, cfg.params, cfg.mode)
+        return self._reranked(cfg, progress)["ap"]
+
+    def top(self, cfg: SearchConfig, progress: Progress | None = None) -> np.ndarray:
+        """`neighbours` of a configuration (its mode as given), its re-ranker included."""
+        if cfg.rerank == NO_RERANK:
+            return self.neighbours(cfg.strategy, cfg.params, cfg.mode)
+        return self._reranked(cfg, progress)["top"]
+
+    def _reranked(self, cfg: SearchConfig, progress: Progress | None) -> dict:
+        cfg = cfg.normalized()  # typed parameters, defaults filled in: one cache entry per configuration
+        key = cfg.key()
+        with self._lock:  # one computation at a time, as for the batched path
+            entry = self._cache.get(key)
+            if entry is None:
+                entry = self._cache[key] = self._compute_reranked(cfg, progress)
+                while len(self._cache) > self._cache_size:
+                    self._cache.pop(next(iter(self._cache)))
+            return entry
+
+    def _compute_reranked(self, cfg: SearchConfig, progress: Progress | None) -> dict:
+        """Every item that has a relevant item as a query, re-ranked with itself left out.  A
+        query's AP reads its top R, its top list the top NEIGHBOURS: one pass at the larger of
+        the two serves both, as the first entries of a re-ranked list do not depend on how many
+        are asked for while that stays within the re-ranker's candidate pool; a need beyond the
+        pool (a class larger than it, or NEIGHBOURS) gets a pass at exactly that k."""
+        y = self.data.items.labels
+        n = len(y)
+        R = relevant_counts(y, y, same_set=True)
+        valid = np.nonzero(R > 0)[0]
+        ap = np.full(n, np.nan)
+        top = np.full((n, NEIGHBOURS), -1, dtype=np.int64)
+        missing = int(y.min(initial=0)) - 1  # the label of "no item": never a query's
+        pool = ranked_pool(cfg.rerank, cfg.rerank_params, 1)
+        deepest = max(1, n - 1)
+        want_top = min(NEIGHBOURS, deepest)
+        K = min(max(int(R.max(initial=0)), want_top), deepest if pool is None else min(pool, deepest))
+        jobs = [(valid, K)]  # (queries, k): the passes, each query's AP and top list from the first that serves it
+        jobs += [(valid[R[valid] == r], int(r)) for r in np.unique(R[valid]) if r > K]
+        if want_top > K:
+            jobs.append((valid, want_top))
+        total, done = sum(len(rows) for rows, _ in jobs), 0
+        what = f"re-ranking every query under {cfg.label()}"
+        if progress is not None:
+            progress(0, total, what)
+        for queries, k in jobs:
+            for a in range(0, len(queries), RERANK_CHUNK):
+                rows = queries[a: a + RERANK_CHUNK]
+                hits = cfg.search(self.searcher, np.asarray(self.data.features[rows], dtype=np.float32), k,
+                                  self_ids=rows, what="index features")
+                mine = R[rows] <= k if k == K else R[rows] == k  # the queries whose AP this pass gives
+                if mine.any():
+                    nbr = np.where(hits.rows >= 0, y[np.maximum(hits.rows, 0)], missing)
+                    ap[rows[mine]] = per_query_metrics(nbr[mine], y[rows[mine]], R[rows[mine]], ks=(1,))["map@r"]
+                if k == want_top or (k == K and K >= want_top):
+                    m = min(want_top, hits.k)
+                    top[rows, :m] = hits.rows[:, :m]
+                done += len(rows)
+                if progress is not None:
+                    progress(done, total, what)
+        return {"ap": ap, "top": top}
+
     def _compute(self, rm, strategy, params, mode) -> dict:
         y = self.data.items.labels
         if self.searcher.exact and len(y) <= MAX_N:
@@ -239,16 +316,17 @@ class Comparer:
             top[rows, : ids.shape[1]] = ids
         return top
 
-    def compare(self, left: SearchConfig, right: SearchConfig, seed: int = 0, k: int = 10) -> Comparison:
+    def compare(self, left: SearchConfig, right: SearchConfig, seed: int = 0, k: int = 10,
+                progress: Progress | None = None) -> Comparison:
         """Configuration `left` (x) against `right` (y), each mode resolved (an indefinite M′ has no
-        cosine), over the queries that have a relevant item; Jaccard@k of their top-k lists
-        (k capped at NEIGHBOURS)."""
+        cosine) and each re-ranker run, over the queries that have a relevant item; Jaccard@k of
+        their top-k lists (k capped at NEIGHBOURS).  `progress`: called while a re-ranked side
+        is computed (nothing else takes long enough to need it)."""
         sides = []
         for cfg in (left, right):
             cfg.check_searchable()
-            mode = self.resolve(cfg.strategy, cfg.params, cfg.mode)
-            sides.append((cfg.normalized().with_mode(mode), self.per_query_ap(cfg.strategy, cfg.params, mode),
-                          self.neighbours(cfg.strategy, cfg.params, mode)))
+            c = cfg.normalized().with_mode(self.resolve(cfg.strategy, cfg.params, cfg.mode))
+            sides.append((c, self.ap(c, progress), self.top(c, progress)))
         (ca, a, top_a), (cb, b, top_b) = sides
         ok = ~np.isnan(a)
         k = max(1, min(int(k), NEIGHBOURS))

@@ -18,6 +18,20 @@ score difference (float64 round-off aside); a test checks it for every kind of s
 Eigenvalues equal up to round-off span one eigenspace whose eigenvectors are arbitrary (for
 identity − M*, the null space of the low-rank M*): its term is reported once, along the query's
 component in it, P q / ‖P q‖, the one direction of the eigenspace that carries its term.
+
+A configuration with a re-ranker (index/rerankers) changes the ranking, not the metric: a
+re-ranker's score is not qᵀM′x, so the decomposition above does not apply, and `why` says so.
+Its placement is x's position in the re-ranked list (`SearchConfig.search`, the query's own
+row left out), read to the re-ranker's candidate pool (`ranked_pool`; `FULL_DEPTH` for one
+that ranks the whole gallery); beyond it, x's rank and score under the strategy alone are
+given, marked so.  What it shows instead is the neighbourhood every re-ranker here reads (query
+expansion adds the query's nearest items to it, database-side augmentation adds x's, diffusion
+and k-reciprocal encoding walk the graph between them), per re-ranked side under its strategy
+alone: the query's `SUPPORT` nearest items and x's rank in each one's own list, and x's
+`SUPPORT` nearest items and each one's rank in the query's list, the query's own item left out
+throughout.  Neighbours that rank x within the top k (or that the query does) are the shared
+neighbourhood that pulls x up under such a re-ranker.  It is evidence, not an exact split of a
+score.
 """
 from __future__ import annotations
 
@@ -30,10 +44,13 @@ import numpy as np
 
 from ..backends.search import Searcher
 from ..refinements import strategy_key
-from ..search_config import SearchConfig
+from ..rerankers import RERANKERS, ranked_pool
+from ..search_config import NO_RERANK, SearchConfig
 
 EIG_TOL = 1e-9  # eigenvalues within this × max |μ| of their neighbour share an eigenspace
 STRIP = 8       # gallery items shown per direction
+SUPPORT = 8     # neighbours shown per side of a re-ranked configuration (the query's, x's)
+FULL_DEPTH = 1000  # how far a re-ranked list that covers the whole gallery is read to place x
 
 
 @dataclass
@@ -142,8 +159,47 @@ class Placement:
     """Where the item sits under one configuration."""
     label: str
     score: float
-    rank: int        # 1-based, in the exact full ranking (the query's own item left out)
+    rank: int        # 1-based, in the exact full ranking (the query's own item left out); with a
+    #                  re-ranker: in the re-ranked list, or where x is beyond it, under the strategy alone
     in_top_k: bool
+    reranked: bool = False  # the configuration has a re-ranker: `score` is the re-ranker's own
+    beyond: int = 0         # > 0: x is not among the first `beyond` of the re-ranked list
+    pool: bool = False      # `beyond` is the re-ranker's candidate pool (not only how far it was read)
+
+    def rank_text(self) -> str:
+        """'12', or where x is beyond the re-ranked list, where it is instead."""
+        if not self.beyond:
+            return str(self.rank)
+        where = ("beyond the re-ranker's candidate pool" if self.pool else
+                 f"beyond the first {self.beyond:,} of the re-ranked list")
+        return f"{where} (rank under the strategy alone: {self.rank})"
+
+
+@dataclass
+class Link:
+    """One neighbour y of the query (or of x) under a side's strategy alone, and how y sees the
+    other one (x, or the query)."""
+    row: int
+    near_rank: int      # y's rank in the list it was taken from (the query's, or x's)
+    near_score: float   # s(query, y), or s(x, y)
+    far_rank: int       # x's rank in y's own list, or y's rank in the query's list
+    far_score: float    # s(y, x), or s(query, y)
+
+
+@dataclass
+class Support:
+    """The neighbourhood a re-ranked side reads, under its strategy alone (module doc)."""
+    side: str            # "left" or "right"
+    label: str           # the configuration's label, re-ranker included
+    rerank: str
+    rerank_doc: str
+    of_query: list[Link]  # the query's nearest items; far: x's rank in each one's list
+    of_item: list[Link]   # x's nearest items; far: each one's rank in the query's list
+
+    def shared(self, k: int) -> tuple[int, int]:
+        """(of the query's neighbours, those that rank x in their top k; of x's, those in the
+        query's top k)."""
+        return sum(n.far_rank <= k for n in self.of_query), sum(n.far_rank <= k for n in self.of_item)
 
 
 @dataclass
@@ -152,10 +208,12 @@ class Why:
     k: int
     left: Placement
     right: Placement
-    change: ScoreChange
+    change: ScoreChange | None  # None: a side has a re-ranker, the decomposition does not apply
     shown: list[Direction]   # the directions that carry most of the move
     rest: float              # the other directions' terms together
     strips: list[list[tuple[int, float]]]  # per shown direction: gallery rows with the largest |vᵀx|, and vᵀx
+    support: list[Support] = field(default_factory=list)  # per re-ranked side
+    note: str = ""           # why the decomposition is not shown
 
 
 class Explainer:
@@ -190,14 +248,18 @@ class Explainer:
     def scores(self, q: np.ndarray, cfg: SearchConfig) -> np.ndarray:
         """The query's score against every gallery item under `cfg` (mode as given), as the
         exact search ranks them (float32)."""
+        return self.scores_of(np.asarray(q, dtype=np.float32).reshape(1, -1), cfg)[0]
+
+    def scores_of(self, Q: np.ndarray, cfg: SearchConfig) -> np.ndarray:
+        """`scores` of each row of Q (prepared queries, m × d): m × n, the gallery read once."""
         transform, _, norms = self.searcher.query_view(cfg.strategy, cfg.params, cfg.mode)
-        qt = transform(np.asarray(q, dtype=np.float32).reshape(1, -1))[0]
+        qt = transform(np.asarray(Q, dtype=np.float32))
         feats = self.data.features
-        out = np.empty(len(self.data.items), dtype=np.float32)
-        for s in range(0, len(out), 65536):
-            out[s: s + 65536] = np.asarray(feats[s: s + 65536], dtype=np.float32) @ qt
+        out = np.empty((len(qt), len(self.data.items)), dtype=np.float32)
+        for s in range(0, out.shape[1], 65536):
+            out[:, s: s + 65536] = qt @ np.asarray(feats[s: s + 65536], dtype=np.float32).T
         if norms is not None:
-            out *= np.where(norms > 0, 1.0 / np.maximum(norms, 1e-30), 0.0).astype(np.float32)
+            out *= np.where(norms > 0, 1.0 / np.maximum(norms, 1e-30), 0.0).astype(np.float32)[None, :]
         return out
 
     def rank(self, q: np.ndarray, row: int, cfg: SearchConfig, self_row: int | None = None) -> int:
@@ -233,9 +295,13 @@ class Explainer:
             self_row: int | None = None, k: int = 12, top: int = 5, n_strip: int = STRIP) -> Why:
         """Gallery row `row` as a result of the query `q_feats` (trunk features, 1 × d) under
         `left` (A) and `right` (B): rank and score under each, the score difference split over
-        the `top` directions that carry most of it (the rest summed), a strip per direction."""
+        the `top` directions that carry most of it (the rest summed), a strip per direction.
+        Where a side has a re-ranker: its placement in the re-ranked list and, instead of the
+        decomposition, the neighbourhood it reads (`Support`, module doc)."""
         q = self.searcher.prepare_queries(q_feats)
         a, b = self.resolved(left), self.resolved(right)
+        if a.rerank != NO_RERANK or b.rerank != NO_RERANK:
+            return self._why_reranked(q_feats, q, row, a, b, self_row, k)
         Ma, Mb = self.searcher.metric(a.strategy, a.params).M, self.searcher.metric(b.strategy, b.params).M
         x = np.asarray(self.data.features[row], dtype=np.float32)
         change = explain_change(q[0], x, Ma, a.mode, Mb, b.mode, self.spaces(a, b))
@@ -245,3 +311,68 @@ class Explainer:
         shown, rest = change.top(top)
         return Why(int(row), int(k), places[0], places[1], change, shown, rest,
                    [self.strip(d.vector, n_strip) for d in shown])
+
+    # ------------------------------------------------------------ configurations with a re-ranker
+    def _why_reranked(self, q_feats, q, row: int, a: SearchConfig, b: SearchConfig, self_row: int | None,
+                      k: int) -> Why:
+        places = [self.placement(q_feats, q, row, c, self_row, k) for c in (a, b)]
+        support = [self.support(side, q, row, c, self_row) for side, c in (("left", a), ("right", b))
+                   if c.rerank != NO_RERANK]
+        named = " and ".join(f"the {s.side} side's ({s.rerank})" for s in support)
+        note = (f"{named[0].upper()}{named[1:]} re-ranker changes the ranking, not the metric: its score is "
+                "not qᵀM′x, so the split over the eigen-directions of M_right − M_left does not apply. "
+                "Shown instead: the neighbourhood the re-ranker reads, under its strategy alone.")
+        return Why(int(row), int(k), places[0], places[1], None, [], 0.0, [], support, note)
+
+    def placement(self, q_feats, q, row: int, cfg: SearchConfig, self_row: int | None, k: int) -> Placement:
+        """x's rank and score under `cfg` (mode resolved): the exact full ranking without a
+        re-ranker; with one, its position in the re-ranked list read to the re-ranker's pool
+        (FULL_DEPTH where it ranks the whole gallery), else the strategy alone's, marked beyond."""
+        loo = self_row is not None and self_row >= 0
+        plain = cfg.without_rerank()
+        if cfg.rerank == NO_RERANK:
+            r = self.rank(q, row, plain, self_row)
+            return Placement(cfg.label(), float(self.scores(q, plain)[row]), r, r <= k)
+        pool = ranked_pool(cfg.rerank, cfg.rerank_params, k)
+        avail = len(self.data.items) - int(loo)
+        depth = min(avail, pool if pool is not None else max(k, FULL_DEPTH))
+        hits = cfg.search(self.searcher, q_feats, depth, self_ids=[self_row] if loo else None)
+        at = np.nonzero(hits.rows[0] == row)[0]
+        if len(at):
+            r = int(at[0]) + 1
+            return Placement(cfg.label(), float(hits.scores[0][at[0]]), r, r <= k, reranked=True)
+        r = self.rank(q, row, plain, self_row)
+        return Placement(cfg.label(), float(self.scores(q, plain)[row]), r, False, reranked=True, beyond=depth,
+                         pool=pool is not None and depth < avail)
+
+    def support(self, side: str, q, row: int, cfg: SearchConfig, self_row: int | None, m: int = SUPPORT) -> Support:
+        """The query's m nearest items and x's rank in each one's list; x's m nearest and each
+        one's rank in the query's list; under `cfg`'s strategy alone, the query's own row left
+        out of every list (and x of the query's neighbours, the neighbour itself of its own)."""
+        plain = cfg.without_rerank()
+        s_q = self.scores(q, plain).astype(np.float64)  # s(q, ·), as the search ranks
+        gone = [r for r in (self_row,) if r is not None and r >= 0]
+        s_q[gone] = -np.inf
+
+        def rank_in(scores: np.ndarray, r: int) -> int:
+            return int((scores > scores[r]).sum()) + 1
+
+        def nearest(scores: np.ndarray, leave: list[int]) -> np.ndarray:
+            s = scores.copy()
+            s[leave] = -np.inf
+            return np.argsort(-s, kind="stable")[: min(m, int(np.isfinite(s).sum()))]
+
+        q_order = nearest(s_q, [row])
+        feats = self.searcher.prepare_queries(np.asarray(self.data.features[np.append(q_order, row)]))
+        S_all = self.scores_of(feats, plain).astype(np.float64)  # s(y, ·) for each neighbour y, then x: one pass
+        S = S_all[:-1]
+        S[:, gone] = -np.inf
+        S[np.arange(len(q_order)), q_order] = -np.inf  # y is not in its own list
+        of_query = [Link(int(y), rank_in(s_q, int(y)), float(s_q[y]), rank_in(S[j], row), float(S[j, row]))
+                    for j, y in enumerate(q_order)]
+        s_x = S_all[-1].copy()  # s(x, ·)
+        s_x[gone] = -np.inf
+        s_x[row] = -np.inf
+        of_item = [Link(int(y), rank_in(s_x, int(y)), float(s_x[y]), rank_in(s_q, int(y)), float(s_q[y]))
+                   for y in nearest(s_x, [row])]
+        return Support(side, cfg.label(), cfg.rerank, RERANKERS.get(cfg.rerank).doc, of_query, of_item)

@@ -5,7 +5,8 @@ thumbnails inlined as base64 PNGs).
 Contents: the strategy table and curves of `python -m index evaluate` (given its folder), the
 per-query AP scatter, the queries that improved and worsened most from left to right, each
 with its results under both configurations and the overlap of their top k (Jaccard@k), and the
-per-class table.
+per-class table.  Either configuration may have a re-ranker: every query is then re-ranked
+with its own item left out (index/analysis/compare.py), and its results are the re-ranked ones.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from core.errors import UserError
 from ..backends.search import Searcher
 from ..backends.store import IndexData
 from ..search_config import SearchConfig
-from .compare import Comparer, Comparison, item_image
+from .compare import Comparer, Comparison, Progress, item_image
 
 CSS = """body{font-family:system-ui,sans-serif;margin:24px;max-width:1300px;color:#222}
 table{border-collapse:collapse;margin:8px 0 20px}td,th{border:1px solid #ccc;padding:3px 6px;font-size:13px}
@@ -88,19 +89,16 @@ def scatter_png(cmp: Comparison) -> str:
 
 
 def neighbours(searcher: Searcher, ids: list[int], cfg: SearchConfig, k: int) -> list[list]:
-    """Each item query's top k under `cfg` (its mode as given; its own item left out): [(id, label, score)]."""
+    """Each item query's top k under `cfg` (its mode as given, its re-ranker run; its own item left
+    out, of its re-ranking too), through `SearchConfig.search`: [(id, label, score)]."""
     if not ids:
         return []
     data = searcher.data
     row = {int(i): r for r, i in enumerate(data.items.ids)}
-    rows = [row[i] for i in ids]
-    res = searcher.search(np.asarray(data.features[rows]), cfg.strategy, cfg.params, cfg.mode, k + 1)
-    out = []
-    for q, rs, ss in zip(ids, res.rows, res.scores, strict=True):
-        kept = [(int(data.items.ids[r]), int(data.items.labels[r]), float(s)) for r, s in zip(rs, ss, strict=True)
-                if r >= 0 and int(data.items.ids[r]) != q]
-        out.append(kept[:k])
-    return out
+    rows = np.array([row[i] for i in ids], dtype=np.int64)
+    res = cfg.search(searcher, np.asarray(data.features[rows]), k, self_ids=rows)
+    return [[(int(data.items.ids[r]), int(data.items.labels[r]), float(s)) for r, s in zip(rs, ss, strict=True)
+             if r >= 0] for rs, ss in zip(res.rows, res.scores, strict=True)]
 
 
 def _table(header: list[str], rows: list[list], cls: str = "") -> str:
@@ -157,11 +155,12 @@ def query_rows(cmp: Comparison, rows: list[dict], res_a: list, res_b: list, thum
 
 
 def build_report(data: IndexData, left: SearchConfig, right: SearchConfig, top: int = 20, k: int = 8,
-                 analysis: Path | None = None, seed: int = 0) -> str:
-    """The report's HTML (one string, nothing linked): `left` (x) against `right` (y)."""
+                 analysis: Path | None = None, seed: int = 0, progress: Progress | None = None) -> str:
+    """The report's HTML (one string, nothing linked): `left` (x) against `right` (y), each with
+    its re-ranker where it has one.  `progress`: the comparer's, while a re-ranked side is computed."""
     comparer = Comparer(data)
-    cmp = comparer.compare(left, right, seed=seed, k=k)
-    sides = [c.with_mode(comparer.resolve(c.strategy, c.params, c.mode)) for c in (left, right)]
+    cmp = comparer.compare(left, right, seed=seed, k=k, progress=progress)
+    sides = [c.normalized().with_mode(comparer.resolve(c.strategy, c.params, c.mode)) for c in (left, right)]
     thumbs = Thumbs(data)
     title = f"{cmp.label_a} vs {cmp.label_b}"
     parts = [f"<h1>{html.escape(title)}</h1>",

@@ -101,7 +101,7 @@ def normalised(A: sparse.csr_matrix) -> sparse.csr_matrix:
     return sparse.csr_matrix((A.data * inv[A.row] * inv[A.col], (A.row, A.col)), shape=A.shape)
 
 
-@RERANKERS.register("diffusion", DiffusionParams, offline=True, depth="truncation",
+@RERANKERS.register("diffusion", DiffusionParams, offline=True, depth="truncation", pool="truncation",
                     grid={"k": (10, 30, 50), "alpha": (0.9, 0.99), "gamma": (1.0, 3.0)})
 def diffusion(space, queries, first, k, *, self_ids, params: DiffusionParams):
     """Diffusion on the mutual kNN graph (Iscen et al. CVPR 2017): rank the query's candidates by f = (I − αS)⁻¹y."""

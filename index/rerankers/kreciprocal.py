@@ -396,7 +396,7 @@ def reverse_lists(space, rows: np.ndarray, k1: int) -> dict[int, tuple[np.ndarra
     return space.store.memo[name]
 
 
-@RERANKERS.register("kreciprocal", KReciprocalParams, offline=True, reads_first=False,
+@RERANKERS.register("kreciprocal", KReciprocalParams, offline=True, reads_first=False, pool="pool",
                     grid={"k1": (10, 20, 30), "k2": (1, 3, 6), "lambda_value": (0.1, 0.3, 0.5)})
 def kreciprocal(space, queries, first, k, *, self_ids, params: KReciprocalParams):
     """k-reciprocal encoding (Zhong et al. CVPR 2017): Jaccard distance of k-reciprocal sets, d* = (1 − λ) d_J + λ d."""

@@ -39,11 +39,16 @@ class RerankerSpec(Spec):
         candidate pool); "" when it reads only the top k.
     reads_first: it reads the first search at all (database-side augmentation searches its own
         augmented gallery instead: `first` is then None and no plain search is spent on it).
+    pool: the parameter naming how many of the plain search's candidates its ranking holds
+        (items beyond them are not ranked by it at all); "" when it ranks the whole gallery (a
+        new search: query expansion, database-side augmentation).  A top-k answer with k above
+        the pool reads k candidates instead (`ranked_pool`).
     grid: {param: values} a sweep tries (every combination); empty: the defaults only.
     """
     offline: bool = False
     depth: str = ""
     reads_first: bool = True
+    pool: str = ""
     grid: Mapping[str, tuple] = field(default_factory=dict)
 
     def check(self, entry) -> None:
@@ -52,8 +57,10 @@ class RerankerSpec(Spec):
         unknown = sorted(set(self.grid) - names)
         if unknown:
             raise ValueError(f"{entry.what}: grid names {unknown}, which are not its parameters {sorted(names)}")
-        if self.depth and self.depth not in names:
-            raise ValueError(f"{entry.what}: depth={self.depth!r} is not one of its parameters {sorted(names)}")
+        for what in ("depth", "pool"):
+            value = getattr(self, what)
+            if value and value not in names:
+                raise ValueError(f"{entry.what}: {what}={value!r} is not one of its parameters {sorted(names)}")
 
     def listing_lines(self) -> list[str]:
         return ["offline part: computed once per index, strategy and mode, cached"] if self.offline else []
@@ -77,6 +84,13 @@ def first_depth(name: str, params, k: int) -> int:
     """How many first-search candidates the re-ranker reads for a top-k answer."""
     d = RERANKERS.get(name).spec.depth
     return max(int(k), int(getattr(params, d)) if d else 0)
+
+
+def ranked_pool(name: str, params, k: int) -> int | None:
+    """How many items a top-k answer of re-ranker `name` ranks at most (its candidate pool, at
+    least k); None when it ranks the whole gallery."""
+    p = RERANKERS.get(name).spec.pool
+    return max(int(k), int(getattr(reranker_params(name, params), p))) if p else None
 
 
 def candidates(first: Hits, self_ids: np.ndarray, depth: int) -> tuple[np.ndarray, np.ndarray]:

@@ -104,16 +104,33 @@ def test_url_state_round_trips_and_refuses_bad_values():
                      ({"q": "1", "left_mode": "l3"}, "the link's left mode must be one of"),
                      ({"q": "1", "left_strategy": "custom"}, "cannot carry it"),
                      ({"q": "1", "left_strategy": "random", "left_r": "7"}, "restraint degree r must be in"),
-                     ({"q": "1", "rerank": "aqe"}, "re-ranker 'aqe' is not available")):
+                     ({"q": "1", "rerank": "nope"}, "the link's re-ranker: unknown re-ranker 'nope'; choose from"),
+                     ({"q": "1", "left_rerank": "aqe", "left_rerank_n": "0"},
+                      "the link's left re-ranker: aqe: n must be ≥ 1")):
         with pytest.raises(UserError, match=msg):
             parse_state(bad)
     with pytest.raises(UserError, match="cannot be shared"):
         state_query(1, Spec(), Spec("custom", {"path": "m.npy"}, "bilinear"), 4)
     with pytest.raises(UserError, match="cannot be shared"):
         state_query(1, Spec("custom", {"path": "m.npy"}, "bilinear"), Spec(), 4)
-    # the re-ranker axis travels in links already (a search refuses any but "none" until it runs them)
-    rr = Spec("identity", {}, "cosine", "aqe", {"alpha": 3})
-    assert "&rerank=aqe&rerank_alpha=3&" in state_query(1, Spec(), rr, 4)
+    # each side's re-ranker and its parameters travel in links, and come back as they went
+    rr = Spec("identity", {}, "cosine", "aqe", {"n": 3, "alpha": 1.0})
+    lr = Spec("spectral", {"p": 0.25}, "bilinear", "kreciprocal", {"k1": 10, "k2": 3, "lambda_value": 0.2,
+                                                                   "pool": 50})
+    qs = state_query(1, lr, rr, 4)
+    assert "&rerank=aqe&rerank_n=3&rerank_alpha=1.0&" in qs and "&left_rerank=kreciprocal&left_rerank_k1=10&" in qs
+    assert parse_state(dict(urllib.parse.parse_qsl(qs[1:]))) == {"q": 1, "left": lr, "right": rr, "k": 4}
+    # a link naming only some of its parameters: the re-ranker's defaults for the rest
+    st = parse_state({"q": "2", "rerank": "aqe", "rerank_n": "5"})
+    assert (st["right"].rerank, st["right"].rerank_params) == ("aqe", {"n": 5, "alpha": 3.0})
+
+
+def side_width() -> int:
+    """How many values `on_load` gives per side: strategy, mode, each strategy parameter, re-ranker,
+    each re-ranker parameter."""
+    from app.ui import rerank_controls
+
+    return 3 + len(shared_params()) + len(rerank_controls())
 
 
 def test_old_links_open_with_trained_on_the_left(svc):
@@ -131,8 +148,8 @@ def test_old_links_open_with_trained_on_the_left(svc):
         query_params = old
 
     out = Handlers(svc).on_load(Req())
-    n = len(shared_params())
-    left, right = out[3: 5 + n], out[5 + n: 7 + 2 * n]
+    w = side_width()
+    left, right = out[3: 3 + w], out[3 + w: 3 + 2 * w]
     assert out[:1] == ({"kind": "item", "id": item},) and out[2] == 6
     assert left[:2] == ("trained", "bilinear") and right[:2] == ("shrink", "bilinear")
     assert right[2 + [sp.name for sp in shared_params()].index("alpha")] == 0.25
@@ -145,20 +162,30 @@ def test_old_links_open_with_trained_on_the_left(svc):
 
 
 def test_on_load_opens_a_shared_link_of_two_configurations(svc):
-    from app.ui import Handlers
+    from app.ui import Handlers, rerank_controls
 
     class Req:  # what gr.Request gives the handler
         query_params = {"q": str(int(svc.data.items.ids[2])), "left_strategy": "random", "left_r": "0.3",
-                        "left_mode": "bilinear", "strategy": "shrink", "alpha": "0.25", "k": "6"}
+                        "left_mode": "bilinear", "strategy": "shrink", "alpha": "0.25", "k": "6",
+                        "rerank": "aqe", "rerank_n": "4", "left_rerank": "dba", "left_rerank_alpha": "1.5"}
 
     out = Handlers(svc).on_load(Req())
-    n = len(shared_params())
+    n, w = len(shared_params()), side_width()
     names = [sp.name for sp in shared_params()]
-    left, right = out[3: 5 + n], out[5 + n: 7 + 2 * n]
+    left, right = out[3: 3 + w], out[3 + w: 3 + 2 * w]
     assert out[0] == {"kind": "item", "id": int(svc.data.items.ids[2])} and out[2] == 6
     assert left[:2] == ("random", "bilinear") and left[2 + names.index("r")] == 0.3
     assert left[2 + names.index("seed")] == 0 and right[:2] == ("shrink", "cosine")
-    assert right[2 + names.index("alpha")] == 0.25 and len(out) == 3 + 2 * (2 + n) + 1
+    assert right[2 + names.index("alpha")] == 0.25 and len(out) == 3 + 2 * w + 1
+    # each side's re-ranker, then its parameter controls: the chosen re-ranker's set, every other left as it is
+    keys = [(name, sp.name) for name, sp in rerank_controls()]
+    assert left[2 + n] == "dba" and right[2 + n] == "aqe"
+    left_rr, right_rr = dict(zip(keys, left[3 + n:], strict=True)), dict(zip(keys, right[3 + n:], strict=True))
+    assert (left_rr[("dba", "n")], left_rr[("dba", "alpha")]) == (2, 1.5)
+    assert (right_rr[("aqe", "n")], right_rr[("aqe", "alpha")]) == (4, 3.0)
+    untouched = {"__type__": "update"}
+    assert all(v == untouched for (name, _), v in left_rr.items() if name != "dba")
+    assert all(v == untouched for (name, _), v in right_rr.items() if name != "aqe")
     Req.query_params = {"q": "123456789"}
     assert "no item with id 123456789" in Handlers(svc).on_load(Req())[-1]
 

@@ -71,17 +71,30 @@ def assert_same_results(api: list[dict], cli: list[dict]) -> None:
     assert [x["score"] for x in api] == pytest.approx([x["score"] for x in cli], rel=1e-5)
 
 
-def test_api_search_matches_cli(server, tmp_path):
+def test_api_search_matches_cli(server, tmp_path, monkeypatch):
     from gradio_client import Client, handle_file
     from gradio_client.exceptions import AppError
 
+    from app.service import Spec
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # a re-ranker's caches, if it keeps any
     url, svc, _ = server
     img = svc.root / svc.data.items.paths[7]
     client = Client(url, verbose=False)
     api = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/search"]
-    # the positional parameters README documents: the file-free strategy parameters between strategy and mode
+    # the positional parameters README documents: the file-free strategy parameters between strategy and mode,
+    # then the optional re-ranker
     assert [p["parameter_name"] for p in api["parameters"]] == ["image", "strategy", "r", "seed", "psd", "alpha",
-                                                                  "p", "mode", "k"]
+                                                                  "p", "mode", "k", "rerank", "rerank_params"]
+    reranked = client.predict(handle_file(str(img)), "random", 0.4, 2, "abs", 0.5, 0.5, "bilinear", 6, "aqe",
+                              "n=3, alpha=1", api_name="/search")
+    want = svc.panel(svc.query_from_upload(str(img)), Spec("random", {"r": 0.4, "seed": 2}, "bilinear", "aqe",
+                                                           {"n": 3, "alpha": 1.0}), 6)
+    assert reranked["metric"] == want.title and [r["id"] for r in reranked["results"]] == [r["id"] for r in
+                                                                                            want.results]
+    with pytest.raises(AppError, match="nope is not in the list of choices"):  # the dropdown's, as for a strategy
+        client.predict(handle_file(str(img)), "trained", 0.5, 0, "abs", 0.5, 0.5, "cosine", 3, "nope", "",
+                       api_name="/search")
     res = client.predict(handle_file(str(img)), "random", 0.4, 2, "abs", 0.5, 0.5, "bilinear", 6, api_name="/search")
     out = tmp_path / "cli.json"
     r = run_module("index", "search", "--index", str(svc.index_dir), "--image",

@@ -109,3 +109,43 @@ def test_two_configurations_and_the_why_panel(server, tmp_path):
         finally:
             browser.close()
     assert (tmp_path / "why.png").stat().st_size > 10_000
+
+
+@needs_chromium
+def test_a_reranker_per_panel(server, tmp_path, monkeypatch):
+    """A link's re-ranker opens with its parameters shown; one chosen in the page searches that panel,
+    goes into the link, the why panel and the Compare tab."""
+    from playwright.sync_api import sync_playwright
+
+    from index.rerankers import RERANKERS
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # dba's offline cache: not the user's
+    url, svc, _ = server
+    q = int(svc.data.items.ids[11])
+    with sync_playwright() as p:
+        browser = launch_chromium(p)
+        try:
+            page = browser.new_page(viewport={"width": 1500, "height": 1400})
+            page.goto(f"{url}?q={q}&strategy=identity&mode=cosine&rerank=aqe&rerank_n=3&k=6", wait_until="load")
+            page.get_by_text("Right: identity · cosine · aqe(n=3, alpha=3.0)").first.wait_for(timeout=60000)
+            wait_for_link(page, q)
+            assert visible_controls(page, "n") == 1 and visible_controls(page, "k1") == 0  # aqe's own, one panel
+            # the left panel's re-ranker, chosen in the page
+            doc = RERANKERS.get("dba").doc.split(":")[0]
+            choose(page, "left-rerank", f"dba — {doc}")
+            page.get_by_text("Left: trained · cosine · dba(n=2, alpha=3.0)").first.wait_for(timeout=60000)
+            page.wait_for_function("() => (document.querySelector('#share-link textarea, #share-link input') || {})"
+                                   ".value?.includes('left_rerank=dba')", timeout=60000)
+            assert visible_controls(page, "n") == 2  # dba's on the left, aqe's on the right
+            page.locator("#right-results button.thumbnail-item").nth(1).click()
+            why = page.locator("#why")
+            why.get_by_text("does not apply", exact=False).first.wait_for(timeout=60000)
+            assert why.locator(".why-support").count() == 2 and why.locator(".why-strip").count() == 0
+            page.screenshot(path=str(tmp_path / "why_rerank.png"), full_page=True)
+            page.get_by_role("tab", name="Compare").click()
+            page.get_by_text("trained · cosine · dba(n=2, alpha=3.0) (x) vs identity · cosine · aqe(n=3, alpha=3.0) "
+                             "(y)").wait_for(timeout=120000)
+            assert page.locator("#cmp-scatter circle[data-id]").count() == len(svc.data.items)
+        finally:
+            browser.close()
+    assert (tmp_path / "why_rerank.png").stat().st_size > 10_000

@@ -129,3 +129,72 @@ def test_why_ranks_and_scores_match_the_search(data):
             assert [r for r, _ in st] == list(np.argsort(-np.abs(proj), kind="stable")[:8])
             assert [p for _, p in st] == pytest.approx(proj[[r for r, _ in st]].tolist(), abs=1e-5)
     assert len(ex._spaces) == 1  # one eigendecomposition for the pair
+
+
+# ---------------------------------------------------------------- configurations with a re-ranker
+def test_why_with_a_reranker_places_the_item_in_the_reranked_list(data, tmp_path, monkeypatch):
+    """A re-ranked side: x's rank and score are its position in `SearchConfig.search`'s list (the
+    query's own row left out), to the re-ranker's pool; beyond it, the strategy alone's rank,
+    marked.  The decomposition is not given; the neighbourhood is, computed by hand here."""
+    from index.rerankers import RERANKERS
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    s = Searcher(data)
+    ex = Explainer(s)
+    qrow, k = 4, 5
+    q = np.asarray(data.features[qrow: qrow + 1])
+    plain = SearchConfig("trained", {}, "cosine")
+    kr = SearchConfig.of("trained", {}, "cosine", "kreciprocal", {"k1": 4, "k2": 2, "pool": 12})
+    listed = kr.search(s, q, 12, self_ids=[qrow])
+    strategy_alone = [r for r in s.search(q, "trained", {}, "cosine", 40).rows[0] if r != qrow]
+    outside = next(r for r in strategy_alone if r not in listed.rows[0])
+    for row in (int(listed.rows[0][0]), int(listed.rows[0][7]), int(outside)):
+        w = ex.why(q, row, plain, kr, self_row=qrow, k=k)
+        assert w.change is None and w.shown == [] and w.strips == []
+        assert "does not apply" in w.note and "right side's (kreciprocal)" in w.note
+        assert w.left.rank == strategy_alone.index(row) + 1 and not w.left.reranked  # the plain side as before
+        assert w.right.reranked
+        if row in listed.rows[0]:
+            at = list(listed.rows[0]).index(row)
+            assert (w.right.rank, w.right.beyond) == (at + 1, 0) and w.right.in_top_k == (at < k)
+            assert w.right.score == pytest.approx(float(listed.scores[0][at]))
+        else:
+            assert w.right.beyond == 12 and w.right.pool and not w.right.in_top_k
+            assert w.right.rank == w.left.rank  # the same strategy alone
+            assert w.right.rank_text() == ("beyond the re-ranker's candidate pool (rank under the strategy alone: "
+                                           f"{w.left.rank})")
+        (sup,) = w.support
+        assert (sup.side, sup.rerank, sup.rerank_doc) == ("right", "kreciprocal", RERANKERS.get("kreciprocal").doc)
+        # by hand: cosine under M*, the query's own row out of every list
+        X = np.asarray(data.features, np.float64)
+        M = s.metric("trained", {}).M
+        S = X @ M @ X.T / np.outer(np.sqrt(np.diag(X @ M @ X.T)), np.sqrt(np.diag(X @ M @ X.T)))
+        S[:, qrow] = -np.inf
+        sq = S[qrow].copy()
+        near = [r for r in np.argsort(-sq, kind="stable") if r != row][:8]
+        assert [n.row for n in sup.of_query] == near
+        for n in sup.of_query:
+            sy = S[n.row].copy()
+            sy[n.row] = -np.inf
+            assert n.far_rank == int((sy > sy[row]).sum()) + 1 and n.far_score == pytest.approx(sy[row], abs=1e-5)
+            assert n.near_rank == int((sq > sq[n.row]).sum()) + 1
+        sx = S[row].copy()
+        sx[row] = -np.inf
+        assert [n.row for n in sup.of_item] == list(np.argsort(-sx, kind="stable")[:8])
+        assert all(n.far_rank == int((sq > sq[n.row]).sum()) + 1 for n in sup.of_item)
+        assert qrow not in [n.row for n in sup.of_query + sup.of_item]
+
+
+def test_why_with_a_reranker_that_ranks_the_whole_gallery(data, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    s = Searcher(data)
+    ex = Explainer(s)
+    q = np.asarray(data.features[7:8])
+    aqe = SearchConfig.of("identity", {}, "cosine", "aqe", {"n": 2})
+    full = aqe.search(s, q, 39, self_ids=[7])  # every other item: aqe's list covers the gallery
+    row = int(full.rows[0][30])
+    w = ex.why(q, row, aqe, SearchConfig("trained", {}, "bilinear"), self_row=7, k=5)
+    assert (w.left.rank, w.left.beyond, w.left.reranked) == (31, 0, True)
+    assert [sup.side for sup in w.support] == ["left"]
+    both = ex.why(q, row, aqe, SearchConfig.of("trained", {}, "cosine", "dba", {"n": 2}), self_row=7, k=5)
+    assert [sup.side for sup in both.support] == ["left", "right"] and both.change is None

@@ -154,3 +154,61 @@ def test_jaccard_at_k_is_the_set_overlap():
         np.testing.assert_allclose(got, want)
     assert jaccard_at_k(a, b, 12)[0] == 1.0
     assert jaccard_at_k(np.full((1, 3), -1), np.full((1, 3), -1), 3)[0] == 1.0  # both empty: identical
+
+
+# ---------------------------------------------------------------- configurations with a re-ranker
+RERANKED = [SearchConfig("trained", {}, "cosine", "aqe", {"n": 3}),
+            SearchConfig("identity", {}, "bilinear", "dba", {"n": 2, "alpha": 1.0}),
+            SearchConfig("trained", {}, "cosine", "diffusion", {"k": 6, "kq": 3, "truncation": 30}),
+            SearchConfig("spectral", {"p": 0.5}, "cosine", "kreciprocal", {"k1": 5, "k2": 2, "pool": 40}),
+            SearchConfig("identity", {}, "cosine", "kreciprocal", {"k1": 2, "k2": 1, "pool": 3})]
+# passes over the 60 queries: one at k = max(R, NEIGHBOURS) within the candidate pool; a pool below NEIGHBOURS
+# (diffusion's truncation 30, kreciprocal's pool 40) adds one for the top lists; a pool below R (3 < 4) one at R
+PASSES = [1, 1, 2, 2, 3]
+
+
+@pytest.mark.parametrize("cfg, passes", list(zip(RERANKED, PASSES, strict=True)),
+                         ids=[f"{c.rerank}-{i}" for i, c in enumerate(RERANKED)])
+def test_reranked_per_query_ap_is_each_query_reranked_alone(data, cfg, passes, tmp_path, monkeypatch):
+    """Every item as a query through `SearchConfig.search`, one at a time, itself left out: MAP@R
+    from the first R of its re-ranked list, the top lists its first NEIGHBOURS (or fewer)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(compare, "RERANK_CHUNK", 7)  # several chunks, one of them short
+    c = Comparer(data)
+    seen = []
+    ap = c.ap(cfg, progress=lambda done, total, what: seen.append((done, total)))
+    top = c.top(cfg)
+    y = data.items.labels
+    n = len(y)
+    for i in range(n):
+        R = int((y == y[i]).sum()) - 1
+        if R == 0:
+            assert np.isnan(ap[i]) and (top[i] == -1).all()  # no relevant item: no query
+            continue
+        alone = cfg.search(c.searcher, np.asarray(data.features[i: i + 1]), R, self_ids=[i])
+        want = per_query_metrics(y[alone.rows[:, :R]], y[i: i + 1], np.array([R]), ks=(1,))["map@r"][0]
+        assert ap[i] == pytest.approx(want, abs=1e-12)
+        deep = cfg.search(c.searcher, np.asarray(data.features[i: i + 1]), compare.NEIGHBOURS, self_ids=[i])
+        m = min(compare.NEIGHBOURS, n - 1)
+        np.testing.assert_array_equal(top[i, :m], deep.rows[0, :m])
+        assert i not in top[i]
+    assert seen[0] == (0, 60 * passes) and seen[-1] == (60 * passes, 60 * passes)
+    assert len(seen) == 1 + passes * math.ceil(60 / 7)
+    assert c.ap(cfg) is ap  # cached per configuration, re-ranker included
+    assert SearchConfig.of(cfg.strategy, cfg.params, cfg.mode, cfg.rerank, cfg.rerank_params).key() in c._cache
+
+
+def test_a_reranker_is_its_own_cache_entry_and_changes_the_comparison(data, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    c = Comparer(data)
+    plain, aqe = SearchConfig("trained", {}, "cosine"), SearchConfig("trained", {}, "cosine", "aqe", {"n": 1})
+    cmp = c.compare(plain, aqe, k=5)
+    assert cmp.label_b == "trained · cosine · aqe(n=1, alpha=3.0)"
+    ok = ~np.isnan(c.per_query_ap("trained", {}, "cosine"))
+    np.testing.assert_array_equal(cmp.ap_a, c.per_query_ap("trained", {}, "cosine")[ok])  # the batched path
+    np.testing.assert_array_equal(cmp.ap_b, c.ap(aqe)[ok])
+    assert not np.array_equal(cmp.ap_a, cmp.ap_b)
+    # "none" named explicitly is the plain configuration: the batched path, the same entry
+    np.testing.assert_array_equal(c.ap(SearchConfig("trained", {}, "cosine", "none")), c.ap(plain))
+    with pytest.raises(Exception, match="unknown re-ranker 'nope'"):
+        c.compare(plain, SearchConfig("trained", {}, "cosine", "nope"))

@@ -91,3 +91,67 @@ def test_report_refuses_a_bad_left_side(tiny_index, tmp_path, capsys, flags, mes
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1  # one line
     assert not out.exists()
+
+
+def test_report_with_a_reranker(tiny_index, tmp_path, capsys, monkeypatch):
+    """--rerank/--rerank-param: the right side re-ranks every query (its own item left out); the
+    page names the re-ranker, its counts are the comparer's, its result strips the re-ranked lists."""
+    import html
+    import re
+
+    import numpy as np
+
+    from index.backends.search import Searcher
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    out = tmp_path / "rr.html"
+    assert run_cli(main, ["report", "--index", str(tiny_index), "--strategy", "identity", "--rerank", "aqe",
+                          "--rerank-param", "n=3", "--left-rerank", "none", "--top", "2", "--k", "3",
+                          "--out", str(out)]) == 0
+    text = out.read_text()
+    data = read_index(tiny_index)
+    left, right = SearchConfig("trained", {}, "cosine"), SearchConfig.of("identity", {}, "cosine", "aqe", {"n": 3})
+    cmp = Comparer(data).compare(left, right, k=3)
+    c = cmp.counts()
+    assert "<h1>trained · cosine vs identity · cosine · aqe(n=3, alpha=3.0)</h1>" in text
+    assert f"{c['queries']:,} queries: {c['improved']:,} improved, {c['worsened']:,} worsened" in text
+    assert c["improved"] + c["worsened"] > 0
+    which = "improved" if c["improved"] else "worsened"
+    first = cmp.disagreements(which, 1)[0]
+    row = int(np.nonzero(data.items.ids == first["id"])[0][0])
+    want = right.search(Searcher(data), np.asarray(data.features[row: row + 1]), 3, self_ids=[row])
+    cell = text.split(f'<tr class="query {which}">', 1)[1].split("</tr>", 1)[0]
+    shown = [int(i) for i in re.findall(r" · id (\d+) · ", cell.split(html.escape(cmp.label_b) + "<br>", 1)[1])]
+    assert shown == data.items.ids[want.rows[0]].tolist() and first["id"] not in shown
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rerank", "nope"], "error: --rerank: unknown re-ranker 'nope'; choose from aqe, dba, diffusion"),
+    (["--left-rerank", "nope"], "error: --left-rerank: unknown re-ranker 'nope'; choose from"),
+    (["--rerank", "aqe", "--rerank-param", "x=1"], "error: --rerank-param: re-ranker 'aqe': no parameter 'x'; "
+                                                   "valid: ['n', 'alpha']"),
+    (["--rerank", "aqe", "--rerank-param", "n"], "error: --rerank-param: re-ranker 'aqe': want key=value, got 'n'"),
+    (["--rerank", "aqe", "--rerank-param", "n=0"], "error: --rerank-param: aqe: n must be ≥ 1, got 0"),
+    (["--rerank-param", "n=2"], "error: --rerank-param: re-ranker 'none': no parameter 'n'"),
+    (["--left-rerank", "dba", "--left-rerank-param", "alpha=x"], "error: --left-rerank-param: re-ranker 'dba': "
+                                                                 "alpha: 'x' is not a number"),
+])
+def test_report_refuses_a_bad_reranker(tiny_index, tmp_path, capsys, flags, message):
+    out = tmp_path / "r.html"
+    assert run_cli(main, ["report", "--index", str(tiny_index), "--out", str(out), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1  # one line
+    assert not out.exists()
+
+
+def test_report_help_shows_each_reranker_flag_with_its_default(capsys):
+    from index.cli import build_parser
+
+    report = build_parser()._subparsers._group_actions[0].choices["report"]
+    helps = {a.dest: a.help for a in report._actions}
+    for dest in ("rerank", "rerank_param", "left_rerank", "left_rerank_param"):
+        assert "(default: " in helps[dest], dest
+    with pytest.raises(SystemExit):
+        main(["report", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: none)" in text.split("--rerank NAME")[-1] and "pool=100" in text
