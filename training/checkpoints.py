@@ -55,6 +55,9 @@ def same_identity(recorded: dict, cfg: TrainConfig) -> bool:
     old = {k: v for k, v in recorded.items() if k not in RUNTIME_FIELDS}
     old.setdefault("probe_epochs", 0)  # runs before --probe-epochs had no probe
     old = {k: v for k, v in TrainConfig().identity().items() if k not in old} | old
+    held = TrainConfig(**{k: old[k] for k in ("neck_lr_mult", "regularizer", "loss")})
+    if held.probe_has_nothing_to_train():  # the run skipped its probe, whatever the file asked for
+        old["probe_epochs"] = 0
     if old["probe_epochs"] < 0:  # a config file may say -1 ("the mode's default")
         old["probe_epochs"] = TrainConfig(**{k: old[k] for k in ("mode", "train_blocks", "backbone", "weights")}
                                           ).resolved_probe_epochs()

@@ -95,11 +95,20 @@ class TrainConfig(DataConfig):
     def resolved_probe_epochs(self) -> int:
         """The probe's epochs: none in frozen mode (the whole run is one); -1 means the mode's default."""
         mode = self.resolved_mode()
-        if mode == "frozen":
+        if mode == "frozen" or self.probe_has_nothing_to_train():
             return 0
         if self.probe_epochs < 0:  # there is nothing to preserve in random weights
             return 30 if self.pretrained() else 0
         return self.probe_epochs
+
+    def probe_has_nothing_to_train(self) -> bool:
+        """A neck held at its initialisation with a loss without proxies and no regularizer: the
+        probe (neck, loss, regularizer modules) has no parameter to train, so the run skips it, and
+        its recorded probe is 0 (a reused run compares equal)."""
+        from .losses.registry import LOSSES  # the loss's registration says whether it has proxies
+
+        return (self.neck_lr_mult == 0 and not self.regularizer and self.loss in LOSSES
+                and not LOSSES.get(self.loss).spec.proxies)
 
     def resolved_mode(self) -> str:
         """`--train-blocks N` alone (mode left at frozen) means tail."""

@@ -102,3 +102,19 @@ def test_a_held_neck_with_a_loss_without_parameters_skips_the_probe(tmp_path, mo
     )
     train(cfg)  # the stub's None stands for "no probe entry"
     assert calls == [2]  # proxies to train: the probe runs
+
+
+def test_a_skipped_probe_is_the_resolved_probe_so_the_run_is_reused(tmp_path):
+    """The resolved probe of a held neck with Triplet is 0, what the run records: the same config
+    reuses the run instead of refusing it as a different one."""
+    from training.trainer import train_or_reuse
+
+    held = dict(loss="triplet", neck_lr_mult=0.0, probe_epochs=2)
+    assert tiny(tmp_path, **held).resolved_probe_epochs() == 0
+    assert tiny(tmp_path, **(held | {"loss": "proxy_anchor"})).resolved_probe_epochs() == 2
+    assert tiny(tmp_path, **(held | {"neck_lr_mult": 1.0})).resolved_probe_epochs() == 2
+    cfg = tiny(tmp_path, out=str(tmp_path / "t"), loss="triplet", neck_lr_mult=0.0, probe_epochs=3, epochs=1)
+    assert cfg.resolved_probe_epochs() == 0
+    first, reused = train_or_reuse(cfg)
+    again, reused_again = train_or_reuse(cfg)
+    assert not reused and reused_again and again["test"] == first["test"]
