@@ -2,6 +2,9 @@
 most (Search tab), and the Compare tab on the whole test split.
 
   python bench/screenshot.py [--index artifacts/demo/index] [--out docs/app.png] [--compare docs/compare.png]
+                             [--why docs/why.png]
+
+The third: the Search tab with a result's "why" panel open, identity (left) against trained (right).
 """
 from __future__ import annotations
 
@@ -16,10 +19,12 @@ sys.path.insert(0, str(ROOT))
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--index", default="artifacts/demo/index")
+    ap.add_argument("--index", default="artifacts/demo/index", help="the index the app serves (default: %(default)s)")
     ap.add_argument("--out", default="docs/app.png", help="Search-tab screenshot (default: %(default)s)")
     ap.add_argument("--compare", default="docs/compare.png",
                     help="Compare-tab screenshot, trained vs identity (default: %(default)s)")
+    ap.add_argument("--why", default="docs/why.png",
+                    help="Search tab with a result's why panel open, identity vs trained (default: %(default)s)")
     args = ap.parse_args()
     from playwright.sync_api import sync_playwright
 
@@ -53,9 +58,19 @@ def main():
         page.locator("#cmp-scatter circle[data-id]").first.wait_for(timeout=180000)
         page.wait_for_timeout(4000)  # the two maps render after the scatter
         page.screenshot(path=args.compare, full_page=True)
+        # identity on the left, trained on the right: why did the right panel's second result move?
+        q = int(svc.data.items.ids[0])
+        page.goto(f"http://127.0.0.1:{port}/?q={q}&left_strategy=identity&left_mode=cosine&strategy=trained"
+                  "&mode=cosine&k=8", wait_until="load")
+        page.get_by_text("Left: identity · cosine").first.wait_for(timeout=120000)
+        page.locator("#right-results button.thumbnail-item").nth(1).wait_for(timeout=120000)
+        page.locator("#right-results button.thumbnail-item").nth(1).click()
+        page.locator("#why").get_by_text("score difference (right − left)").wait_for(timeout=120000)
+        page.wait_for_timeout(2500)
+        page.screenshot(path=args.why, full_page=True)
         b.close()
     demo.close()
-    print("wrote", args.out, args.compare)
+    print("wrote", args.out, args.compare, args.why)
 
 
 if __name__ == "__main__":
