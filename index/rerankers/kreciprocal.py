@@ -31,8 +31,10 @@ search.  With pool ≥ the gallery size this is the official code, run for one p
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import faiss
 import numpy as np
 
 from core.errors import UserError
@@ -43,6 +45,7 @@ from .registry import RERANKERS
 
 BATCH = 32          # probes re-ranked together (one vectorised pass) ...
 BATCH_CELLS = 1 << 22  # ... at most this many probe × gallery cells (S and the change flags: ~30 MB)
+PAIR_CELLS = 1 << 25  # a gallery's whole similarity matrix is kept in RAM up to this many cells (128 MB)
 
 
 @dataclass
@@ -96,6 +99,22 @@ def top_rows(S: np.ndarray, own: np.ndarray, m: int) -> np.ndarray:
     at = np.argsort(~keep, axis=1, kind="stable")[:, :m]  # the own row, if there, goes last and is cut
     out = np.take_along_axis(rows, at, 1)
     return np.where(np.take_along_axis(keep, at, 1), out, -1)
+
+
+def gallery_similarities(space) -> np.ndarray | None:
+    """s(x, y) for every pair of gallery rows (n × n float32), kept in the space's memory while
+    n² ≤ PAIR_CELLS: the pairs missing from the cached lists (members that an expansion brings
+    in) are then a lookup, not a gather of d-dimensional keys per batch.  None above that."""
+    if space.n * space.n > PAIR_CELLS:
+        return None
+    memo = space.store.memo
+    if "kreciprocal-pairs" not in memo:
+        S = np.empty((space.n, space.n), dtype=np.float32)
+        for a in range(0, space.n, 2048):
+            rows = np.arange(a, min(a + 2048, space.n))
+            S[rows] = space.score(space.gallery_vectors(rows))
+        memo["kreciprocal-pairs"] = {"S": S}
+    return memo["kreciprocal-pairs"]["S"]
 
 
 def half(k1: int) -> int:
@@ -257,9 +276,13 @@ class _Batch:
             out[g[found]] = ls[found][hit[found]]
             miss = g[~found]
             if len(miss):
-                ux, ix = np.unique(xl[miss], return_inverse=True)
-                T = self.space.transform(self.space.gallery_vectors(ux))
-                out[miss] = np.einsum("md,md->m", T[ix], self.space.gallery_vectors(yl[miss]))
+                pairs = gallery_similarities(self.space)
+                if pairs is not None:
+                    out[miss] = pairs[xl[miss], yl[miss]]
+                else:
+                    ux, ix = np.unique(xl[miss], return_inverse=True)
+                    T = self.space.transform(self.space.gallery_vectors(ux))
+                    out[miss] = np.einsum("md,md->m", T[ix], self.space.gallery_vectors(yl[miss]))
         return out
 
     def self_similarity(self, e: np.ndarray) -> np.ndarray:
@@ -410,7 +433,9 @@ def kreciprocal(space, queries, first, k, *, self_ids, params: KReciprocalParams
     out_r = np.full((len(queries), k), -1, dtype=np.int64)
     out_s = np.full((len(queries), k), -np.inf, dtype=np.float32)
     step = max(1, min(BATCH, BATCH_CELLS // max(space.n, 1)))
-    for a in range(0, len(queries), step):
+    gallery_similarities(space)  # built once, before the batches share it
+
+    def one(a: int) -> None:
         q, own = queries[a: a + step], self_ids[a: a + step]
         S = space.score(q)  # each probe's row: its place in every list, its largest distance, its candidates
         cand = top_rows(S, own, depth)
@@ -422,4 +447,17 @@ def kreciprocal(space, queries, first, k, *, self_ids, params: KReciprocalParams
         r, dd = np.take_along_axis(pools, order, 1), np.take_along_axis(d, order, 1)
         out_r[a: a + step] = np.where(np.isfinite(dd), r, -1)
         out_s[a: a + step] = np.where(np.isfinite(dd), 1.0 - dd, -np.inf)  # a similarity: higher is closer
+
+    starts = range(0, len(queries), step)
+    workers = min(len(starts), max(1, faiss.omp_get_max_threads()))
+    if workers > 1:
+        # the batches are independent and numpy's sorts and set operations release the GIL: one
+        # batch per core, each with BLAS on one thread (threaded BLAS under threads oversubscribes)
+        from threadpoolctl import threadpool_limits
+
+        with threadpool_limits(1, user_api="blas"), ThreadPoolExecutor(workers) as pool:
+            list(pool.map(one, starts))
+    else:
+        for a in starts:
+            one(a)
     return space.hits(out_r, out_s)

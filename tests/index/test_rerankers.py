@@ -302,6 +302,34 @@ def test_kreciprocal_offline_sets_change_nothing(tmp_path, monkeypatch, mode):
     np.testing.assert_allclose(fast.scores, slow.scores, rtol=0, atol=1e-6)
 
 
+def test_kreciprocal_batches_in_threads_and_the_pair_lookup_change_nothing(tmp_path, monkeypatch):
+    """Batches re-ranked in parallel threads, with the missing pairs read from the gallery's
+    similarity matrix, give the sequential answer that computes each pair from the keys."""
+    import faiss
+
+    import index.rerankers.kreciprocal as kr
+
+    x, lab, W = features(n=400, seed=5)
+    searcher = build(tmp_path / "idx", x, lab, W)
+    own = np.concatenate([[-1, -1], np.arange(0, 400, 3)])
+    q = np.vstack([queries(x, 2, seed=6), x[own[2:]]])
+    assert len(q) > 3 * kr.BATCH  # several batches
+    p = {"k1": 12, "k2": 4, "pool": 60}
+    before = faiss.omp_get_max_threads()
+    fast, slow = space_for(searcher, "trained", {}, "cosine"), space_for(searcher, "trained", {}, "cosine")
+    try:
+        faiss.omp_set_num_threads(2)
+        threaded = rerank("kreciprocal", fast, q, 20, params=p, self_ids=own)
+        faiss.omp_set_num_threads(1)
+        monkeypatch.setattr(kr, "PAIR_CELLS", 0)  # no pair matrix: every missing pair from the keys
+        seq = rerank("kreciprocal", slow, q, 20, params=p, self_ids=own)
+    finally:
+        faiss.omp_set_num_threads(before)
+    assert "kreciprocal-pairs" in fast.store.memo and "kreciprocal-pairs" not in slow.store.memo
+    np.testing.assert_array_equal(threaded.rows, seq.rows)
+    np.testing.assert_allclose(threaded.scores, seq.scores, rtol=0, atol=1e-6)
+
+
 def test_kreciprocal_candidates_are_each_rows_exact_top():
     """The candidates from the probe's full similarity row: a sampled threshold then a sort, the
     probe's own column left out; a row whose best entries the sample misses is partitioned whole."""
