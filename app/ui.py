@@ -259,8 +259,8 @@ class Handlers:
         max_j = None if max_jaccard is None or float(max_jaccard) >= 1 else float(max_jaccard)
         dis_rows, ids = disagreement_table(cmp, which, max_j)
         summary = f"**{cmp.label_a}** (x) vs **{cmp.label_b}** (y): {cmp.summary_text()}"
-        classes = [[r["class_name"], r["label"], r["n"], round(r["ap_a"], 4), round(r["ap_b"], 4), round(r["delta"], 4)]
-                   for r in cmp.per_class()]
+        classes = [[r["class_name"], r["label"], r["n"], round(r["ap_a"], 4), round(r["ap_b"], 4), round(r["delta"], 4),
+                    round(r["jaccard"], 3) if "jaccard" in r else None] for r in cmp.per_class()]
         return summary, self.svc.scatter_html(cmp, q_id, colour, max_j), dis_rows, ids, -1, classes
 
     def on_filter(self, which, k, max_jaccard, progress=FILTER_PROGRESS, **cfg):
@@ -379,7 +379,7 @@ def offline_theme():
 CSS = (".result-gallery .caption-label {font-size: 13px;}\n"
        ".cmp-plot circle {cursor: pointer;} .cmp-plot circle:hover {stroke: black; stroke-width: 1.5;}")
 QUERY_COLUMNS = ("id", "class", "AP left", "AP right", "ΔAP", "Jaccard@k")
-CLASS_COLUMNS = ("class", "label", "n", "AP left", "AP right", "Δ")
+CLASS_COLUMNS = ("class", "label", "n", "AP left", "AP right", "Δ", "mean Jaccard@k")
 K_DEFAULT = 12  # results per panel shown at first
 
 # The page's scripts, kept as JavaScript files beside this module (Gradio takes them as source text):

@@ -182,13 +182,17 @@ class Comparison:
         return [self.row(i) for i in rows[np.argsort(-np.abs(self.delta[rows]), kind="stable")]]
 
     def per_class(self) -> list[dict]:
-        """Per class: its queries n, mean AP under A and B, and Δ (by label)."""
+        """Per class: its queries n, mean AP under A and B, Δ and, where computed, the mean
+        Jaccard@k of its queries' two top-k lists (by label)."""
         out = []
         for c in np.unique(self.labels):
             m = self.labels == c
             a, b = float(self.ap_a[m].mean()), float(self.ap_b[m].mean())
-            out.append({"label": int(c), "class_name": self.class_name(c), "n": int(m.sum()),
-                        "ap_a": a, "ap_b": b, "delta": b - a})
+            row = {"label": int(c), "class_name": self.class_name(c), "n": int(m.sum()), "ap_a": a, "ap_b": b,
+                   "delta": b - a}
+            if self.jaccard is not None:
+                row["jaccard"] = float(self.jaccard[m].mean())
+            out.append(row)
         return out
 
 

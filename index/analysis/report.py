@@ -180,9 +180,9 @@ def build_report(data: IndexData, left: SearchConfig, right: SearchConfig, top: 
                              neighbours(comparer.searcher, ids, sides[1], k), thumbs, cls)]
     per_class = sorted(cmp.per_class(), key=lambda r: r["delta"])
     parts += ["<h2>Per class (by Δ)</h2>",
-              _table(["class", "label", "n", "AP left", "AP right", "Δ"],
-                     [[r["class_name"], r["label"], r["n"], _num(r["ap_a"]), _num(r["ap_b"]), _num(r["delta"], True)]
-                      for r in per_class])]
+              _table(["class", "label", "n", "AP left", "AP right", "Δ", f"mean Jaccard@{cmp.k}"],
+                     [[r["class_name"], r["label"], r["n"], _num(r["ap_a"]), _num(r["ap_b"]), _num(r["delta"], True),
+                       _num(r["jaccard"])] for r in per_class])]
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>Compare: {html.escape(title)}"
             f"</title><style>{CSS}</style></head><body>{''.join(parts)}</body></html>")
 

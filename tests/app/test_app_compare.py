@@ -246,6 +246,7 @@ def test_two_configurations_end_to_end(svc, tmp_path):
     assert [r[0] for r in rows] == [r["id"] for r in cmp.disagreements("all")] == ids
     assert [r[5] for r in rows] == [round(r["jaccard"], 3) for r in cmp.disagreements("all")]
     assert [c[3] for c in classes] == [round(r["ap_a"], 4) for r in cmp.per_class()]
+    assert [c[6] for c in classes] == [round(r["jaccard"], 3) for r in cmp.per_class()]  # mean Jaccard@6
     few, few_ids, _ = h.on_filter("all", 6, 0.4, **cfg)  # only queries whose top-6 lists overlap ≤ 0.4
     assert all(r[5] <= 0.4 for r in few) and set(few_ids) <= set(ids)
     _, svg_few, *_ = h.on_compare(q, "all", 6, "outcome", 0.4, **cfg)

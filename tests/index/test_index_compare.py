@@ -72,6 +72,8 @@ def test_comparison_counts_classes_and_disagreements(data):
     assert r3["ap_a"] == pytest.approx(cmp.ap_a[mask].mean()) and r3["delta"] == pytest.approx(
         cmp.ap_b[mask].mean() - cmp.ap_a[mask].mean())
     assert {r["id"] for r in cmp.class_queries(3)} == set(cmp.ids[mask].tolist())
+    assert cmp.jaccard is not None and 0 < r3["jaccard"] < 1
+    assert r3["jaccard"] == pytest.approx(cmp.jaccard[mask].mean())  # the class's mean top-k overlap
     with pytest.raises(ValueError, match="filter must be one of"):
         cmp.disagreements("better")
 
