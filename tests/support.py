@@ -32,3 +32,11 @@ def panels(left=("trained", "cosine"), right=("identity", "cosine"), left_params
         out |= {f"{side}_strategy": strategy, f"{side}_mode": mode}
         out |= {f"{side}_{k}": v for k, v in (CONTROLS | (given or {})).items()}
     return out
+
+
+def blocks_by_label(demo) -> dict:
+    """A built Gradio app's components, grouped by their label (one label may name several)."""
+    out: dict = {}
+    for b in demo.blocks.values():
+        out.setdefault(getattr(b, "label", None), []).append(b)
+    return out

@@ -15,30 +15,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from core.errors import UserError
-from core.params import param
-
+from .expansion import ExpansionParams, weighted_sum
 from .registry import RERANKERS, candidates
 
 
 @dataclass
-class AQEParams:
-    n: int = param(2, "neighbours averaged into the query (nQE)")
-    alpha: float = param(3.0, "power α of the similarity weights (0: plain average query expansion)")
-
-    def validate(self):
-        if self.n < 1:
-            raise UserError(f"aqe: n must be ≥ 1, got {self.n}")
-        if self.alpha < 0:
-            raise UserError(f"aqe: alpha must be ≥ 0, got {self.alpha}")
+class AQEParams(ExpansionParams):
+    NAME = "aqe"
 
 
 def expanded(space, queries: np.ndarray, rows: np.ndarray, alpha: float) -> np.ndarray:
     """normalise(key(q) + Σ_i max(s(q, x_i), 0)^α key(x_i)) over each query's rows (−1: none)."""
     s = space.score(queries, rows)  # exact s(q, x_i), whatever index gave the candidates
-    w = np.where(rows >= 0, np.maximum(s, 0.0) ** alpha, 0.0).astype(np.float32)
-    X = space.gallery_vectors(np.maximum(rows, 0))
-    return space.normalise(space.key(queries) + np.einsum("qn,qnd->qd", w, X))
+    return weighted_sum(space, space.key(queries), rows, s, alpha)
 
 
 @RERANKERS.register("aqe", AQEParams, depth="n", grid={"n": (1, 2, 3, 5, 10), "alpha": (0.0, 1.0, 3.0, 5.0)})

@@ -22,23 +22,14 @@ from dataclasses import asdict, dataclass
 import faiss
 import numpy as np
 
-from core.errors import UserError
-from core.params import param
-
+from .expansion import ExpansionParams, weighted_sum
 from .neighbours import neighbour_lists
 from .registry import RERANKERS
 
 
 @dataclass
-class DBAParams:
-    n: int = param(2, "neighbours averaged into each gallery item (nDBA)")
-    alpha: float = param(3.0, "power α of the similarity weights (0: plain average)")
-
-    def validate(self):
-        if self.n < 1:
-            raise UserError(f"dba: n must be ≥ 1, got {self.n}")
-        if self.alpha < 0:
-            raise UserError(f"dba: alpha must be ≥ 0, got {self.alpha}")
+class DBAParams(ExpansionParams):
+    NAME = "dba"
 
 
 def _without_self(rows: np.ndarray, sims: np.ndarray, own: np.ndarray, drop: np.ndarray, n: int):
@@ -51,9 +42,7 @@ def _without_self(rows: np.ndarray, sims: np.ndarray, own: np.ndarray, drop: np.
 
 
 def _augment(space, own: np.ndarray, nb: np.ndarray, s: np.ndarray, alpha: float) -> np.ndarray:
-    w = np.where(nb >= 0, np.maximum(s, 0.0) ** alpha, 0.0).astype(np.float32)
-    return space.normalise(space.gallery_vectors(own) + np.einsum("qn,qnd->qd", w,
-                                                                   space.gallery_vectors(np.maximum(nb, 0))))
+    return weighted_sum(space, space.gallery_vectors(own), nb, s, alpha)
 
 
 def augmented(space, p: DBAParams) -> dict[str, np.ndarray]:

@@ -2,6 +2,7 @@
 through `SearchConfig.search`, a gallery query's own item left out of its own re-ranking."""
 import numpy as np
 import pytest
+from support import blocks_by_label
 
 from app.service import Query, RetrievalService, Spec
 from evaluation.evaluator import per_query_metrics
@@ -182,9 +183,7 @@ def test_reranker_controls_show_only_the_chosen_ones(svc):
         assert group == {"__type__": "update", "visible": bool(RERANKERS.get(name).param_defaults())}
         assert [u["visible"] for u in shown] == [r == name for r, _ in keys]
     demo = build_ui(svc)
-    by_label: dict = {}
-    for b in demo.blocks.values():
-        by_label.setdefault(getattr(b, "label", None), []).append(b)
+    by_label = blocks_by_label(demo)
     for side in ("Left", "Right"):
         (dd,) = by_label[f"{side} re-ranker"]
         assert [v for _, v in dd.choices] == RERANKERS.names() and dd.value == "none"

@@ -3,7 +3,7 @@ reaches the app's panels and their dropdowns, the Gradio /search API and POST /a
 from dataclasses import dataclass
 
 import pytest
-from support import panels
+from support import blocks_by_label, panels
 
 from core.params import param
 from index.rerankers import RERANKERS, candidates
@@ -59,9 +59,7 @@ def test_new_reranker_reaches_the_panels_and_their_dropdowns(flip_registered, sv
     assert "&rerank=flip&rerank_depth=6&" in out[-1]
 
     demo = build_ui(svc)
-    by_label: dict = {}
-    for b in demo.blocks.values():
-        by_label.setdefault(getattr(b, "label", None), []).append(b)
+    by_label = blocks_by_label(demo)
     for side in ("Left", "Right"):
         (dd,) = by_label[f"{side} re-ranker"]
         assert "flip" in [v for _, v in dd.choices]
