@@ -67,7 +67,7 @@ def offline(space) -> dict[str, float]:
     """Each cached pass, in the order the re-rankers would first ask for it, from an empty cache."""
     from index.rerankers import reranker_params
     from index.rerankers.dba import augmented
-    from index.rerankers.kreciprocal import gallery_sets
+    from index.rerankers.kreciprocal import PAIR_CELLS, gallery_sets, gallery_similarities
     from index.rerankers.neighbours import neighbour_lists, row_extremes
 
     dp, kp, bp = (reranker_params(n) for n in ("diffusion", "kreciprocal", "dba"))
@@ -75,6 +75,8 @@ def offline(space) -> dict[str, float]:
            "row extremes": timed(lambda: row_extremes(space))}
     lists = neighbour_lists(space, kp.k1 + 2)
     out["k-reciprocal gallery sets"] = timed(lambda: gallery_sets(space, lists, row_extremes(space), kp.k1))
+    if space.n * space.n <= PAIR_CELLS:  # kept in RAM only where it fits; larger galleries go without
+        out["k-reciprocal pair similarities (RAM)"] = timed(lambda: gallery_similarities(space))
     out["dba augmented gallery"] = timed(lambda: augmented(space, bp))
     return out
 
@@ -174,9 +176,12 @@ def table(meta: dict, rows: list[dict], names: list[str]) -> str:
               "| pass | used by | " + " | ".join(f"N = {r['n']:,}" for r in rows) + " |",
               "|---|---|" + "---|" * len(rows)]
     users = {"neighbour lists": "dba, kreciprocal, diffusion", "row extremes": "kreciprocal",
-             "k-reciprocal gallery sets": "kreciprocal", "dba augmented gallery": "dba"}
-    for p in rows[0]["offline_s"]:
-        lines.append(f"| {p} | {users.get(p, '')} | " + " | ".join(f"{r['offline_s'][p]:.1f}" for r in rows) + " |")
+             "k-reciprocal gallery sets": "kreciprocal", "dba augmented gallery": "dba",
+             "k-reciprocal pair similarities (RAM)": "kreciprocal, where N² ≤ 2²⁵"}
+    passes = list(dict.fromkeys(p for r in rows for p in r["offline_s"]))
+    for p in passes:
+        lines.append(f"| {p} | {users.get(p, '')} | " + " | ".join(
+            f"{r['offline_s'][p]:.1f}" if p in r["offline_s"] else "—" for r in rows) + " |")
     return "\n".join(lines) + "\n"
 
 
