@@ -74,9 +74,9 @@ def offline(space) -> dict[str, float]:
     out = {"neighbour lists": timed(lambda: neighbour_lists(space, max(dp.k + 1, kp.k1 + 2, bp.n + 2))),
            "row extremes": timed(lambda: row_extremes(space))}
     lists = neighbour_lists(space, kp.k1 + 2)
-    out["k-reciprocal gallery sets"] = timed(lambda: gallery_sets(space, lists, row_extremes(space), kp.k1))
-    if space.n * space.n <= PAIR_CELLS:  # kept in RAM only where it fits; larger galleries go without
+    if space.n * space.n <= PAIR_CELLS:  # kept in RAM only where it fits (the sets below read it)
         out["k-reciprocal pair similarities (RAM)"] = timed(lambda: gallery_similarities(space))
+    out["k-reciprocal gallery sets"] = timed(lambda: gallery_sets(space, lists, row_extremes(space), kp.k1))
     out["dba augmented gallery"] = timed(lambda: augmented(space, bp))
     return out
 

@@ -573,6 +573,20 @@ def test_a_new_reranker_is_one_file_and_one_import(dummy_module, gallery):
     got = rerank("dummy-rotate", space, queries(x), 5, params={"shift": 1})
     plain = searcher.search(queries(x), "trained", {}, "cosine", k=5)
     np.testing.assert_array_equal(got.rows, np.roll(plain.rows, -1, axis=1))
+    # the CLI's help and the strategy × re-ranker sweep
+    import argparse
+
+    from index.analysis.rerank_eval import rerank_matrix
+    from index.cli import build_parser
+    from index.search_config import SearchConfig
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert "dummy-rotate" in sub["search"].format_help() and "dummy-rotate" in sub["evaluate"].format_help()
+    x, lab, W = features(n=120, seed=7)
+    rows = rerank_matrix({"test": (x, lab)}, W, [SearchConfig.of("trained", {}, "cosine")], ("dummy-rotate",),
+                         progress=False)["test"]
+    assert [r["rerank"] for r in rows] == ["none", "dummy-rotate"]
+    assert rows[1]["rerank_params"] == {"shift": 0} and rows[1]["map@r"] == rows[0]["map@r"]  # at its default: a no-op
 
 
 def test_every_reranker_is_listed_with_its_spec():
