@@ -185,8 +185,10 @@ def build_demo_index(tcfg: TrainConfig, out: Path, times: dict, suffix: str = ""
         build_from_dataset(ck, tcfg.data_config(), index_dir, split="test", cache_dir=tcfg.cache_dir)
     times[f"5 index{suffix}"] = time.time() - t
     stamp = strat / "checkpoint.sha256"
+    # what the stored evaluation was made from: the checkpoint and the re-rankers tried on top
+    made_from = f"{sha}\nrerankers {','.join(DEMO_RERANKERS)}"
     t = time.time()
-    if stamp.is_file() and stamp.read_text().strip() == sha and (strat / "table.md").is_file():
+    if stamp.is_file() and stamp.read_text().strip() == made_from and (strat / "table.md").is_file():
         log.info("reusing strategy evaluation %s", strat)
     else:
         dcfg = tcfg.data_config()
@@ -204,7 +206,7 @@ def build_demo_index(tcfg: TrainConfig, out: Path, times: dict, suffix: str = ""
         row = best_reranker((f, y), (vf, vy), W, SearchConfig.of(sel["strategy"], sel["params"], sel["mode"]),
                             DEMO_RERANKERS)
         write_json(strat / "rerank_row.json", row | {"seconds": time.time() - t_rr})
-        write_text(stamp, sha + "\n")
+        write_text(stamp, made_from + "\n")
     times[f"6 strategies{suffix}"] = time.time() - t
     return index_dir, strat
 
