@@ -105,11 +105,14 @@ def main():
     ap.add_argument("--epochs", type=int, default=10, help="epochs per run (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads per run (default: %(default)s)")
     ap.add_argument("--only", help="only the arms of this regularizer (and their plain base)")
+    ap.add_argument("--variant-seeds", help="seeds for the former-form variants (the arms labelled "
+                    "'NAME, variant'), when fewer than --seeds are affordable (default: --seeds)")
     ap.add_argument("--runs", default="runs/bench-reg-fidelity", help="run folders, reused (default: %(default)s)")
     ap.add_argument("--out", default="bench/results/regularizers_fidelity", help="results (default: %(default)s)")
     args = ap.parse_args()
     setup_logging()
     seeds = [int(s) for s in args.seeds.split(",")]
+    variant_seeds = seeds if args.variant_seeds is None else [int(s) for s in args.variant_seeds.split(",")]
     setting = dict(mode="tail", train_blocks=args.train_blocks, epochs=args.epochs, device="cpu", probe_epochs=30,
                    threads=args.threads)
     t0 = time.time()
@@ -133,7 +136,8 @@ def main():
         else:
             weight = weights
         vals = {k: [] for k in KEYS} | {"val_map@r": [], "seconds": [], "parts": []}
-        for s in seeds:
+        arm_seeds = variant_seeds if "," in label.split("(")[0] else seeds  # "determinant, logdet R": a variant
+        for s in arm_seeds:
             m, out = run_one(loss, reg, params, weight if reg is not None else 0.0, s, args.runs, setting)
             for k in KEYS:
                 vals[k].append(m["test"][k])
@@ -141,6 +145,7 @@ def main():
             vals["seconds"].append(m.get("train_seconds", float("nan")))
             vals["parts"].append(last_epoch_parts(out))
         rows.append({"loss": loss, "arm": label, "regularizer": reg, "params": list(params), "weight": weight,
+                     "seeds": arm_seeds,
                      "tuning_on_val": tuning, **vals})
         write_json(Path(args.out) / "results.json", {"seeds": seeds, "setting": setting, "rows": rows})
         print(f"[{time.time() - t0:6.0f} s] {loss} | {label} | w={weight} | test MAP@R {pm(vals['map@r'])}", flush=True)
@@ -150,15 +155,18 @@ def main():
          f"{args.train_blocks} stage(s) trained over the cached frozen prefix with the default tail recipe, "
          f"{args.epochs} epochs, seeds {', '.join(map(str, seeds))}, mean ± std; weights chosen on validation "
          "classes (seed 0); test classes reported.", "",
-         "| base | arm | weight | test MAP@R | R@1 | NMI | val MAP@R | last-epoch terms (mean over seeds) | s/run |",
-         "|---|---|---|---|---|---|---|---|---|"]
+         "| base | arm | seeds | weight | test MAP@R | R@1 | NMI | val MAP@R | last-epoch terms (mean over seeds) "
+         "| s/run |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         parts = {k: np.mean([p[k] for p in r["parts"] if k in p]) for k in DIAG if any(k in p for p in r["parts"])}
         terms = ", ".join(f"{k} {v:.4g}" for k, v in parts.items())
         tuned = "/".join(f"{t['weight']:g}" for t in r["tuning_on_val"])
         tune = f" (from {tuned})" if tuned else ""
         w = "—" if r["regularizer"] is None else f"{r['weight']:g}{tune}"
-        L.append(f"| {r['loss']} | {r['arm']} | {w} | {pm(r['map@r'])} | {pm(r['recall@1'])} | {pm(r['nmi'])} | "
+        arm_seeds = ",".join(map(str, r.get("seeds", seeds)))
+        L.append(f"| {r['loss']} | {r['arm']} | {arm_seeds} | {w} | {pm(r['map@r'])} | {pm(r['recall@1'])} | "
+                 f"{pm(r['nmi'])} | "
                  f"{pm(r['val_map@r'])} | {terms} | {np.mean(r['seconds']):.0f} |")
     write_text(Path(args.out) / "results.md", "\n".join(L) + "\n")
     print("\n".join(L))
