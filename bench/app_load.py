@@ -1,4 +1,4 @@
-"""Load: N concurrent clients × Q queries against the app on loopback (issues 6 and 14).
+"""Load: N concurrent clients × Q queries against the app on loopback.
 
   python bench/app_load.py [--index artifacts/demo/index] [--clients 4] [--queries 50]
                            [--client gradio|gradio-rest|http]

@@ -1,4 +1,4 @@
-"""Issue-14 speed: the Compare tab on a new strategy, where one search request's time goes, and
+"""Speed of the Compare tab on a new strategy, where one search request's time goes, and
 search latency under concurrent clients.
 
   python bench/compare_bench.py [--index artifacts/demo/index] [--repeats 5] [--clients 4] [--queries 25]

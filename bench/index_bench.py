@@ -1,4 +1,4 @@
-"""Issue-5 performance: search under refined metrics vs raw FAISS, and indexing throughput.
+"""Search performance: search under refined metrics vs raw FAISS, and indexing throughput.
 
   python bench/index_bench.py [--sizes 10000,100000,1000000] [--dims 128,1280] [--out bench/results/index]
 

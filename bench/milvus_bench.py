@@ -1,4 +1,4 @@
-"""Issue-13 §4: single-query latency of Milvus Lite vs FAISS Flat, and their top-k agreement.
+"""Single-query latency of Milvus Lite vs FAISS Flat, and their top-k agreement.
 
   python bench/milvus_bench.py [--n 100000] [--queries 200] [--out bench/results/milvus]
 

@@ -1,4 +1,4 @@
-"""Issue-13 §3: IVF with on-disk inverted lists (index/backends/ondisk.py) on synthetic data.
+"""IVF with on-disk inverted lists (index/backends/ondisk.py) on synthetic data.
 
   python bench/ondisk_bench.py --n 1000000 [--workdir /tmp/ondisk_bench] [--out bench/results/ondisk]
 

@@ -1,5 +1,5 @@
-"""Regularizer ablation on kanji, 3 seeds each: issue 4's on frozen efficientnet_lite0 features,
-and issue 12's (§5) on trained tails, the papers' setting.
+"""Regularizer ablation on kanji, 3 seeds each: on frozen efficientnet_lite0 features,
+and on trained tails, the papers' setting.
 
   python bench/reg_ablation.py [--seeds 0,1,2] [--out bench/results/regularizers]
   python bench/reg_ablation.py --setting tail [--train-blocks 1] [--epochs 10]
@@ -7,7 +7,7 @@ and issue 12's (§5) on trained tails, the papers' setting.
 
 `--setting tail` trains the last --train-blocks stages of efficientnet_lite0 (over the
 cached frozen prefix, BN frozen) plus the neck, with the pairings and weight grids of
-issue 12 §5 (each grid holds the paper's value): determinant λ1 = λ2 × ε and NIR with
+the tail plan (each grid holds the paper's value): determinant λ1 = λ2 × ε and NIR with
 ProxyAnchor, NIR also with ProxyNCA, CGML with Triplet and Binomial, skewed mean with
 ProxyAnchor.  Finished runs are reused, so an interrupted run resumes.
 
@@ -55,7 +55,7 @@ VARIANTS = {"determinant+1": ("determinant", ("determinant.variant=plus_one",)),
             "determinant-e0.2": ("determinant", ("determinant.epsilon=0.2",)),
             "determinant-e0.4": ("determinant", ("determinant.epsilon=0.4",))}
 DET = [0.01, 0.05, 0.1, 0.2]  # λ1 = λ2 (lambda_max < 0: the same as the weight)
-TAIL_PLAN = [  # issue 12 §5: the pairing each paper uses; ≥ 4 weights including the paper's
+TAIL_PLAN = [  # the pairing each paper uses; ≥ 4 weights including the paper's
     ("proxy_anchor", None, None),
     ("proxy_anchor", "nir", [0.001, 0.01, 0.05, 0.1]),
     ("proxy_anchor", "skewed_mean", [0.01, 0.1, 0.5, 1.0]),
@@ -123,7 +123,7 @@ def main():
     ap.add_argument("--out", default="bench/results/regularizers")
     ap.add_argument("--only", help="run just this regularizer's rows (no report); to split the work")
     ap.add_argument("--setting", choices=("frozen", "tail"), default="frozen",
-                    help="frozen features (issue 4) or trained tails (issue 12 §5) (default: %(default)s)")
+                    help="frozen features or trained tails (default: %(default)s)")
     ap.add_argument("--train-blocks", type=int, default=1, help="tail setting: stages trained (default: %(default)s)")
     ap.add_argument("--epochs", type=int, default=10, help="tail setting: epochs per run (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per run (0 = default) (default: %(default)s)")

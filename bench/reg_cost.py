@@ -1,4 +1,4 @@
-"""Issue-4 training cost: per-step wall time of each regularizer as a ratio to its plain base.
+"""Training cost of the regularizers: per-step wall time of each regularizer as a ratio to its plain base.
 
   python bench/reg_cost.py [--steps 30] [--modes frozen,tail,finetune] [--out bench/results/reg_cost]
 

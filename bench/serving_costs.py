@@ -1,4 +1,4 @@
-"""Where one served query's time goes, stage by stage, against one whole search (issue 14).
+"""Where one served query's time goes, stage by stage, against one whole search.
 
   python bench/serving_costs.py [--index artifacts/demo/index]
 
@@ -63,7 +63,7 @@ def interleaved_ms(fs: dict, repeat: int) -> dict:
 
 
 def previous_random(M, r: float, seed: int):
-    """Random restraint and its dense operator as built before issue 14's serving work."""
+    """Random restraint and its dense operator as built before the serving path was reworked (the reference)."""
     from index.refinements.paper import _pair_indices
 
     out = M.copy()

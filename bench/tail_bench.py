@@ -1,4 +1,4 @@
-"""Issue-12 results: trained trunks on kanji, mean ± std over seeds, and the tail/fine-tune cost ratio.
+"""Trained trunks on kanji, mean ± std over seeds, and the tail/fine-tune cost ratio.
 
   python bench/tail_bench.py [--seeds 0,1,2] [--out bench/results/tail] [--runs runs/bench-tail]
 

@@ -1,4 +1,4 @@
-"""Issue-3 results: kanji test MAP@R / R@1 / NMI, mean ± std over seeds.
+"""Training results: kanji test MAP@R / R@1 / NMI, mean ± std over seeds.
 
   python bench/train_bench.py [--seeds 0,1,2] [--out bench/results/train]
 

@@ -1,4 +1,4 @@
-"""Fault tests with real processes (issue 11): SIGKILL at injected points of the directory
+"""Fault tests with real processes: SIGKILL at injected points of the directory
 swap, and two concurrent `index add` on one index.  The points are set by DML_FAULT
 (core.atomic.fault_point), so nothing here depends on timing."""
 import os

@@ -98,7 +98,7 @@ def tiny_train(tmp_path, *args, check=True):
 
 
 def test_refused_configurations_write_nothing(tmp_path):
-    """The issue's reproductions, as a user runs them (more refusals: tests/training/test_train_cli.py)."""
+    """A new user's reproductions, as they ran them (more refusals: tests/training/test_train_cli.py)."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     for name in ("best.pt", "latest.pt"):

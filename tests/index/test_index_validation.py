@@ -1,4 +1,4 @@
-"""Never answer garbage, never lose data (issue 11), in-process through the index CLI:
+"""Never answer garbage, never lose data, in-process through the index CLI:
 damaged index contents, bad arrays to add and to search with, huge numbers, guarded
 outputs and a full disk each give one `error:` line and exit 2, and change nothing."""
 import errno

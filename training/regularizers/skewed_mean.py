@@ -3,9 +3,8 @@
 Proxies p_1…p_C (normalised), cosine similarities s_ij.
 R1, log-sum-exp per centre (the "skewed mean" of its similarities):
     R1 = (1/C) Σ_i (1/γ) log( (1/(C−1)) Σ_{j≠i} exp(γ (s_ij − δ)) )
-  This differs from the issue's formula only by the constant log(C−1)/γ inside
-  (we average, not sum, inside the log), which leaves gradients unchanged and
-  makes the limits clean: γ → +∞ gives the max, γ → −∞ the min, γ → 0 the mean.
+  Averaging rather than summing inside the log changes R1 only by the constant log(C−1)/γ,
+  which leaves gradients unchanged and makes the limits clean: γ → +∞ gives the max, γ → −∞ the min, γ → 0 the mean.
 R2, power mean of order −λ of the distances d_ij = ‖p_i − p_j‖ (positive, as
   power means need):  M_{−λ}(d) = (mean d_ij^{−λ})^{−1/λ}; λ = 1 is the
   UniformFace energy.  We penalise relu(δ₂ − M_{−λ}(d)), δ₂ = √2 by default
