@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from core.atomic import write_json, write_text
 from core.logs import setup_logging
 from training.config import TrainConfig
+from training.step import Diverged
 from training.trainer import train_or_reuse
 
 KEYS = ("map@r", "recall@1", "nmi")
@@ -83,7 +84,14 @@ def run_one(loss, reg, params, weight, seed, runs, setting) -> tuple[dict, Path]
     if reg is not None:
         kw |= dict(regularizer=(reg,), reg_weight=(float(weight),), reg_param=tuple(params))
     cfg = TrainConfig(out=str(out), seed=seed, loss=loss, progress=False, **kw)
-    m, _ = train_or_reuse(cfg)
+    mark = Path(str(out) + ".diverged")  # beside the run: a later invocation does not train it again
+    if mark.is_file():
+        return None, out
+    try:
+        m, _ = train_or_reuse(cfg)
+    except Diverged as e:
+        write_text(mark, f"{e}\n")
+        return None, out
     return m, out
 
 
@@ -125,11 +133,16 @@ def main():
         tuning = []
         if isinstance(weights, list):
             for w in weights:
-                m, _ = run_one(loss, reg, params, w, seeds[0], args.runs, setting)
+                m, out = run_one(loss, reg, params, w, seeds[0], args.runs, setting)
+                if m is None:  # a weight whose training diverged is recorded and never chosen
+                    tuning.append({"weight": w, "val_map@r": None,
+                                   "diverged": Path(str(out) + ".diverged").read_text().strip()})
+                    print(f"[{time.time() - t0:6.0f} s]   tune {loss} {label} w={w:g}: diverged", flush=True)
+                    continue
                 tuning.append({"weight": w, "val_map@r": m["val"]["map@r"]})
                 print(f"[{time.time() - t0:6.0f} s]   tune {loss} {label} w={w:g}: val MAP@R "
                       f"{100 * m['val']['map@r']:.2f}", flush=True)
-            weight = max(tuning, key=lambda t: t["val_map@r"])["weight"]
+            weight = max((t for t in tuning if t["val_map@r"] is not None), key=lambda t: t["val_map@r"])["weight"]
             chosen[f"{loss}:{reg}"] = weight
         elif isinstance(weights, str):
             weight = chosen[f"{loss}:{weights.split(':', 1)[1]}"]
@@ -139,6 +152,8 @@ def main():
         arm_seeds = variant_seeds if "," in label.split("(")[0] else seeds  # "determinant, logdet R": a variant
         for s in arm_seeds:
             m, out = run_one(loss, reg, params, weight if reg is not None else 0.0, s, args.runs, setting)
+            if m is None:
+                raise SystemExit(f"error: {out} diverged at a weight validation chose on seed {seeds[0]}")
             for k in KEYS:
                 vals[k].append(m["test"][k])
             vals["val_map@r"].append(m["val"]["map@r"])
@@ -161,7 +176,8 @@ def main():
     for r in rows:
         parts = {k: np.mean([p[k] for p in r["parts"] if k in p]) for k in DIAG if any(k in p for p in r["parts"])}
         terms = ", ".join(f"{k} {v:.4g}" for k, v in parts.items())
-        tuned = "/".join(f"{t['weight']:g}" for t in r["tuning_on_val"])
+        tuned = "/".join(f"{t['weight']:g}" + (" diverged" if t["val_map@r"] is None else "")
+                         for t in r["tuning_on_val"])
         tune = f" (from {tuned})" if tuned else ""
         w = "—" if r["regularizer"] is None else f"{r['weight']:g}{tune}"
         arm_seeds = ",".join(map(str, r.get("seeds", seeds)))

@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from core.errors import UserError
+
 from .regularizers import BatchContext
 
 
@@ -136,4 +138,18 @@ class Step:
             from .distributed import mean_over_ranks
 
             parts = mean_over_ranks(parts, self.device)
+        check_finite(parts)  # after the mean over ranks: every rank sees the same parts and stops together
         return parts
+
+
+class Diverged(UserError):
+    """A training step's loss (or one of its parts) became NaN or infinite."""
+
+
+def check_finite(parts: dict) -> None:
+    """Stop a run whose loss has diverged, naming the parts that did, instead of training on
+    NaN weights until an evaluation fails on NaN embeddings."""
+    bad = {k: v for k, v in parts.items() if not math.isfinite(v)}
+    if bad:
+        raise Diverged("training diverged: " + ", ".join(f"{k} = {v}" for k, v in bad.items())
+                       + " (lower --lr, or the weight of the regularizer named)")

@@ -327,3 +327,32 @@ def test_the_training_step_total_is_the_official_objective():
     nir = float(reg.objective(reg.nll(emb, y, loss.class_proxies())))
     assert float(total) == pytest.approx(nir + 0.01 * base, rel=1e-5)
     assert parts["loss"] == pytest.approx(base, rel=1e-6)
+
+
+def test_a_diverged_step_stops_the_run_naming_the_part():
+    """A NaN or infinite loss part stops training with the part named (not NaN weights trained on
+    until an evaluation fails on NaN embeddings)."""
+    from training.step import Diverged, check_finite
+
+    check_finite({"loss": 1.0, "nir": 0.0})
+    with pytest.raises(Diverged, match=r"training diverged: nir = inf .*weight of the regularizer"):
+        check_finite({"loss": 1.0, "nir": float("inf")})
+    with pytest.raises(Diverged, match="loss = nan"):
+        check_finite({"loss": float("nan")})
+
+
+def test_a_step_whose_regularizer_overflows_raises_diverged():
+    from model.backbones import build_backbone
+    from model.network import EmbeddingModel
+    from training.step import Diverged, Step
+
+    torch.manual_seed(0)
+    model = EmbeddingModel(build_backbone("small_cnn", weights="none"), 6)
+    reg, loss = make(d=6)
+    reg.objective = lambda nll: torch.exp(1e4 * nll.abs()).mean()  # overflows to inf in float32
+    params = [*model.parameters(), *loss.parameters(), *reg.parameters()]
+    step = Step(model, loss, [reg], opt=torch.optim.SGD(params, lr=0.1), grad_clip=0.0)
+    x = torch.randn(8, 3, 32, 32)
+    y = torch.tensor([0, 0, 1, 1, 2, 3, 3, 4])
+    with pytest.raises(Diverged, match="nir = inf"):
+        step(model.backbone, x, y, torch.Generator().manual_seed(0))
