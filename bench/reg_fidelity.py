@@ -15,8 +15,13 @@ test classes.  For each regularizer, three arms on the same base loss:
              (seed 0) from a grid holding the paper's value;
 and the named variants against it, at the chosen weight (the tail recipe's 30-epoch probe first): determinant
 logdet vs plus_one and ε = 0 vs 0.4, NIR's former NLL form, CGML's former half-batches.  Each term's
-magnitude is logged next to the metric loss's (the last epoch's mean, from each run's log.jsonl).  Finished runs
-are reused, and results are written after every arm, so an interrupted run resumes.
+magnitude is logged next to the metric loss's (the last epoch's mean, from each run's log.jsonl).
+
+Finished runs are reused, and so are the measurements already in --out/results.json (same base loss,
+regularizer, parameters, weight and seed), so a run folder that is gone is not trained again: delete
+results.json to re-measure everything.  Results are merged into results.json after every arm (under
+a lock, keeping the other arms' rows), so an interrupted run resumes and `--only` invocations can run
+side by side.
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ import argparse
 import json
 import sys
 import time
+from contextlib import contextmanager
+from fnmatch import fnmatch
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from core.atomic import write_json, write_text
+from core.errors import UserError
+from core.locks import exclusive_lock
 from core.logs import setup_logging
 from training.config import TrainConfig
 from training.step import Diverged
@@ -46,11 +55,11 @@ PLAN = [  # the cheap arms first, the slow flows (determinant, then NIR: about 1
     ("proxy_anchor", "skewed_mean", "skewed_mean", (), [0.1, 1.0, 10.0]),
     ("binomial", "plain", None, (), None),
     ("binomial", "cgml control (two full batches, weight 0)", "cgml", (), 0.0),
-    ("binomial", "cgml", "cgml", (), None),  # grid: the registry's default weight and a decade either side
+    ("binomial", "cgml", "cgml", (), "wide"),  # grid: the registry's default weight, a decade below, 3 above
     ("binomial", "cgml, former half batches", "cgml", ("cgml.batches=split",), "chosen:cgml"),
     ("triplet", "plain", None, (), None),
     ("triplet", "cgml control (two full batches, weight 0)", "cgml", (), 0.0),
-    ("triplet", "cgml", "cgml", (), None),
+    ("triplet", "cgml", "cgml", (), "wide"),
     ("proxy_anchor", "determinant control (flows, R off, ε = 0)", "determinant", ("determinant.epsilon=0",), 0.0),
     ("proxy_anchor", "determinant", "determinant", (), [0.01, 0.05, 0.2]),
     ("proxy_anchor", "determinant, logdet R", "determinant", ("determinant.variant=logdet",), "chosen:determinant"),
@@ -66,19 +75,70 @@ PLAN = [  # the cheap arms first, the slow flows (determinant, then NIR: about 1
     # the paper's weight with the flow at the official code's absolute rate: 5 × our base lr 1e-4 =
     # 50 × its 1e-5 (docs/fidelity.md); at 50 × ours the paper's weight diverges
     ("proxy_anchor", "nir, flow at the official absolute learning rate (5e-4)", "nir", ("nir.flow_lr_mult=5",),
-     1.0),
+     None),
 ]
 # the diagnostics shown beside each arm (means of the last epoch's logged parts, when present)
 DIAG = ("loss", "determinant", "R_min", "R_max", "R_min_real", "R_max_real", "nir", "nir_nll", "cgml", "L_GC",
         "skewed_mean", "max_proxy_cos")
 
 
-def default_grid(reg: str) -> list[float]:
-    """The registry's default weight (the paper's value) with a decade either side."""
+def default_grid(reg: str, wide: bool = False) -> list[float]:
+    """The registry's default weight (the paper's value) with a decade either side (wide: three decades above)."""
     from training.regularizers import REGULARIZERS
 
     w = float(REGULARIZERS.get(reg).spec.weight)
-    return [w / 10, w, w * 10]
+    return [w / 10, w, w * 10] + ([w * 100, w * 1000] if wide else [])
+
+
+def die(msg: str):
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def arm_key(loss, reg, params, weight, seed) -> str:
+    return json.dumps([loss, reg, sorted(params), None if reg is None else float(weight), seed])
+
+
+def recorded(rows: list[dict]) -> tuple[dict, dict]:
+    """Measurements already in results.json: per (loss, regularizer, params, weight, seed), the arm's
+    test and validation metrics, and the validation MAP@R (None: diverged) of the weights tuned."""
+    arms, tuned = {}, {}
+    for r in rows:
+        reg, params = r["regularizer"], r["params"]
+        for i, s in enumerate(r["seeds"][:len(r["map@r"])]):
+            arms[arm_key(r["loss"], reg, params, r["weight"] or 0.0, s)] = {
+                "test": {k: r[k][i] for k in KEYS}, "val": {"map@r": r["val_map@r"][i]},
+                "train_seconds": r["seconds"][i], "parts": r["parts"][i], "measured": r.get("measured")}
+        if r.get("diverged") and len(r["map@r"]) < len(r["seeds"]):  # the seed that diverged
+            arms[arm_key(r["loss"], reg, params, r["weight"] or 0.0, r["seeds"][len(r["map@r"])])] = {
+                "diverged": r["diverged"], "measured": r.get("measured")}
+        for t in r.get("tuning_on_val", []):
+            tuned[arm_key(r["loss"], reg, params, t["weight"], r.get("tuning_seed", r["seeds"][0]))] = t
+    return arms, tuned
+
+
+@contextmanager
+def results_lock(path: Path):
+    """Wait for the lock on results.json: two `--only` invocations merge their rows in turn."""
+    while True:
+        try:
+            with exclusive_lock(path, "results"):
+                yield
+                return
+        except UserError:
+            time.sleep(1.0)
+
+
+def merge_rows(path: Path, rows: list[dict], seeds, setting) -> list[dict]:
+    """Write `rows` into results.json, replacing rows of the same (base, arm), keeping the others, in PLAN order."""
+    with results_lock(path):
+        old = json.loads(path.read_text())["rows"] if path.is_file() else []
+        new = {(r["loss"], r["arm"]): r for r in rows}
+        merged = {(r["loss"], r["arm"]): r for r in old} | new
+        order = {(p[0], p[1]): i for i, p in enumerate(PLAN)}
+        out = sorted(merged.values(), key=lambda r: order.get((r["loss"], r["arm"]), len(order)))
+        write_json(path, {"seeds": seeds, "setting": setting, "rows": out})
+    return out
 
 
 def run_one(loss, reg, params, weight, seed, runs, setting) -> tuple[dict, Path]:
@@ -116,7 +176,8 @@ def main():
     ap.add_argument("--train-blocks", type=int, default=1, help="trained stages (default: %(default)s)")
     ap.add_argument("--epochs", type=int, default=10, help="epochs per run (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads per run (default: %(default)s)")
-    ap.add_argument("--only", help="only the arms of this regularizer (and their plain base)")
+    ap.add_argument("--only", help="only the arms of this regularizer, or whose label matches this glob "
+                    "(e.g. 'nir, former*'), and their plain base (default: every arm)")
     ap.add_argument("--variant-seeds", help="seeds for the former-form variants (the arms labelled "
                     "'NAME, variant'), when fewer than --seeds are affordable (default: --seeds)")
     ap.add_argument("--runs", default="runs/bench-reg-fidelity", help="run folders, reused (default: %(default)s)")
@@ -127,64 +188,108 @@ def main():
     variant_seeds = seeds if args.variant_seeds is None else [int(s) for s in args.variant_seeds.split(",")]
     setting = dict(mode="tail", train_blocks=args.train_blocks, epochs=args.epochs, device="cpu", probe_epochs=30,
                    threads=args.threads)
+    out_json = Path(args.out) / "results.json"
+    old = json.loads(out_json.read_text()) if out_json.is_file() else None
+    same = ("mode", "train_blocks", "epochs", "probe_epochs")  # what the runs depend on (not the thread count)
+    if old is not None and any(old["setting"].get(k) != setting[k] for k in same):
+        die(f"{out_json} holds runs of another setting ({old['setting']}); choose another --out")
+    rec_arms, rec_tuned = recorded(old["rows"] if old else [])
+    today = time.strftime("%Y-%m-%d")
     t0 = time.time()
     chosen: dict[str, float] = {}
-    rows = []
-    plan = [p for p in PLAN if args.only is None or p[2] in (None, args.only)]
+    rows: list[dict] = []
+    plan = [p for p in PLAN if args.only is None or p[2] in (None, args.only) or fnmatch(p[1], args.only)]
+    if args.only is not None and all(p[2] is None for p in plan):
+        die(f"--only {args.only!r} names no regularizer and matches no arm")
     for loss, label, reg, params, weights in plan:
-        if reg is not None and weights is None:
-            weights = default_grid(reg)
+        if reg is not None and weights in (None, "wide"):
+            weights = default_grid(reg, wide=weights == "wide")
         tuning = []
         if isinstance(weights, list):
             for w in weights:
-                m, out = run_one(loss, reg, params, w, seeds[0], args.runs, setting)
-                if m is None:  # a weight whose training diverged is recorded and never chosen
-                    tuning.append({"weight": w, "val_map@r": None,
-                                   "diverged": Path(str(out) + ".diverged").read_text().strip()})
-                    print(f"[{time.time() - t0:6.0f} s]   tune {loss} {label} w={w:g}: diverged", flush=True)
-                    continue
-                tuning.append({"weight": w, "val_map@r": m["val"]["map@r"]})
-                print(f"[{time.time() - t0:6.0f} s]   tune {loss} {label} w={w:g}: val MAP@R "
-                      f"{100 * m['val']['map@r']:.2f}", flush=True)
+                key = arm_key(loss, reg, params, w, seeds[0])
+                if key in rec_tuned:  # measured before (its run folder may be gone)
+                    tuning.append(rec_tuned[key])
+                elif key in rec_arms:
+                    tuning.append({"weight": w, "val_map@r": rec_arms[key]["val"]["map@r"]})
+                else:
+                    m, out = run_one(loss, reg, params, w, seeds[0], args.runs, setting)
+                    if m is None:  # a weight whose training diverged is recorded and never chosen
+                        tuning.append({"weight": w, "val_map@r": None,
+                                       "diverged": Path(str(out) + ".diverged").read_text().strip()})
+                    else:
+                        tuning.append({"weight": w, "val_map@r": m["val"]["map@r"]})
+                t = tuning[-1]
+                print(f"[{time.time() - t0:6.0f} s]   tune {loss} {label} w={w:g}: " + (
+                    "diverged" if t["val_map@r"] is None else f"val MAP@R {100 * t['val_map@r']:.2f}"), flush=True)
             weight = max((t for t in tuning if t["val_map@r"] is not None), key=lambda t: t["val_map@r"])["weight"]
             chosen[f"{loss}:{reg}"] = weight
-        elif isinstance(weights, str):
-            weight = chosen[f"{loss}:{weights.split(':', 1)[1]}"]
+        elif isinstance(weights, str):  # "chosen:LABEL": this invocation's choice, else the recorded one
+            ref = weights.split(":", 1)[1]
+            if f"{loss}:{ref}" not in chosen:
+                prior = [r for r in (old["rows"] if old else []) if r["loss"] == loss and r["arm"] == ref]
+                if not prior:
+                    die(f"'{loss} | {label}' takes the weight chosen for '{ref}', which is neither in "
+                             f"this invocation nor in {out_json}")
+                chosen[f"{loss}:{ref}"] = prior[0]["weight"]
+            weight = chosen[f"{loss}:{ref}"]
         else:
             weight = weights
-        vals = {k: [] for k in KEYS} | {"val_map@r": [], "seconds": [], "parts": []}
+        vals: dict = {k: [] for k in KEYS} | {"val_map@r": [], "seconds": [], "parts": []}
         diverged = None
+        dates = set()
         arm_seeds = variant_seeds if "," in label.split("(")[0] else seeds  # "determinant, logdet R": a variant
         for s in arm_seeds:
-            m, out = run_one(loss, reg, params, weight if reg is not None else 0.0, s, args.runs, setting)
-            if m is None:  # diverged: the arm is reported as such, with what diverged
-                diverged = Path(str(out) + ".diverged").read_text().strip()
-                print(f"[{time.time() - t0:6.0f} s] {loss} | {label} | w={weight} | seed {s}: {diverged}", flush=True)
-                break
+            w = weight if reg is not None else 0.0
+            key = arm_key(loss, reg, params, w, s)
+            if key in rec_arms:
+                m = rec_arms[key]
+                dates.add(m.get("measured") or "2026-11-24")  # rows before dates were recorded: that day's run
+                if "diverged" in m:
+                    diverged = m["diverged"]
+                    break
+                parts = m["parts"]
+            else:
+                m, out = run_one(loss, reg, params, w, s, args.runs, setting)
+                if m is None:  # diverged: the arm is reported as such, with what diverged
+                    diverged = Path(str(out) + ".diverged").read_text().strip()
+                    print(f"[{time.time() - t0:6.0f} s] {loss} | {label} | w={weight} | seed {s}: {diverged}",
+                          flush=True)
+                    dates.add(today)
+                    break
+                parts = last_epoch_parts(out)
+                dates.add(today)
             for k in KEYS:
                 vals[k].append(m["test"][k])
             vals["val_map@r"].append(m["val"]["map@r"])
             vals["seconds"].append(m.get("train_seconds", float("nan")))
-            vals["parts"].append(last_epoch_parts(out))
+            vals["parts"].append(parts)
         rows.append({"loss": loss, "arm": label, "regularizer": reg, "params": list(params), "weight": weight,
-                     "seeds": arm_seeds, "diverged": diverged, "tuning_on_val": tuning, **vals})
-        write_json(Path(args.out) / "results.json", {"seeds": seeds, "setting": setting, "rows": rows})
+                     "seeds": arm_seeds, "diverged": diverged, "tuning_on_val": tuning, "tuning_seed": seeds[0],
+                     "measured": max(dates) if dates else today, **vals})
+        merge_rows(out_json, rows, seeds, setting)
         if diverged:
             continue
         print(f"[{time.time() - t0:6.0f} s] {loss} | {label} | w={weight} | test MAP@R {pm(vals['map@r'])}", flush=True)
-    cmd = "python " + " ".join(["bench/reg_fidelity.py"] + sys.argv[1:])
+    rows = merge_rows(out_json, rows, seeds, setting)
+    argv = sys.argv[1:]
+    if "--only" in argv:  # the table holds every arm: name the command that measures them all
+        i = argv.index("--only")
+        argv = argv[:i] + argv[i + 2:]
+    cmd = "python " + " ".join(["bench/reg_fidelity.py"] + argv)
     L = ["# Regularizers as their papers define them, with controls (kanji, trained tail)", "",
-         f"`{cmd}`, measured {time.strftime('%Y-%m-%d')} on 2 CPU cores: efficientnet_lite0 (ImageNet), last "
+         f"`{cmd}` (each row's measurement date in its last column) on 2 CPU cores: efficientnet_lite0 "
+         f"(ImageNet), last "
          f"{args.train_blocks} stage(s) trained over the cached frozen prefix with the default tail recipe, "
          f"{args.epochs} epochs, seeds {', '.join(map(str, seeds))}, mean ± std; weights chosen on validation "
          "classes (seed 0); test classes reported.", "",
          "| base | arm | seeds | weight | test MAP@R | R@1 | NMI | val MAP@R | last-epoch terms (mean over seeds) "
-         "| s/run |",
-         "|---|---|---|---|---|---|---|---|---|---|"]
+         "| s/run | measured |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("diverged"):
             L.append(f"| {r['loss']} | {r['arm']} | {','.join(map(str, r['seeds']))} | {r['weight']:g} | diverged: "
-                     f"{r['diverged']} | | | | | |")
+                     f"{r['diverged']} | | | | | | {r.get('measured', '2026-11-24')} |")
             continue
         parts = {k: np.mean([p[k] for p in r["parts"] if k in p]) for k in DIAG if any(k in p for p in r["parts"])}
         terms = ", ".join(f"{k} {v:.4g}" for k, v in parts.items())
@@ -195,7 +300,7 @@ def main():
         arm_seeds = ",".join(map(str, r.get("seeds", seeds)))
         L.append(f"| {r['loss']} | {r['arm']} | {arm_seeds} | {w} | {pm(r['map@r'])} | {pm(r['recall@1'])} | "
                  f"{pm(r['nmi'])} | "
-                 f"{pm(r['val_map@r'])} | {terms} | {np.mean(r['seconds']):.0f} |")
+                 f"{pm(r['val_map@r'])} | {terms} | {np.mean(r['seconds']):.0f} | {r.get('measured', '2026-11-24')} |")
     write_text(Path(args.out) / "results.md", "\n".join(L) + "\n")
     print("\n".join(L))
 
