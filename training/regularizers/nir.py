@@ -43,7 +43,10 @@ from .base import BatchContext, Regularizer
 from .registry import REGULARIZERS
 
 W_ALIGN = 0.01  # official parameters.py: --loss_nir_w_align
-FLOW_LR_MULT = 50.0  # --loss_nir_lrmulti (flow and condition embedder)
+FLOW_LR_MULT = 50.0  # --loss_nir_lrmulti (flow and condition embedder), on the official base lr 1e-5
+# The official absolute flow rate, 50 × 1e-5 = 5e-4, on our default base lr 1e-4: at 50 × 1e-4 the paper's
+# weight diverges (exp(NLL) overflows early in training).
+FLOW_LR_MULT_DEFAULT = FLOW_LR_MULT * 1e-5 / 1e-4
 PROXY_LR_SCALE = 4000.0 / 2000.0  # --loss_nir_proxy_lrmulti over the proxy loss's --loss_oproxy_lrmulti
 
 
@@ -67,8 +70,9 @@ class NIRParams:
         "dense_embed (an official option): through a Linear-ReLU-Linear d→d→d embedder first")
     noise: float = param(0.0, "input noise: x + noise·U[0,1), re-normalised, training only (official: 0, "
                               "--loss_nir_noise)")
-    flow_lr_mult: float = param(FLOW_LR_MULT, "flow and embedder learning rate = lr × this (official: 50, "
-                                              "--loss_nir_lrmulti)")
+    flow_lr_mult: float = param(FLOW_LR_MULT_DEFAULT, "flow and embedder learning rate = lr × this; 5 on the "
+                                                      "default lr 1e-4 is the official absolute rate 5e-4 (official: "
+                                                      "50 × its base lr 1e-5, --loss_nir_lrmulti)")
     proxy_lr_scale: float = param(PROXY_LR_SCALE, "the loss's proxies train at this × --proxy-lr-mult "
                                                   "(official: 2 = 4000/2000, --loss_nir_proxy_lrmulti over "
                                                   "--loss_oproxy_lrmulti); 1 = the former rate")
