@@ -208,7 +208,7 @@ def test_refusals(tmp_path):
 
 
 @pytest.mark.parametrize("loss,regs,params,head", [
-    # NIR's flow at lr × 5: the official 50× is relative to a base lr of 1e-5, this test's is 1e-3
+    # NIR at its default flow multiplier (5), named so that the case holds if the default moves
     ("proxy_anchor", ("determinant", "nir", "skewed_mean"), ("determinant.transforms=2", "determinant.hidden=16",
                                                              "nir.flow_lr_mult=5"),
      "embed_head"),
