@@ -404,8 +404,8 @@ def main():
     for m, title in METRICS:
         L += [f"## {title}", "",
               "| method | trained [cosine] | trained [bilinear] | identity [cosine] | identity [bilinear] | "
-              "best diagonal [bilinear] (r) | best diagonal, |M′| [cosine] (r) | best diagonal, clipped [cosine] (r) | "
-              "best random [bilinear] (r) | validation-selected |",
+              "best diagonal [bilinear] (r) | best diagonal, \\|M′\\| [cosine] (r) | "
+              "best diagonal, clipped [cosine] (r) | best random [bilinear] (r) | validation-selected |",
               "|---|---|---|---|---|---|---|---|---|---|"]
         for loss in losses:
             runs = per_loss[loss]
