@@ -52,7 +52,7 @@ KEYS = ("map@r", "recall@1", "nmi")
 PLAN = [  # the cheap arms first, the slow flows (determinant, then NIR: about 10× a plain run) last
     ("proxy_anchor", "plain", None, (), None),
     ("proxy_anchor", "skewed_mean control (weight 0)", "skewed_mean", (), 0.0),
-    ("proxy_anchor", "skewed_mean", "skewed_mean", (), [0.1, 1.0, 10.0]),
+    ("proxy_anchor", "skewed_mean", "skewed_mean", (), [0.01, 0.1, 1.0, 10.0]),
     ("binomial", "plain", None, (), None),
     ("binomial", "cgml control (two full batches, weight 0)", "cgml", (), 0.0),
     ("binomial", "cgml", "cgml", (), "wide"),  # grid: the registry's default weight, a decade below, 3 above
@@ -69,7 +69,7 @@ PLAN = [  # the cheap arms first, the slow flows (determinant, then NIR: about 1
      "chosen:determinant"),
     # weight 0: the flow gets no gradient, so its learning rate cannot matter
     ("proxy_anchor", "nir control (weight 0)", "nir", (), 0.0),
-    ("proxy_anchor", "nir", "nir", (), None),
+    ("proxy_anchor", "nir", "nir", (), [0.01, 0.1, 1.0, 10.0]),  # the paper's 1; validation chose 0.1 of 0.1-10
     # the official code's multiplier on our base lr 1e-4: the flow at 5e-3, ten times the official absolute rate
     ("proxy_anchor", "nir, flow at 50 × lr (the official multiplier on our tenfold base lr)", "nir",
      ("nir.flow_lr_mult=50",), [0.1, 1.0, 10.0]),
@@ -211,14 +211,15 @@ def main():
                 if key in rec_tuned:  # measured before (its run folder may be gone)
                     tuning.append(rec_tuned[key])
                 elif key in rec_arms:
-                    tuning.append({"weight": w, "val_map@r": rec_arms[key]["val"]["map@r"]})
+                    tuning.append({"weight": w, "val_map@r": rec_arms[key]["val"]["map@r"],
+                                   "measured": rec_arms[key].get("measured") or "2026-11-24"})
                 else:
                     m, out = run_one(loss, reg, params, w, seeds[0], args.runs, setting)
                     if m is None:  # a weight whose training diverged is recorded and never chosen
-                        tuning.append({"weight": w, "val_map@r": None,
+                        tuning.append({"weight": w, "val_map@r": None, "measured": today,
                                        "diverged": Path(str(out) + ".diverged").read_text().strip()})
                     else:
-                        tuning.append({"weight": w, "val_map@r": m["val"]["map@r"]})
+                        tuning.append({"weight": w, "val_map@r": m["val"]["map@r"], "measured": today})
                 t = tuning[-1]
                 print(f"[{time.time() - t0:6.0f} s]   tune {loss} {label} w={w:g}: " + (
                     "diverged" if t["val_map@r"] is None else f"val MAP@R {100 * t['val_map@r']:.2f}"), flush=True)
@@ -266,7 +267,8 @@ def main():
             vals["parts"].append(parts)
         rows.append({"loss": loss, "arm": label, "regularizer": reg, "params": list(params), "weight": weight,
                      "seeds": arm_seeds, "diverged": diverged, "tuning_on_val": tuning, "tuning_seed": seeds[0],
-                     "measured": max(dates) if dates else today, **vals})
+                     "measured": max(dates | {t.get("measured", "2026-11-24") for t in tuning}, default=today),
+                     **vals})
         merge_rows(out_json, rows, seeds, setting)
         if diverged:
             continue
@@ -288,8 +290,11 @@ def main():
          "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("diverged"):
-            L.append(f"| {r['loss']} | {r['arm']} | {','.join(map(str, r['seeds']))} | {r['weight']:g} | diverged: "
-                     f"{r['diverged']} | | | | | | {r.get('measured', '2026-11-24')} |")
+            done = r["seeds"][:len(r["map@r"])]
+            before = (f"seeds {','.join(map(str, done))}: {pm(r['map@r'])}; " if done else "")
+            L.append(f"| {r['loss']} | {r['arm']} | {','.join(map(str, r['seeds']))} | {r['weight']:g} | {before}seed "
+                     f"{r['seeds'][len(done)]} diverged: {r['diverged']} | | | | | | "
+                     f"{r.get('measured', '2026-11-24')} |")
             continue
         parts = {k: np.mean([p[k] for p in r["parts"] if k in p]) for k in DIAG if any(k in p for p in r["parts"])}
         terms = ", ".join(f"{k} {v:.4g}" for k, v in parts.items())
