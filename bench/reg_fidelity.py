@@ -53,6 +53,8 @@ PLAN = [  # the cheap arms first, the slow flows (determinant, then NIR: about 1
     ("proxy_anchor", "plain", None, (), None),
     ("proxy_anchor", "skewed_mean control (weight 0)", "skewed_mean", (), 0.0),
     ("proxy_anchor", "skewed_mean", "skewed_mean", (), [0.01, 0.1, 1.0, 10.0]),
+    # whether the term acts at all: the grid's top, where it moves the largest proxy-proxy cosine
+    ("proxy_anchor", "skewed_mean, weight 10", "skewed_mean", (), 10.0),
     ("binomial", "plain", None, (), None),
     ("binomial", "cgml control (two full batches, weight 0)", "cgml", (), 0.0),
     ("binomial", "cgml", "cgml", (), "wide"),  # grid: the registry's default weight, a decade below, 3 above
