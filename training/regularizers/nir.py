@@ -95,8 +95,9 @@ class NIRParams:
     "nir", NIRParams, weight=1.0,
     doc="non-isotropy: a proxy-conditioned GLOW flow on the embeddings (NIR; the official code's defaults: "
         "variant=official, mean exp(NLL) at weight 1 + w_align 0.01 × the proxy loss, flow=glow with clamp 2 "
-        "and 8-layer sub-networks, condition=dense; other variants: variant=nll|exp (with w_align=1), "
-        "flow=glow_checkered, condition=dense_embed, input=raw)")
+        "and 8-layer sub-networks, condition=dense, the flow at the official absolute rate 5e-4 "
+        "(flow_lr_mult=5 on lr 1e-4); other variants: variant=nll|exp (with w_align=1), flow=glow_checkered, "
+        "condition=dense_embed, input=raw, flow_lr_mult=50 (the official multiplier on our tenfold base lr))")
 class NIRRegularizer(Regularizer):
     name = "nir"
     needs_proxies = True
