@@ -35,6 +35,11 @@ STRATS = [("trained", "cosine"), ("identity", "cosine"), ("diagonal", "bilinear"
           ("shrink", "cosine"), ("spectral", "cosine")]
 
 
+def gradio_args(strat: str, mode: str, seed: int) -> list:
+    """Gradio's /search after the image: strategy, r, seed, psd, alpha, p, mode, k, rerank, rerank_params."""
+    return [strat, 0.5, seed, "abs", 0.5, 0.5, mode, 10, "none", ""]
+
+
 def client(job) -> tuple[list[tuple[str, float]], list[str], float]:
     """One client: `queries` searches in a row, cycling images and strategies;
     ([(strategy, seconds)], errors, the client's CPU seconds)."""
@@ -45,7 +50,7 @@ def client(job) -> tuple[list[tuple[str, float]], list[str], float]:
         c = Client(url, verbose=False)
 
         def search(path, strat, mode, q):
-            return c.predict(handle_file(path), strat, 0.5, q, 0.5, 0.5, mode, 10, api_name="/search")
+            return c.predict(handle_file(path), *gradio_args(strat, mode, q), api_name="/search")
     elif kind == "gradio-rest":  # Gradio's own HTTP API, as curl uses it: the UI's handler and queue
         import json
 
@@ -58,7 +63,7 @@ def client(job) -> tuple[list[tuple[str, float]], list[str], float]:
             up = h.post(url + "gradio_api/upload", files={"files": (Path(path).name, Path(path).read_bytes())})
             up.raise_for_status()
             image = {"path": up.json()[0], "meta": {"_type": "gradio.FileData"}}
-            ev = h.post(url + "gradio_api/call/search", json={"data": [image, strat, 0.5, q, 0.5, 0.5, mode, 10],
+            ev = h.post(url + "gradio_api/call/search", json={"data": [image, *gradio_args(strat, mode, q)],
                                                                 "session_hash": session})
             ev.raise_for_status()
             body = h.get(url + "gradio_api/call/search/" + ev.json()["event_id"]).text
