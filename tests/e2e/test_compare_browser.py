@@ -2,6 +2,7 @@
 point opens that query; a non-trained left side chosen in the page drives both tabs, and a click
 on a result opens the why panel."""
 import re
+from contextlib import contextmanager
 
 import pytest
 from app_helpers import chromium_path, needs_chromium
@@ -15,6 +16,19 @@ def launch_chromium(p):
         "--disable-sync", "--no-first-run"])
 
 
+@contextmanager
+def browser_page(width: int, height: int):
+    """A page of a fresh headless Chromium, which is closed however the test ends."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = launch_chromium(p)
+        try:
+            yield browser.new_page(viewport={"width": width, "height": height})
+        finally:
+            browser.close()
+
+
 def wait_for_link(page, item_id: int):
     """The share box names the query once both panels are filled."""
     page.wait_for_function("(q) => (document.querySelector('#share-link textarea, #share-link input') || {}).value"
@@ -23,37 +37,30 @@ def wait_for_link(page, item_id: int):
 
 @needs_chromium
 def test_shared_link_then_click_a_point(server, tmp_path):
-    from playwright.sync_api import sync_playwright
-
     url, svc, _ = server
     shared = int(svc.data.items.ids[5])
-    with sync_playwright() as p:
-        browser = launch_chromium(p)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1100})
-            page.goto(f"{url}?q={shared}&strategy=spectral&p=0.5&mode=cosine&k=6", wait_until="load")
-            page.get_by_text("Right: spectral(p=0.5) · cosine").first.wait_for(timeout=60000)
-            page.get_by_text("Left: trained · cosine").first.wait_for(timeout=30000)
-            wait_for_link(page, shared)
-            galleries = page.locator(".result-gallery")
-            assert [galleries.nth(i).locator("button.thumbnail-item").count() for i in range(2)] == [6, 6]
-            assert "Query class: **" not in page.content()  # rendered as bold text, not markdown
-            page.get_by_role("tab", name="Compare").click()
-            points = page.locator("#cmp-scatter circle[data-id]")
-            points.first.wait_for(timeout=60000)
-            assert points.count() == len(svc.data.items)
-            assert page.locator("#cmp-scatter text", has_text="★").count() == 1  # the shared query is marked
-            page.screenshot(path=str(tmp_path / "compare_tab.png"), full_page=True)
-            # the topmost point (drawn last) other than the query's: points with equal APs overlap
-            ids = [int(i) for i in points.evaluate_all("cs => cs.map(c => c.dataset.id)")]
-            target = next(i for i in reversed(ids) if i != shared)
-            page.locator(f'#cmp-scatter circle[data-id="{target}"]').click()
-            wait_for_link(page, target)  # the Search tab, searched with the clicked query
-            assert page.get_by_text("Right: spectral(p=0.5) · cosine").first.is_visible()
-            assert page.locator(".result-gallery").first.is_visible()
-            page.screenshot(path=str(tmp_path / "after_click.png"), full_page=True)
-        finally:
-            browser.close()
+    with browser_page(1400, 1100) as page:
+        page.goto(f"{url}?q={shared}&strategy=spectral&p=0.5&mode=cosine&k=6", wait_until="load")
+        page.get_by_text("Right: spectral(p=0.5) · cosine").first.wait_for(timeout=60000)
+        page.get_by_text("Left: trained · cosine").first.wait_for(timeout=30000)
+        wait_for_link(page, shared)
+        galleries = page.locator(".result-gallery")
+        assert [galleries.nth(i).locator("button.thumbnail-item").count() for i in range(2)] == [6, 6]
+        assert "Query class: **" not in page.content()  # rendered as bold text, not markdown
+        page.get_by_role("tab", name="Compare").click()
+        points = page.locator("#cmp-scatter circle[data-id]")
+        points.first.wait_for(timeout=60000)
+        assert points.count() == len(svc.data.items)
+        assert page.locator("#cmp-scatter text", has_text="★").count() == 1  # the shared query is marked
+        page.screenshot(path=str(tmp_path / "compare_tab.png"), full_page=True)
+        # the topmost point (drawn last) other than the query's: points with equal APs overlap
+        ids = [int(i) for i in points.evaluate_all("cs => cs.map(c => c.dataset.id)")]
+        target = next(i for i in reversed(ids) if i != shared)
+        page.locator(f'#cmp-scatter circle[data-id="{target}"]').click()
+        wait_for_link(page, target)  # the Search tab, searched with the clicked query
+        assert page.get_by_text("Right: spectral(p=0.5) · cosine").first.is_visible()
+        assert page.locator(".result-gallery").first.is_visible()
+        page.screenshot(path=str(tmp_path / "after_click.png"), full_page=True)
     assert (tmp_path / "compare_tab.png").stat().st_size > 10_000
 
 
@@ -70,44 +77,37 @@ def visible_controls(page, name: str) -> int:
 
 @needs_chromium
 def test_two_configurations_and_the_why_panel(server, tmp_path):
-    from playwright.sync_api import sync_playwright
-
     url, svc, _ = server
     q = int(svc.data.items.ids[9])
-    with sync_playwright() as p:
-        browser = launch_chromium(p)
-        try:
-            page = browser.new_page(viewport={"width": 1500, "height": 1300})
-            # an old link (right side only): trained on the left
-            page.goto(f"{url}?q={q}&strategy=spectral&p=0.5&mode=cosine&k=6", wait_until="load")
-            page.get_by_text("Left: trained · cosine").first.wait_for(timeout=60000)
-            wait_for_link(page, q)
-            assert visible_controls(page, "alpha") == 0 and visible_controls(page, "p") == 1  # spectral's own
-            # a non-trained left side, chosen in the page: its parameters appear, both panels search
-            choose(page, "left-strategy", "shrink")
-            page.get_by_text("Left: shrink(alpha=0.5) · cosine").first.wait_for(timeout=60000)
-            page.wait_for_function("() => (document.querySelector('#share-link textarea, #share-link input') || {})"
-                                   ".value?.includes('left_strategy=shrink')", timeout=60000)
-            assert visible_controls(page, "alpha") == 1 and visible_controls(page, "r") == 0
-            assert page.get_by_text("Right: spectral(p=0.5) · cosine").first.is_visible()
-            # why did the right panel's third result move?
-            page.locator("#right-results button.thumbnail-item").nth(2).click()
-            why = page.locator("#why")
-            why.get_by_text("score difference (right − left)").wait_for(timeout=60000)
-            assert why.locator("svg.why-bars rect").count() >= 3
-            assert why.locator(".why-strip").count() >= 1 and "rank" in why.inner_text()
-            page.screenshot(path=str(tmp_path / "why.png"), full_page=True)
-            # the Compare tab compares the two configurations, its scatter coloured by top-k overlap
-            page.get_by_role("tab", name="Compare").click()
-            points = page.locator("#cmp-scatter circle[data-id]")
-            points.first.wait_for(timeout=60000)
-            page.get_by_text("shrink(alpha=0.5) · cosine (x) vs spectral(p=0.5) · cosine (y)").wait_for(timeout=30000)
-            page.locator("#cmp-colour").get_by_text("Jaccard@k").click()
-            page.locator("#cmp-scatter text", has_text="colour: Jaccard@6").wait_for(timeout=30000)
-            assert points.count() == len(svc.data.items)
-            page.screenshot(path=str(tmp_path / "compare_two.png"), full_page=True)
-        finally:
-            browser.close()
+    with browser_page(1500, 1300) as page:
+        # an old link (right side only): trained on the left
+        page.goto(f"{url}?q={q}&strategy=spectral&p=0.5&mode=cosine&k=6", wait_until="load")
+        page.get_by_text("Left: trained · cosine").first.wait_for(timeout=60000)
+        wait_for_link(page, q)
+        assert visible_controls(page, "alpha") == 0 and visible_controls(page, "p") == 1  # spectral's own
+        # a non-trained left side, chosen in the page: its parameters appear, both panels search
+        choose(page, "left-strategy", "shrink")
+        page.get_by_text("Left: shrink(alpha=0.5) · cosine").first.wait_for(timeout=60000)
+        page.wait_for_function("() => (document.querySelector('#share-link textarea, #share-link input') || {})"
+                               ".value?.includes('left_strategy=shrink')", timeout=60000)
+        assert visible_controls(page, "alpha") == 1 and visible_controls(page, "r") == 0
+        assert page.get_by_text("Right: spectral(p=0.5) · cosine").first.is_visible()
+        # why did the right panel's third result move?
+        page.locator("#right-results button.thumbnail-item").nth(2).click()
+        why = page.locator("#why")
+        why.get_by_text("score difference (right − left)").wait_for(timeout=60000)
+        assert why.locator("svg.why-bars rect").count() >= 3
+        assert why.locator(".why-strip").count() >= 1 and "rank" in why.inner_text()
+        page.screenshot(path=str(tmp_path / "why.png"), full_page=True)
+        # the Compare tab compares the two configurations, its scatter coloured by top-k overlap
+        page.get_by_role("tab", name="Compare").click()
+        points = page.locator("#cmp-scatter circle[data-id]")
+        points.first.wait_for(timeout=60000)
+        page.get_by_text("shrink(alpha=0.5) · cosine (x) vs spectral(p=0.5) · cosine (y)").wait_for(timeout=30000)
+        page.locator("#cmp-colour").get_by_text("Jaccard@k").click()
+        page.locator("#cmp-scatter text", has_text="colour: Jaccard@6").wait_for(timeout=30000)
+        assert points.count() == len(svc.data.items)
+        page.screenshot(path=str(tmp_path / "compare_two.png"), full_page=True)
     assert (tmp_path / "why.png").stat().st_size > 10_000
 
 
@@ -115,37 +115,30 @@ def test_two_configurations_and_the_why_panel(server, tmp_path):
 def test_a_reranker_per_panel(server, tmp_path, monkeypatch):
     """A link's re-ranker opens with its parameters shown; one chosen in the page searches that panel,
     goes into the link, the why panel and the Compare tab."""
-    from playwright.sync_api import sync_playwright
-
     from index.rerankers import RERANKERS
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # dba's offline cache: not the user's
     url, svc, _ = server
     q = int(svc.data.items.ids[11])
-    with sync_playwright() as p:
-        browser = launch_chromium(p)
-        try:
-            page = browser.new_page(viewport={"width": 1500, "height": 1400})
-            page.goto(f"{url}?q={q}&strategy=identity&mode=cosine&rerank=aqe&rerank_n=3&k=6", wait_until="load")
-            page.get_by_text("Right: identity · cosine · aqe(n=3, alpha=3.0)").first.wait_for(timeout=60000)
-            wait_for_link(page, q)
-            assert visible_controls(page, "n") == 1 and visible_controls(page, "k1") == 0  # aqe's own, one panel
-            # the left panel's re-ranker, chosen in the page
-            doc = RERANKERS.get("dba").doc.split(":")[0]
-            choose(page, "left-rerank", f"dba — {doc}")
-            page.get_by_text("Left: trained · cosine · dba(n=2, alpha=3.0)").first.wait_for(timeout=60000)
-            page.wait_for_function("() => (document.querySelector('#share-link textarea, #share-link input') || {})"
-                                   ".value?.includes('left_rerank=dba')", timeout=60000)
-            assert visible_controls(page, "n") == 2  # dba's on the left, aqe's on the right
-            page.locator("#right-results button.thumbnail-item").nth(1).click()
-            why = page.locator("#why")
-            why.get_by_text("does not apply", exact=False).first.wait_for(timeout=60000)
-            assert why.locator(".why-support").count() == 2 and why.locator(".why-strip").count() == 0
-            page.screenshot(path=str(tmp_path / "why_rerank.png"), full_page=True)
-            page.get_by_role("tab", name="Compare").click()
-            page.get_by_text("trained · cosine · dba(n=2, alpha=3.0) (x) vs identity · cosine · aqe(n=3, alpha=3.0) "
-                             "(y)").wait_for(timeout=120000)
-            assert page.locator("#cmp-scatter circle[data-id]").count() == len(svc.data.items)
-        finally:
-            browser.close()
+    with browser_page(1500, 1400) as page:
+        page.goto(f"{url}?q={q}&strategy=identity&mode=cosine&rerank=aqe&rerank_n=3&k=6", wait_until="load")
+        page.get_by_text("Right: identity · cosine · aqe(n=3, alpha=3.0)").first.wait_for(timeout=60000)
+        wait_for_link(page, q)
+        assert visible_controls(page, "n") == 1 and visible_controls(page, "k1") == 0  # aqe's own, one panel
+        # the left panel's re-ranker, chosen in the page
+        doc = RERANKERS.get("dba").doc.split(":")[0]
+        choose(page, "left-rerank", f"dba — {doc}")
+        page.get_by_text("Left: trained · cosine · dba(n=2, alpha=3.0)").first.wait_for(timeout=60000)
+        page.wait_for_function("() => (document.querySelector('#share-link textarea, #share-link input') || {})"
+                               ".value?.includes('left_rerank=dba')", timeout=60000)
+        assert visible_controls(page, "n") == 2  # dba's on the left, aqe's on the right
+        page.locator("#right-results button.thumbnail-item").nth(1).click()
+        why = page.locator("#why")
+        why.get_by_text("does not apply", exact=False).first.wait_for(timeout=60000)
+        assert why.locator(".why-support").count() == 2 and why.locator(".why-strip").count() == 0
+        page.screenshot(path=str(tmp_path / "why_rerank.png"), full_page=True)
+        page.get_by_role("tab", name="Compare").click()
+        page.get_by_text("trained · cosine · dba(n=2, alpha=3.0) (x) vs identity · cosine · aqe(n=3, alpha=3.0) "
+                         "(y)").wait_for(timeout=120000)
+        assert page.locator("#cmp-scatter circle[data-id]").count() == len(svc.data.items)
     assert (tmp_path / "why_rerank.png").stat().st_size > 10_000
