@@ -61,7 +61,8 @@ PLAN = [  # the cheap arms first, the slow flows (determinant, then NIR: about 1
     ("binomial", "cgml, former half batches", "cgml", ("cgml.batches=split",), "chosen:cgml"),
     ("triplet", "plain", None, (), None),
     ("triplet", "cgml control (two full batches, weight 0)", "cgml", (), 0.0),
-    ("triplet", "cgml", "cgml", (), "wide"),
+    # the paper's λ for Triplet is 0.001 (0.002, the registry's default, is its Binomial and N-pair value)
+    ("triplet", "cgml", "cgml", (), [0.0002, 0.001, 0.002, 0.02, 0.2, 2.0]),
     ("proxy_anchor", "determinant control (flows, R off, ε = 0)", "determinant", ("determinant.epsilon=0",), 0.0),
     ("proxy_anchor", "determinant", "determinant", (), [0.01, 0.05, 0.2]),
     ("proxy_anchor", "determinant, logdet R", "determinant", ("determinant.variant=logdet",), "chosen:determinant"),
