@@ -29,7 +29,6 @@ import argparse
 import json
 import sys
 import time
-from contextlib import contextmanager
 from fnmatch import fnmatch
 from pathlib import Path
 
@@ -39,7 +38,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from core.atomic import write_json, write_text
-from core.errors import UserError
 from core.locks import exclusive_lock
 from core.logs import setup_logging
 from training.config import TrainConfig
@@ -81,6 +79,8 @@ PLAN = [  # the cheap arms first, the slow flows (determinant, then NIR: about 1
       "nir.w_align=1", "nir.flow_lr_mult=50"), 0.001),
 ]
 # the diagnostics shown beside each arm (means of the last epoch's logged parts, when present)
+# rows measured before each row recorded its date were all measured on this day
+UNDATED = "2026-11-24"
 DIAG = ("loss", "determinant", "R_min", "R_max", "R_min_real", "R_max_real", "nir", "nir_nll", "cgml", "L_GC",
         "skewed_mean", "max_proxy_cos")
 
@@ -120,21 +120,9 @@ def recorded(rows: list[dict]) -> tuple[dict, dict]:
     return arms, tuned
 
 
-@contextmanager
-def results_lock(path: Path):
-    """Wait for the lock on results.json: two `--only` invocations merge their rows in turn."""
-    while True:
-        try:
-            with exclusive_lock(path, "results"):
-                yield
-                return
-        except UserError:
-            time.sleep(1.0)
-
-
 def merge_rows(path: Path, rows: list[dict], seeds, setting) -> list[dict]:
     """Write `rows` into results.json, replacing rows of the same (base, arm), keeping the others, in PLAN order."""
-    with results_lock(path):
+    with exclusive_lock(path, "results", wait=True):  # two `--only` invocations merge in turn
         old = json.loads(path.read_text())["rows"] if path.is_file() else []
         new = {(r["loss"], r["arm"]): r for r in rows}
         merged = {(r["loss"], r["arm"]): r for r in old} | new
@@ -215,7 +203,7 @@ def main():
                     tuning.append(rec_tuned[key])
                 elif key in rec_arms:
                     tuning.append({"weight": w, "val_map@r": rec_arms[key]["val"]["map@r"],
-                                   "measured": rec_arms[key].get("measured") or "2026-11-24"})
+                                   "measured": rec_arms[key].get("measured") or UNDATED})
                 else:
                     m, out = run_one(loss, reg, params, w, seeds[0], args.runs, setting)
                     if m is None:  # a weight whose training diverged is recorded and never chosen
@@ -248,7 +236,7 @@ def main():
             key = arm_key(loss, reg, params, w, s)
             if key in rec_arms:
                 m = rec_arms[key]
-                dates.add(m.get("measured") or "2026-11-24")  # rows before dates were recorded: that day's run
+                dates.add(m.get("measured") or UNDATED)
                 if "diverged" in m:
                     diverged = m["diverged"]
                     break
@@ -270,7 +258,7 @@ def main():
             vals["parts"].append(parts)
         rows.append({"loss": loss, "arm": label, "regularizer": reg, "params": list(params), "weight": weight,
                      "seeds": arm_seeds, "diverged": diverged, "tuning_on_val": tuning, "tuning_seed": seeds[0],
-                     "measured": max(dates | {t.get("measured", "2026-11-24") for t in tuning}, default=today),
+                     "measured": max(dates | {t.get("measured", UNDATED) for t in tuning}, default=today),
                      **vals})
         merge_rows(out_json, rows, seeds, setting)
         if diverged:
@@ -297,7 +285,7 @@ def main():
             before = (f"seeds {','.join(map(str, done))}: {pm(r['map@r'])}; " if done else "")
             L.append(f"| {r['loss']} | {r['arm']} | {','.join(map(str, r['seeds']))} | {r['weight']:g} | {before}seed "
                      f"{r['seeds'][len(done)]} diverged: {r['diverged']} | | | | | | "
-                     f"{r.get('measured', '2026-11-24')} |")
+                     f"{r.get('measured', UNDATED)} |")
             continue
         parts = {k: np.mean([p[k] for p in r["parts"] if k in p]) for k in DIAG if any(k in p for p in r["parts"])}
         terms = ", ".join(f"{k} {v:.4g}" for k, v in parts.items())
@@ -308,7 +296,7 @@ def main():
         arm_seeds = ",".join(map(str, r.get("seeds", seeds)))
         L.append(f"| {r['loss']} | {r['arm']} | {arm_seeds} | {w} | {pm(r['map@r'])} | {pm(r['recall@1'])} | "
                  f"{pm(r['nmi'])} | "
-                 f"{pm(r['val_map@r'])} | {terms} | {np.mean(r['seconds']):.0f} | {r.get('measured', '2026-11-24')} |")
+                 f"{pm(r['val_map@r'])} | {terms} | {np.mean(r['seconds']):.0f} | {r.get('measured', UNDATED)} |")
     write_text(Path(args.out) / "results.md", "\n".join(L) + "\n")
     print("\n".join(L))
 

@@ -28,8 +28,9 @@ def lock_path(path: str | os.PathLike) -> Path:
 
 
 @contextlib.contextmanager
-def exclusive_lock(path: str | os.PathLike, what: str = "index") -> Iterator[None]:
-    """Hold an exclusive `flock` on `path`'s lock file, or raise UserError naming the holder's PID.
+def exclusive_lock(path: str | os.PathLike, what: str = "index", wait: bool = False) -> Iterator[None]:
+    """Hold an exclusive `flock` on `path`'s lock file, or raise UserError naming the holder's PID
+    (`wait`: block until the holder is done instead, for writers that take turns).
 
     The kernel drops the lock when the holder exits, however it exits: no stale locks.  The
     holder removes the lock file when it is done, so nothing is left beside the output; a
@@ -42,7 +43,7 @@ def exclusive_lock(path: str | os.PathLike, what: str = "index") -> Iterator[Non
     while True:
         fd = os.open(lp, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
             os.close(fd)

@@ -161,6 +161,23 @@ def test_exclusive_lock_refuses_a_second_holder_with_the_pid_and_leaves_no_file(
         pass
 
 
+def test_a_waiting_lock_blocks_until_the_holder_is_done(tmp_path):
+    import threading
+
+    order = []
+    with exclusive_lock(tmp_path / "res", "results"):
+        def second():
+            with exclusive_lock(tmp_path / "res", "results", wait=True):  # another open file description
+                order.append("second")
+        t = threading.Thread(target=second)
+        t.start()
+        t.join(0.5)
+        assert t.is_alive() and order == []  # blocked, not refused
+        order.append("first done")
+    t.join(10)
+    assert order == ["first done", "second"] and list(tmp_path.iterdir()) == []
+
+
 def test_the_lock_file_is_a_sibling_that_survives_the_directory_swap(tmp_path):
     write_version(tmp_path / "idx", "1")
     with exclusive_lock(tmp_path / "idx"):
