@@ -114,17 +114,19 @@ def on_strategy(strategy: str) -> list:
 
 def param_control(sp: SharedParam, api: bool = False, visible: bool = True):
     """The control for one strategy parameter, from its registry metadata: a file upload,
-    a slider (where it declares a range), else a number or text box.  `api`: a plain value."""
+    a slider over its bounds (where both ends are finite; the bounds validation enforces), else a
+    number or text box.  `api`: a plain value."""
     label = sp.name if api else f"{sp.name}: {sp.describe()}"
+    bounds = sp.metadata.get("bounds")
     if sp.metadata.get("file"):
         return gr.File(label=label, file_types=list(sp.metadata["file"]), type="filepath", visible=visible)
-    if "range" in sp.metadata and not api:
-        lo, hi = sp.metadata["range"]
+    if bounds is not None and bounds.finite() and not api:
+        lo, hi = bounds.finite()
         return gr.Slider(lo, hi, sp.default, step=sp.metadata.get("step", (hi - lo) / 20), label=label,
                          visible=visible)
     if typing.get_origin(sp.type) is typing.Literal:  # a fixed set of values: choose, don't type
         return gr.Dropdown(list(typing.get_args(sp.type)), value=sp.default, label=label, visible=visible)
-    if sp.type in (int, float):
+    if sp.type in (int, float):  # out-of-bounds values reach validation, which names the bounds
         return gr.Number(sp.default, precision=0 if sp.type is int else None, label=label, visible=visible)
     return gr.Textbox(sp.default, label=label, visible=visible)
 

@@ -1,6 +1,6 @@
 """Typed configuration: dataclasses with defaults, argparse generated from them, TOML files.
 
-A field's help text lives in its metadata (`field(default, metadata={"help": ...})`);
+Fields are declared with `core.params.param` (default, help, bounds); validation checks the bounds;
 tuples are given on the command line comma-separated; bools get --x/--no-x.
 `--config FILE.toml` loads the same fields from a file; flags given on the
 command line override the file (the file's values become the parser's defaults).

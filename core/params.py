@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Iterable
@@ -18,9 +19,92 @@ from typing import Any
 from .errors import UserError
 
 
-def param(default, help_: str, **metadata):
-    """A parameter field: its default and the help that `--help` and `list` show."""
-    return field(default=default, metadata={"help": help_, **metadata})
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """An interval a numeric parameter must lie in, written as in mathematics: "[0, 1]", "(0, 1)",
+    "[1, inf)" (an open end refuses its endpoint; an infinite end bounds nothing)."""
+    lo: float
+    hi: float
+    lo_open: bool
+    hi_open: bool
+    text: str
+
+    @classmethod
+    def parse(cls, text: str) -> Bounds:
+        s = text.strip()
+        if len(s) < 5 or s[0] not in "[(" or s[-1] not in "])" or "," not in s:
+            raise ValueError(f"bounds {text!r}: want an interval such as '[0, 1]' or '(0, inf)'")
+        lo_s, hi_s = (v.strip() for v in s[1:-1].split(",", 1))
+        lo, hi = float(lo_s), float(hi_s)
+        if not lo <= hi:
+            raise ValueError(f"bounds {text!r}: the lower end is above the upper one")
+        return cls(lo, hi, s[0] == "(" or math.isinf(lo), s[-1] == ")" or math.isinf(hi), s)
+
+    def __contains__(self, v) -> bool:
+        above = v > self.lo if self.lo_open else v >= self.lo
+        below = v < self.hi if self.hi_open else v <= self.hi
+        return bool(above and below)
+
+    def finite(self) -> tuple[float, float] | None:
+        """(lo, hi) where both ends are finite (a slider's range), else None."""
+        return None if math.isinf(self.lo) or math.isinf(self.hi) else (self.lo, self.hi)
+
+    def describe(self) -> str:
+        """'in [0, 1]', or '≥ 1' / '> 0' / '≤ 4' where one end is infinite."""
+        if math.isinf(self.hi) and not math.isinf(self.lo):
+            return f"{'>' if self.lo_open else '≥'} {_num(self.lo)}"
+        if math.isinf(self.lo) and not math.isinf(self.hi):
+            return f"{'<' if self.hi_open else '≤'} {_num(self.hi)}"
+        return f"in {self.text}"
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else str(v)
+
+
+def param(default, help_: str, *, bounds: str | None = None, step: float | None = None,
+          nonfinite: bool = False, **metadata):
+    """The one way to declare a parameter or setting: a dataclass field with its default, the help
+    that `--help`, `list` and the app show, and optionally
+      bounds     an interval ("[0, 1]", "(0, inf)", "[1, inf)") that validation enforces and the
+                 app's slider or number box spans (core.params.check_fields);
+      step       the app's slider step;
+      nonfinite  a float may be NaN or ±inf (by default it must be finite);
+    plus free metadata a registry reads (`flag`, `file`, `label`, `cli`)."""
+    md = {"help": help_, **metadata}
+    if bounds is not None:
+        md["bounds"] = Bounds.parse(bounds)
+    if step is not None:
+        md["step"] = step
+    if nonfinite:
+        md["nonfinite"] = True
+    return field(default=default, metadata=md)
+
+
+def bounds_of(f: dataclasses.Field) -> Bounds | None:
+    return f.metadata.get("bounds")
+
+
+def check_fields(obj, what: str, name=lambda n: n) -> None:
+    """Refuse a field value outside its declared bounds or its `Literal` choices, and a non-finite
+    float where the field does not allow one (each value of a tuple field too).  `name` turns a field
+    name into how the message names it (a flag: '--embed-dim')."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        t = unwrap_optional(hints[f.name])
+        v = getattr(obj, f.name)
+        values = list(v) if typing.get_origin(t) is tuple and isinstance(v, tuple) else [v]
+        b = bounds_of(f)
+        label = f"{what}: {name(f.name)}" if what else name(f.name)
+        if typing.get_origin(t) is typing.Literal and v is not None and v not in typing.get_args(t):
+            raise UserError(f"{label} must be one of {list(typing.get_args(t))}, got {v!r}")
+        for x in values:
+            if isinstance(x, bool) or not isinstance(x, (int, float)):
+                continue
+            if isinstance(x, float) and not math.isfinite(x) and not f.metadata.get("nonfinite"):
+                raise UserError(f"{label} must be a finite number, got {x}")
+            if b is not None and x not in b:
+                raise UserError(f"{label} must be {b.describe()}, got {x}")
 
 
 def field_default(f: dataclasses.Field):
@@ -148,6 +232,7 @@ def build_params(cls: type, given: dict | None, what: str, *, ignore_unknown: bo
             continue
         kw[key] = convert(v, hints[key], f"{what}: {key}")
     p = cls(**kw)
+    check_fields(p, what)
     if hasattr(p, "validate"):
         p.validate()
     return p

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from core.params import check_fields, param
 
 DEFAULT_IMAGE_SIZE = 224        # photos, unless the data set's registry entry says otherwise
 DEFAULT_RESIZE_MODE = "crop"    # resize the shorter side to size·256/224, then centre-crop
@@ -17,21 +19,19 @@ DEFAULT_RESIZE_MODE = "crop"    # resize the shorter side to size·256/224, then
 
 @dataclass
 class DataConfig:
-    dataset: str = field(default="kanji", metadata={"help": "data set"})
-    data_root: str | None = field(default=None, metadata={"help": "data-set folder (kanji: render cache, "
-                                                                   "default cache/kanji)"})
-    num_classes: int = field(default=500, metadata={"help": "kanji: characters to render (0 = all ~3,300)"})
-    image_size: int = field(default=0, metadata={"help": "input size in pixels; 0 = the data set's default "
-                                                         "(kanji 64, others 224)"})
-    resize_mode: Literal["auto", "crop", "resize", "pad"] = field(default="auto", metadata={
-        "help": "how images reach the square input: crop (resize to 256/224 of the size, centre crop: "
-                "photos), resize (squash: square glyphs), pad (pad to square with the border, then resize: "
-                "full-bleed icons); auto = the data set's own (kanji resize, others crop)"})
-    data_seed: int = field(default=0, metadata={"help": "seed of the class split (and kanji class choice)"})
-    val_fraction: float = field(default=0.2, metadata={"help": "fraction of train classes held out for validation"})
-    kanji_fonts: tuple[str, ...] = field(default=(), metadata={"help": "kanji: font ids to use (default all 23)"})
-    workers: int = field(default=1, metadata={"help": "image-loading worker processes"})
-    eval_batch_size: int = field(default=128, metadata={"help": "batch size for embedding images"})
+    dataset: str = param("kanji", "data set")
+    data_root: str | None = param(None, "data-set folder (kanji: render cache, default cache/kanji)")
+    num_classes: int = param(500, "kanji: characters to render (0 = all ~3,300)", bounds="[0, inf)")
+    image_size: int = param(0, "input size in pixels; 0 = the data set's default (kanji 64, others 224)")
+    resize_mode: Literal["auto", "crop", "resize", "pad"] = param(
+        "auto", "how images reach the square input: crop (resize to 256/224 of the size, centre crop: photos), resize "
+        "(squash: square glyphs), pad (pad to square with the border, then resize: full-bleed icons); auto = the "
+        "data set's own (kanji resize, others crop)")
+    data_seed: int = param(0, "seed of the class split (and kanji class choice)", bounds="[0, inf)")
+    val_fraction: float = param(0.2, "fraction of train classes held out for validation", bounds="[0, 1)")
+    kanji_fonts: tuple[str, ...] = param((), "kanji: font ids to use (default all 23)")
+    workers: int = param(1, "image-loading worker processes", bounds="[0, inf)")
+    eval_batch_size: int = param(128, "batch size for embedding images", bounds="[1, inf)")
 
     def validate(self) -> None:
         """Refuse an impossible setting before anything is read or written."""
@@ -40,16 +40,9 @@ class DataConfig:
         from .registry import DATASETS
 
         DATASETS.get(self.dataset)
-        checks = [(self.num_classes >= 0, f"--num-classes must be ≥ 0 (0 = all), got {self.num_classes}"),
-                  (self.image_size == 0 or 16 <= self.image_size <= 2048,
-                   f"--image-size must be 0 (the data set's default) or 16 … 2048, got {self.image_size}"),
-                  (0.0 <= self.val_fraction < 1.0, f"--val-fraction must be in [0, 1), got {self.val_fraction}"),
-                  (self.data_seed >= 0, f"--data-seed must be ≥ 0, got {self.data_seed}"),
-                  (self.workers >= 0, f"--workers must be ≥ 0, got {self.workers}"),
-                  (self.eval_batch_size >= 1, f"--eval-batch-size must be ≥ 1, got {self.eval_batch_size}")]
-        for ok, msg in checks:
-            if not ok:
-                raise UserError(msg)
+        check_fields(self, "", name=lambda n: "--" + n.replace("_", "-"))  # every field's bounds (subclasses' too)
+        if not (self.image_size == 0 or 16 <= self.image_size <= 2048):
+            raise UserError(f"--image-size must be 0 (the data set's default) or 16 … 2048, got {self.image_size}")
 
     def dataset_spec(self):
         """The data set's registered `DatasetSpec` (the defaults for a name not registered)."""

@@ -18,6 +18,7 @@ from core.cli import command_parser
 from core.config import add_config_args, config_from_args, parse_with_config_file
 from core.errors import UserError
 from core.logs import setup_logging
+from core.params import param
 from data import DataConfig, load_data
 from data.config import resolve
 from data.registry import DATASETS
@@ -50,7 +51,7 @@ class CommandOptions:
     cache_dir: str = _as_in_train("cache_dir")
     threads: int = _as_in_train("threads")
     progress: bool = _as_in_train("progress")
-    device: str = field(default="auto", metadata={"help": DEVICE_HELP})
+    device: str = param("auto", DEVICE_HELP)
 
 
 def _ks(s: str) -> tuple[int, ...]:

@@ -3,10 +3,11 @@ of it before a run reads or writes anything."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from core.errors import UserError
+from core.params import param
 from data import DataConfig
 
 # fields that do not change what a run computes (so resume/reuse may differ in them)
@@ -16,73 +17,69 @@ RUNTIME_FIELDS = ("resume", "overwrite", "progress", "threads", "workers", "cach
 
 @dataclass
 class TrainConfig(DataConfig):
-    out: str = field(default="runs/default", metadata={"help": "run folder (checkpoints, logs, plots)"})
-    backbone: str = field(default="efficientnet_lite0", metadata={"help": "backbone"})
-    weights: str | None = field(default=None, metadata={"help": "backbone weights: imagenet | none | PATH"})
-    embed_dim: int = field(default=128, metadata={"help": "embedding size (rows of W)"})
-    loss: str = field(default="proxy_anchor", metadata={"help": "metric loss"})
-    loss_param: tuple[str, ...] = field(default=(), metadata={"help": "loss parameters key=value,..."})
-    mode: Literal["frozen", "tail", "finetune"] = field(default="frozen", metadata={
-        "help": "frozen: train the neck (and losses) on cached trunk features; tail: also the last "
-                "--train-blocks stages, over the frozen prefix's cached output maps (no augmentation: the "
-                "cache holds one view per image); finetune: the whole network on augmented images"})
-    train_blocks: int = field(default=0, metadata={
-        "help": "stages trained at the end of the backbone (`python -m training list backbones` lists "
-                "them); N > 0 alone means --mode tail; 0: the mode's own (frozen 0, tail 1, finetune all)"})
-    bn_freeze: Literal["auto", "on", "off"] = field(default="auto", metadata={
-        "help": "keep the trained stages' BatchNorm statistics frozen too (eval mode; the frozen prefix's "
-                "always are), as in the Proxy-Anchor recipe: small class-balanced batches make them drift; "
-                "auto: on for pretrained weights, off from scratch (--weights none)"})
-    lr_decay: float = field(default=1.0, metadata={
-        "help": "layer-wise learning-rate decay: each trained stage, counting back from the last, gets "
-                "lr × this^k"})
-    epochs: int = field(default=30, metadata={"help": "training epochs"})
-    batch_size: int = field(default=120, metadata={"help": "batch size"})
-    m_per_class: int = field(default=4, metadata={"help": "images per class in a batch (m-per-class sampler)"})
-    lr: float = field(default=1e-4, metadata={"help": "base learning rate"})
-    backbone_lr_mult: float = field(default=1.0, metadata={
-        "help": "trained backbone stages' learning rate = lr × this (the last one; see --lr-decay)"})
-    neck_lr_mult: float = field(default=10.0, metadata={
-        "help": "neck learning rate = lr × this; 0 keeps the neck W at its initialisation while the rest "
-                "trains (paper 004's regime: its checkpoints train the neck at lr 1e-6, so W barely moves)"})
-    neck_init: Literal["orthogonal", "pytorch"] = field(default="orthogonal", metadata={
-        "help": "the neck's initial W: orthogonal (rows orthonormal) | pytorch (nn.Linear's default uniform "
-                "init, as paper 004's checkpoints: tr(WᵀW) ≈ 42.7 for 128 rows)"})
-    proxy_lr_mult: float = field(default=100.0, metadata={"help": "proxy/loss learning rate = lr × this"})
-    weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay"})
-    warmup_epochs: int = field(default=0, metadata={
-        "help": "tail/finetune: first epochs with the backbone frozen (the neck and proxies settle first: "
-                "a gradual unfreeze)"})
-    probe_epochs: int = field(default=-1, metadata={
-        "help": "tail/finetune: epochs that train the neck and the loss alone, on cached frozen-trunk "
-                "features, before the trunk trains (linear probing, then fine-tuning: settled proxies keep "
-                "the first steps from distorting the pretrained trunk); the probe's best epoch, as a "
-                "frozen-neck run selects it, is the first selection candidate (epoch 0), so the run never "
-                "selects a model below the frozen neck of the same seed on validation; -1: 30 for tail and "
-                "finetune from pretrained weights (without it a 2-stage tail fell below the frozen neck on "
-                "a 1,900-class icon folder: its random neck and proxies pull the trunk off its features "
-                "first), 0 from scratch"})
-    grad_clip: float = field(default=10.0, metadata={"help": "gradient-norm clip (0 = off)"})
-    schedule: Literal["cosine", "none"] = field(default="cosine", metadata={"help": "learning-rate schedule"})
-    seed: int = field(default=0, metadata={"help": "training seed: same seed, same metrics"})
-    regularizer: tuple[str, ...] = field(default=(), metadata={"help": "regularizers to add (comma-separated)"})
-    reg_weight: tuple[float, ...] = field(default=(), metadata={
-        "help": "their weights, same order; empty: each regularizer's own"})
-    reg_param: tuple[str, ...] = field(default=(), metadata={"help": "regularizer parameters name.key=value,..."})
-    resume: bool = field(default=False, metadata={"help": "continue from the run folder's latest checkpoint"})
-    overwrite: bool = field(default=False, metadata={
-        "help": "replace an existing run in --out (only a run folder of ours; without it such a folder "
-                "is refused unless --resume)"})
-    precision: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata={
-        "help": "forward-pass precision (autocast; fp16 adds a gradient scaler and needs CUDA); losses, "
-                "flows and log-determinants stay fp32"})
-    device: str = field(default="auto", metadata={"help": "auto (CUDA when available) | cpu | cuda | cuda:N"})
-    tensorboard: bool = field(default=False, metadata={
-        "help": "also write TensorBoard events to the run folder's tb/ (losses, learning rates, validation, "
-                "the test embeddings for the projector)"})
-    cache_dir: str = field(default="cache/features", metadata={"help": "trunk-feature and prefix-map cache folder"})
-    threads: int = field(default=0, metadata={"help": "torch threads for this command (0 = torch's default)"})
-    progress: bool = field(default=True, metadata={"help": "show progress bars"})
+    out: str = param("runs/default", "run folder (checkpoints, logs, plots)")
+    backbone: str = param("efficientnet_lite0", "backbone")
+    weights: str | None = param(None, "backbone weights: imagenet | none | PATH")
+    embed_dim: int = param(128, "embedding size (rows of W)", bounds="[1, inf)")
+    loss: str = param("proxy_anchor", "metric loss")
+    loss_param: tuple[str, ...] = param((), "loss parameters key=value,...")
+    mode: Literal["frozen", "tail", "finetune"] = param(
+        "frozen", "frozen: train the neck (and losses) on cached trunk features; tail: also the last --train-blocks "
+        "stages, over the frozen prefix's cached output maps (no augmentation: the cache holds one view per image); "
+        "finetune: the whole network on augmented images")
+    train_blocks: int = param(0, "stages trained at the end of the backbone (`python -m training list backbones` "
+                                 "lists them); N > 0 alone means --mode tail; 0: the mode's own (frozen 0, tail 1, "
+                                 "finetune all)", bounds="[0, inf)")
+    bn_freeze: Literal["auto", "on", "off"] = param(
+        "auto", "keep the trained stages' BatchNorm statistics frozen too (eval mode; the frozen prefix's always "
+        "are), as in the Proxy-Anchor recipe: small class-balanced batches make them drift; auto: on for pretrained "
+        "weights, off from scratch (--weights none)")
+    lr_decay: float = param(1.0, "layer-wise learning-rate decay: each trained stage, counting back from the last, "
+                                 "gets lr × this^k", bounds="(0, 1]")
+    epochs: int = param(30, "training epochs", bounds="[1, inf)")
+    batch_size: int = param(120, "batch size", bounds="[1, inf)")
+    m_per_class: int = param(4, "images per class in a batch (m-per-class sampler)", bounds="[1, inf)")
+    lr: float = param(1e-4, "base learning rate", bounds="(0, inf)")
+    backbone_lr_mult: float = param(1.0, "trained backbone stages' learning rate = lr × this (the last one; see "
+                                         "--lr-decay)", bounds="(0, inf)")
+    neck_lr_mult: float = param(10.0, "neck learning rate = lr × this; 0 keeps the neck W at its initialisation "
+                                      "while the rest trains (paper 004's regime: its checkpoints train the neck "
+                                      "at lr 1e-6, so W barely moves)", bounds="[0, inf)")
+    neck_init: Literal["orthogonal", "pytorch"] = param(
+        "orthogonal", "the neck's initial W: orthogonal (rows orthonormal) | pytorch (nn.Linear's default uniform "
+        "init, as paper 004's checkpoints: tr(WᵀW) ≈ 42.7 for 128 rows)")
+    proxy_lr_mult: float = param(100.0, "proxy/loss learning rate = lr × this", bounds="(0, inf)")
+    weight_decay: float = param(1e-4, "AdamW weight decay", bounds="[0, inf)")
+    warmup_epochs: int = param(0, "tail/finetune: first epochs with the backbone frozen (the neck and proxies "
+                                  "settle first: a gradual unfreeze)", bounds="[0, inf)")
+    probe_epochs: int = param(-1, "tail/finetune: epochs that train the neck and the loss alone, on cached "
+                                  "frozen-trunk features, before the trunk trains (linear probing, then "
+                                  "fine-tuning: settled proxies keep the first steps from distorting the "
+                                  "pretrained trunk); the probe's best epoch, as a frozen-neck run selects it, is "
+                                  "the first selection candidate (epoch 0), so the run never selects a model below "
+                                  "the frozen neck of the same seed on validation; -1: 30 for tail and finetune "
+                                  "from pretrained weights (without it a 2-stage tail fell below the frozen neck "
+                                  "on a 1,900-class icon folder: its random neck and proxies pull the trunk off "
+                                  "its features first), 0 from scratch")
+    grad_clip: float = param(10.0, "gradient-norm clip (0 = off)", bounds="[0, inf)")
+    schedule: Literal["cosine", "none"] = param("cosine", "learning-rate schedule")
+    seed: int = param(0, "training seed: same seed, same metrics", bounds="[0, inf)")
+    regularizer: tuple[str, ...] = param((), "regularizers to add (comma-separated)")
+    reg_weight: tuple[float, ...] = param((), "their weights, same order; empty: each regularizer's own",
+                                          bounds="[0, inf)")
+    reg_param: tuple[str, ...] = param((), "regularizer parameters name.key=value,...")
+    resume: bool = param(False, "continue from the run folder's latest checkpoint")
+    overwrite: bool = param(False, "replace an existing run in --out (only a run folder of ours; without it such a "
+                                   "folder is refused unless --resume)")
+    precision: Literal["fp32", "bf16", "fp16"] = param(
+        "fp32", "forward-pass precision (autocast; fp16 adds a gradient scaler and needs CUDA); losses, flows and "
+        "log-determinants stay fp32")
+    device: str = param("auto", "auto (CUDA when available) | cpu | cuda | cuda:N")
+    tensorboard: bool = param(False, "also write TensorBoard events to the run folder's tb/ (losses, learning "
+                                     "rates, validation, the test embeddings for the projector)")
+    cache_dir: str = param("cache/features", "trunk-feature and prefix-map cache folder")
+    threads: int = param(0, "torch threads for this command (0 = torch's default)", bounds="[0, inf)")
+    progress: bool = param(True, "show progress bars")
 
     def identity(self) -> dict:
         """What decides the result: everything but the runtime fields."""
@@ -148,37 +145,20 @@ class TrainConfig(DataConfig):
         n_stages = len(BACKBONES.get(self.backbone).spec.stages)
         LOSSES.params(self.loss, self.loss_param)
         checks = [
-            (self.embed_dim >= 1, f"--embed-dim must be ≥ 1, got {self.embed_dim}"),
-            (self.epochs >= 1, f"--epochs must be ≥ 1, got {self.epochs}"),
-            (self.m_per_class >= 1, f"--m-per-class must be ≥ 1, got {self.m_per_class}"),
-            (self.batch_size >= 1, f"--batch-size must be ≥ 1, got {self.batch_size}"),
             (self.batch_size % max(self.m_per_class, 1) == 0,
              f"batch size {self.batch_size} must be a multiple of m_per_class {self.m_per_class}"),
-            (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
-            (self.neck_lr_mult >= 0, f"--neck-lr-mult must be ≥ 0 (0 = the neck stays at its initialisation), "
-                                     f"got {self.neck_lr_mult}"),
-            (self.proxy_lr_mult > 0, f"--proxy-lr-mult must be > 0, got {self.proxy_lr_mult}"),
-            (self.weight_decay >= 0, f"--weight-decay must be ≥ 0, got {self.weight_decay}"),
-            (self.warmup_epochs >= 0, f"--warmup-epochs must be ≥ 0, got {self.warmup_epochs}"),
             (self.probe_epochs >= -1,
              f"--probe-epochs must be ≥ 0 (or -1: the mode's default), got {self.probe_epochs}"),
-            (self.grad_clip >= 0, f"--grad-clip must be ≥ 0 (0 = off), got {self.grad_clip}"),
-            (self.seed >= 0, f"--seed must be ≥ 0, got {self.seed}"),
-            (self.threads >= 0, f"--threads must be ≥ 0 (0 = default), got {self.threads}"),
             (len(set(self.regularizer)) == len(self.regularizer),
              f"regularizer listed twice: {list(self.regularizer)}"),
             (not self.reg_weight or len(self.reg_weight) == len(self.regularizer),
              f"--reg-weight has {len(self.reg_weight)} values for {len(self.regularizer)} regularizer(s)"),
-            (all(w >= 0 for w in self.reg_weight), f"--reg-weight values must be ≥ 0, got {list(self.reg_weight)}"),
             (not (self.resume and self.overwrite), "give --resume or --overwrite, not both"),
-            (self.train_blocks >= 0, f"--train-blocks must be ≥ 0, got {self.train_blocks}"),
             (self.resolved_mode() != "tail" or not n_stages or self.n_train_blocks(n_stages) < n_stages,
              f"--mode tail trains 1 … {(n_stages or 2) - 1} of {self.backbone}'s {n_stages} stages, got "
              f"--train-blocks {self.train_blocks} (all of them is --mode finetune)"),
             (self.resolved_mode() != "finetune" or not n_stages or self.train_blocks in (0, n_stages),
              f"--mode finetune trains all {n_stages} stages; for fewer use --mode tail --train-blocks N"),
-            (0 < self.lr_decay <= 1, f"--lr-decay must be in (0, 1], got {self.lr_decay}"),
-            (self.backbone_lr_mult > 0, f"--backbone-lr-mult must be > 0, got {self.backbone_lr_mult}"),
             (self.precision != "fp16" or resolve_device(self.device).type == "cuda",
              "--precision fp16 needs CUDA; on the CPU use bf16 or fp32"),
         ]

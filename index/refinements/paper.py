@@ -11,13 +11,14 @@ the rule: O(d²) instead of a loop of d² draws.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from core.arrays import check_matrix, load_npy
 from core.errors import UserError
+from core.params import param
 from core.registry import NoParams
 
 from ..metric import check_symmetric
@@ -40,14 +41,8 @@ def identity(M: np.ndarray, p: NoParams) -> np.ndarray:
 
 @dataclass
 class RestraintParams:
-    r: float = field(default=0.5, metadata={"help": "restraint degree", "range": (0.0, 1.0), "step": 0.05})
-    seed: int = field(default=0, metadata={"help": "seed of the random draws"})
-
-    def validate(self):
-        if not 0.0 <= self.r <= 1.0:
-            raise UserError(f"restraint degree r must be in [0, 1], got {self.r}")
-        if self.seed < 0:  # numpy's generators take only non-negative seeds
-            raise UserError(f"seed must be ≥ 0, got {self.seed}")
+    r: float = param(0.5, "restraint degree", bounds="[0, 1]", step=0.05)
+    seed: int = param(0, "seed of the random draws", bounds="[0, inf)")  # numpy's generators take no negatives
 
 
 def _cut(amounts: np.ndarray, total: float, target: float, in_place: bool = False) -> int:
@@ -126,8 +121,8 @@ def _pair_indices(d: int) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass
 class CustomParams:
-    path: str = field(default="", metadata={"help": "a symmetric d × d .npy matrix file", "flag": "metric-matrix",
-                                            "file": (".npy",), "label": lambda v: f"file={Path(v).name}"})
+    path: str = param("", "a symmetric d × d .npy matrix file", flag="metric-matrix", file=(".npy",),
+                      label=lambda v: f"file={Path(v).name}")
 
     def validate(self):
         if not self.path:

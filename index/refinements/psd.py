@@ -15,12 +15,12 @@ equal parameters the reading starts from exactly the raw strategy's M′.
 from __future__ import annotations
 
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 
-from core.errors import UserError
+from core.params import param
 
 from ..metric import symmetrized
 from .paper import R_GRID, RestraintParams, diagonal, random_restraint
@@ -32,13 +32,7 @@ READINGS: tuple[str, ...] = typing.get_args(Reading)
 
 @dataclass
 class ReadingParams(RestraintParams):
-    psd: Reading = field(default="abs", metadata={
-        "help": "PSD reading of the restrained M′ = VΛVᵀ: abs = V|Λ|Vᵀ, clip = V·max(Λ, 0)·Vᵀ"})
-
-    def validate(self):
-        super().validate()
-        if self.psd not in READINGS:  # the typed parsing refuses it too; this covers direct construction
-            raise UserError(f"psd must be one of {list(READINGS)}, got {self.psd!r}")
+    psd: Reading = param("abs", "PSD reading of the restrained M′ = VΛVᵀ: abs = V|Λ|Vᵀ, clip = V·max(Λ, 0)·Vᵀ")
 
 
 def psd_reading(M: np.ndarray, how: str) -> np.ndarray:

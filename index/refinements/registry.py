@@ -5,9 +5,10 @@ A new strategy is one module with `@REFINEMENTS.register(...)` plus one import l
 down; the CLI flags, the app's controls, the search operator, the evaluation sweep and
 every label come from it:
 
-- params: a dataclass.  Field metadata: `help` (always); `flag` (the CLI flag, when it is
-  not the field name); `range` and `step` (the app's slider); `file` (the suffixes of a
-  file the user supplies, e.g. (".npy",): an upload in the app); `label` (value ↦ text in labels).
+- params: a dataclass whose fields are declared with `core.params.param`: help (always);
+  `bounds` (validation, and the app's slider or number box); `step` (the slider's); `flag` (the
+  CLI flag, when it is not the field name); `file` (the suffixes of a file the user supplies,
+  e.g. (".npy",): an upload in the app); `label` (value ↦ text in labels).
   A `seed` field makes the strategy random: it is reproducible and swept over seeds.
 - the registration's keywords: the fields of `StrategySpec` (operator, grid, modes,
   trained_at, exact_symmetry).

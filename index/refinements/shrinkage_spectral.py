@@ -2,23 +2,19 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from core.errors import UserError
+from core.params import param
 
 from .registry import REFINEMENTS
 
 
 @dataclass
 class ShrinkParams:
-    alpha: float = field(default=0.5, metadata={"help": "shrink weight α towards the identity",
-                                                "range": (0.0, 1.0), "step": 0.05})
-
-    def validate(self):
-        if not 0.0 <= self.alpha <= 1.0:
-            raise UserError(f"shrink alpha must be in [0, 1], got {self.alpha}")
+    alpha: float = param(0.5, "shrink weight α towards the identity", bounds="[0, 1]", step=0.05)
 
 
 @REFINEMENTS.register(
@@ -53,11 +49,7 @@ def _eigh(M: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass
 class SpectralParams:
-    p: float = field(default=0.5, metadata={"help": "spectral power p", "range": (0.0, 2.0), "step": 0.05})
-
-    def validate(self):
-        if not 0.0 <= self.p <= 4.0:
-            raise UserError(f"spectral power p must be in [0, 4], got {self.p}")
+    p: float = param(0.5, "spectral power p", bounds="[0, 4]", step=0.05)
 
 
 @REFINEMENTS.register(

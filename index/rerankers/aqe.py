@@ -21,7 +21,7 @@ from .registry import RERANKERS, candidates
 
 @dataclass
 class AQEParams(ExpansionParams):
-    NAME = "aqe"
+    """αQE's parameters (shared with αDBA)."""
 
 
 def expanded(space, queries: np.ndarray, rows: np.ndarray, alpha: float) -> np.ndarray:

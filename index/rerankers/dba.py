@@ -29,7 +29,7 @@ from .registry import RERANKERS
 
 @dataclass
 class DBAParams(ExpansionParams):
-    NAME = "dba"
+    """αDBA's parameters (shared with αQE)."""
 
 
 def _without_self(rows: np.ndarray, sims: np.ndarray, own: np.ndarray, drop: np.ndarray, n: int):

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import sparse
 
-from core.errors import UserError
 from core.params import param
 
 from .neighbours import neighbour_lists, without
@@ -30,25 +29,15 @@ from .registry import RERANKERS, candidates
 
 @dataclass
 class DiffusionParams:
-    k: int = param(50, "neighbours per item in the kNN graph, the item itself counted (run_test.m: 50)")
-    kq: int = param(10, "the query's top items seeding the diffusion (run_test.m: 10)")
-    alpha: float = param(0.99, "α of (I − αS) f = y")
-    gamma: float = param(3.0, "power γ of the similarities in the graph and the seed")
-    truncation: int = param(1000, "the query's first-search candidates the graph is cut to")
-    iterations: int = param(20, "conjugate-gradient iterations at most (run_test.m: 20)")
-    tol: float = param(1e-6, "conjugate-gradient tolerance on the relative residual (run_test.m: 1e-6)")
-
-    def validate(self):
-        if self.k < 2:
-            raise UserError(f"diffusion: k must be ≥ 2 (the item itself and a neighbour), got {self.k}")
-        if self.kq < 1:
-            raise UserError(f"diffusion: kq must be ≥ 1, got {self.kq}")
-        if not 0.0 < self.alpha < 1.0:
-            raise UserError(f"diffusion: alpha must be in (0, 1), got {self.alpha}")
-        if self.gamma <= 0:
-            raise UserError(f"diffusion: gamma must be > 0, got {self.gamma}")
-        if self.truncation < 1 or self.iterations < 1 or self.tol <= 0:
-            raise UserError("diffusion: truncation and iterations must be ≥ 1 and tol > 0")
+    k: int = param(50, "neighbours per item in the kNN graph, the item itself counted (run_test.m: 50)",
+                   bounds="[2, inf)")  # the item itself and a neighbour
+    kq: int = param(10, "the query's top items seeding the diffusion (run_test.m: 10)", bounds="[1, inf)")
+    alpha: float = param(0.99, "α of (I − αS) f = y", bounds="(0, 1)")
+    gamma: float = param(3.0, "power γ of the similarities in the graph and the seed", bounds="(0, inf)")
+    truncation: int = param(1000, "the query's first-search candidates the graph is cut to", bounds="[1, inf)")
+    iterations: int = param(20, "conjugate-gradient iterations at most (run_test.m: 20)", bounds="[1, inf)")
+    tol: float = param(1e-6, "conjugate-gradient tolerance on the relative residual (run_test.m: 1e-6)",
+                       bounds="(0, inf)")
 
 
 def conjugate_gradient(A, b: np.ndarray, tol: float, iterations: int) -> np.ndarray:

@@ -3,26 +3,16 @@ normalised sum of itself and its top n neighbours, each weighted by max(s, 0)^α
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 
-from core.errors import UserError
 from core.params import param
 
 
 @dataclass
 class ExpansionParams:
-    NAME: ClassVar[str] = "expansion"  # the re-ranker's name, for its error messages
-
-    n: int = param(2, "neighbours summed into the vector (the paper's nQE / nDBA)")
-    alpha: float = param(3.0, "power α of the similarity weights (0: plain average)")
-
-    def validate(self):
-        if self.n < 1:
-            raise UserError(f"{self.NAME}: n must be ≥ 1, got {self.n}")
-        if self.alpha < 0:
-            raise UserError(f"{self.NAME}: alpha must be ≥ 0, got {self.alpha}")
+    n: int = param(2, "neighbours summed into the vector (the paper's nQE / nDBA)", bounds="[1, inf)")
+    alpha: float = param(3.0, "power α of the similarity weights (0: plain average)", bounds="[0, inf)")
 
 
 def weighted_sum(space, base: np.ndarray, rows: np.ndarray, s: np.ndarray, alpha: float) -> np.ndarray:

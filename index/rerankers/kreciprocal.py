@@ -50,19 +50,16 @@ PAIR_CELLS = 1 << 25  # a gallery's whole similarity matrix is kept in RAM up to
 
 @dataclass
 class KReciprocalParams:
-    k1: int = param(20, "k of the k-reciprocal sets R(p, k1)")
-    k2: int = param(6, "neighbours averaged in the local query expansion of the V vectors (1: none)")
-    lambda_value: float = param(0.3, "λ: d* = (1 − λ) d_Jaccard + λ d_original")
+    k1: int = param(20, "k of the k-reciprocal sets R(p, k1)", bounds="[1, inf)")
+    k2: int = param(6, "neighbours averaged in the local query expansion of the V vectors (1: none)",
+                    bounds="[1, inf)")
+    lambda_value: float = param(0.3, "λ: d* = (1 − λ) d_Jaccard + λ d_original", bounds="[0, 1]")
     pool: int = param(100, "the query's first-search candidates that are re-ranked (≥ k1 + 1: the query's own "
                            "N(p, k1 + 1) is read from them)")
 
     def validate(self):
-        if self.k1 < 1:
-            raise UserError(f"kreciprocal: k1 must be ≥ 1, got {self.k1}")
-        if not 1 <= self.k2 <= self.k1 + 1:
+        if self.k2 > self.k1 + 1:
             raise UserError(f"kreciprocal: k2 must be in [1, k1 + 1], got {self.k2}")
-        if not 0.0 <= self.lambda_value <= 1.0:
-            raise UserError(f"kreciprocal: lambda_value must be in [0, 1], got {self.lambda_value}")
         if self.pool < self.k1 + 1:
             raise UserError(f"kreciprocal: pool must be ≥ k1 + 1 = {self.k1 + 1}, got {self.pool}")
 

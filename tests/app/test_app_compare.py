@@ -103,10 +103,10 @@ def test_url_state_round_trips_and_refuses_bad_values():
                      ({"q": "1", "left_strategy": "nope"}, "the link's left strategy: unknown"),
                      ({"q": "1", "left_mode": "l3"}, "the link's left mode must be one of"),
                      ({"q": "1", "left_strategy": "custom"}, "cannot carry it"),
-                     ({"q": "1", "left_strategy": "random", "left_r": "7"}, "restraint degree r must be in"),
+                     ({"q": "1", "left_strategy": "random", "left_r": "7"}, r"r must be in \[0, 1\]"),
                      ({"q": "1", "rerank": "nope"}, "the link's re-ranker: unknown re-ranker 'nope'; choose from"),
                      ({"q": "1", "left_rerank": "aqe", "left_rerank_n": "0"},
-                      "the link's left re-ranker: aqe: n must be ≥ 1")):
+                      "the link's left re-ranker: re-ranker 'aqe': n must be ≥ 1")):
         with pytest.raises(UserError, match=msg):
             parse_state(bad)
     with pytest.raises(UserError, match="cannot be shared"):

@@ -128,7 +128,7 @@ def test_search_handler_runs_each_panels_reranker_and_links_it(svc):
     other = with_rerank(values, "right", "aqe", n=3, alpha=1.0) | {"right_rerank_dba__n": 7}
     assert Handlers(svc).on_search({"kind": "item", "id": item}, None, 5, **other)[5]["right"] == out[5]["right"]
     bad = Handlers(svc).on_search({"kind": "item", "id": item}, None, 5, **with_rerank(panels(), "left", "aqe", n=0))
-    assert bad[4] == "⚠️ aqe: n must be ≥ 1, got 0"
+    assert bad[4] == "⚠️ re-ranker 'aqe': n must be ≥ 1, got 0"
 
 
 def test_compare_why_and_export_handlers_with_a_reranker(svc, tmp_path):
@@ -253,7 +253,7 @@ def test_rest_search_takes_an_optional_reranker(svc, rest):
     assert r.json()["metric"] == want.title and [x["id"] for x in r.json()["results"]] == [x["id"] for x in
                                                                                             want.results]
     for fields, message in (({"rerank": "nope"}, "unknown re-ranker 'nope'; choose from"),
-                            ({"rerank": "aqe", "rerank_params": "alpha=-1"}, "aqe: alpha must be ≥ 0"),
+                            ({"rerank": "aqe", "rerank_params": "alpha=-1"}, "re-ranker 'aqe': alpha must be ≥ 0"),
                             ({"rerank_params": "n=2"}, "re-ranker 'none': no parameter 'n'")):
         bad = post(**fields)
         assert bad.status_code == 400 and message in bad.json()["error"], bad.text

@@ -1,18 +1,19 @@
 """"One file plus one line", for real: a refinement strategy registered here, and nowhere
 else, reaches the index CLI, the evaluation sweep, the app's service, UI and HTTP API."""
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 from support import panels
 
+from core.params import param
 from index.refinements import REFINEMENTS
 
 
 @dataclass
 class LiftParams:
-    gamma: float = field(default=0.25, metadata={"help": "weight γ of the added identity", "range": (0.0, 2.0)})
+    gamma: float = param(0.25, "weight γ of the added identity", bounds="[0, 2]")
 
 
 def lift(M: np.ndarray, p: LiftParams) -> np.ndarray:

@@ -6,7 +6,17 @@ from typing import Any, Literal, Optional  # Optional: the spelling the tests mu
 import pytest
 
 from core.errors import UserError
-from core.params import build_params, conforms, convert, field_default, optional_of, param, parse_items
+from core.params import (
+    Bounds,
+    build_params,
+    check_fields,
+    conforms,
+    convert,
+    field_default,
+    optional_of,
+    param,
+    parse_items,
+)
 
 
 def test_optional_both_spellings():
@@ -83,3 +93,81 @@ def test_build_params_and_defaults():
     assert [field_default(f) for f in fields(P)] == [3, (), None, "a", []]
     assert fields(P)[0].metadata["help"] == "how many"
     assert parse_items(["reg.w=1", "other.w=2"], "r", prefix="reg") == {"w": "1"}
+
+
+@dataclass
+class _Bounded:
+    r: float = param(0.5, "a degree", bounds="[0, 1]", step=0.05)
+    k: int = param(3, "a size", bounds="[1, inf)")
+    t: float = param(1.0, "a scale", bounds="(0, inf)")
+    w: tuple[float, ...] = param((), "weights", bounds="[0, inf)")
+    free: float = param(0.0, "may be infinite", nonfinite=True)
+    how: Literal["a", "b"] = param("a", "a choice")
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"r": "1.5"}, r"x: r must be in \[0, 1\], got 1.5"),
+    ({"r": "-0.01"}, r"x: r must be in \[0, 1\], got -0.01"),
+    ({"k": "0"}, "x: k must be ≥ 1, got 0"),
+    ({"t": "0"}, "x: t must be > 0, got 0.0"),
+    ({"w": "1,-2"}, "x: w must be ≥ 0, got -2.0"),
+    ({"r": "nan"}, "x: r must be a finite number, got nan"),
+    ({"t": "inf"}, "x: t must be a finite number, got inf"),
+    ({"w": "1,inf"}, "x: w must be a finite number, got inf"),
+])
+def test_bounds_and_finiteness_are_enforced(given, message):
+    with pytest.raises(UserError, match=f"^{message}$"):
+        build_params(_Bounded, given, "x")
+
+
+def test_values_on_the_bounds_and_declared_infinities_pass():
+    p = build_params(_Bounded, {"r": "0", "k": "1", "t": "1e-9", "w": "0,0", "free": "-inf"}, "x")
+    assert (p.r, p.k, p.t, p.w, p.free) == (0.0, 1, 1e-9, (0.0, 0.0), float("-inf"))
+    assert build_params(_Bounded, {"r": "1"}, "x").r == 1.0
+
+
+def test_check_fields_covers_direct_construction_and_names_flags():
+    with pytest.raises(UserError, match=r"^--how must be one of \['a', 'b'\], got 'c'$"):
+        check_fields(_Bounded(how="c"), "", name=lambda n: "--" + n)  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="^s: k must be ≥ 1, got -3$"):
+        check_fields(_Bounded(k=-3), "s")
+    check_fields(_Bounded(), "s")  # the defaults lie inside their own bounds
+
+
+@pytest.mark.parametrize("text, inside, outside, shown", [
+    ("[0, 1]", (0, 0.5, 1), (-1e-9, 1.0001), "in [0, 1]"),
+    ("(0, 1)", (1e-9, 0.999), (0, 1), "in (0, 1)"),
+    ("[2, inf)", (2, 1e12), (1.999,), "≥ 2"),
+    ("(-inf, 4]", (-1e12, 4), (4.0001,), "≤ 4"),
+])
+def test_bounds_parse_and_contain(text, inside, outside, shown):
+    b = Bounds.parse(text)
+    assert all(v in b for v in inside) and not any(v in b for v in outside)
+    assert b.describe() == shown
+
+
+@pytest.mark.parametrize("text", ["0, 1", "[1, 0]", "[a, 1]", "[0 1]"])
+def test_malformed_bounds_are_a_declaration_error(text):
+    with pytest.raises(ValueError):
+        param(0.0, "x", bounds=text)
+
+
+def test_every_declared_default_lies_inside_its_bounds():
+    """Each registry entry's and each typed configuration's defaults pass their own bounds, and
+    every declared numeric bound is a parsed interval (no declaration escapes the one form)."""
+    from data import DataConfig
+    from index.build_config import BuildConfig
+    from index.refinements import REFINEMENTS
+    from index.rerankers import RERANKERS
+    from training.config import TrainConfig
+    from training.losses import LOSSES
+    from training.regularizers import REGULARIZERS
+
+    checked = 0
+    for reg in (REFINEMENTS, RERANKERS, LOSSES, REGULARIZERS):
+        for e in reg.entries():
+            check_fields(e.params(), e.what)
+            checked += 1
+    for cls in (DataConfig, BuildConfig, TrainConfig):
+        check_fields(cls(), cls.__name__)
+    assert checked >= 15

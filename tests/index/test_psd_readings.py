@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from core.errors import UserError
+from core.params import check_fields
 from index.backends.search import Searcher
 from index.backends.store import Items, in_memory_index, write_index
 from index.metric import COSINE_FALLBACK, MODES, symmetrized
@@ -172,7 +173,7 @@ def test_a_bad_reading_is_refused_in_one_line(capsys):
         strategy_params("diagonal-psd", {"psd": "bogus"})
     assert "\n" not in str(e.value)
     with pytest.raises(UserError, match="psd must be one of"):
-        ReadingParams(psd="bogus").validate()
+        check_fields(ReadingParams(psd="bogus"), "diagonal-psd")
     with pytest.raises(SystemExit) as ex:
         main(["search", "--strategy", "diagonal-psd", "--psd", "bogus"])
     assert ex.value.code == 2

@@ -82,7 +82,8 @@ def test_report_of_two_configurations(tiny_index, tmp_path):
                                                                "'identity': no parameter 'r'"),
     (["--left-strategy", "random", "--left-param", "r"], "error: --left-param: refinement strategy 'random': "
                                                          "want key=value, got 'r'"),
-    (["--left-strategy", "random", "--left-param", "r=2"], "error: --left-param: restraint degree r must be in"),
+    (["--left-strategy", "random", "--left-param", "r=2"], "error: --left-param: refinement strategy 'random': "
+                                                           "r must be in [0, 1], got 2.0"),
     (["--left-mode", "l3"], "error: --left-mode must be one of bilinear, cosine, got 'l3'"),
 ])
 def test_report_refuses_a_bad_left_side(tiny_index, tmp_path, capsys, flags, message):
@@ -131,7 +132,7 @@ def test_report_with_a_reranker(tiny_index, tmp_path, capsys, monkeypatch):
     (["--rerank", "aqe", "--rerank-param", "x=1"], "error: --rerank-param: re-ranker 'aqe': no parameter 'x'; "
                                                    "valid: ['n', 'alpha']"),
     (["--rerank", "aqe", "--rerank-param", "n"], "error: --rerank-param: re-ranker 'aqe': want key=value, got 'n'"),
-    (["--rerank", "aqe", "--rerank-param", "n=0"], "error: --rerank-param: aqe: n must be ≥ 1, got 0"),
+    (["--rerank", "aqe", "--rerank-param", "n=0"], "error: --rerank-param: re-ranker 'aqe': n must be ≥ 1, got 0"),
     (["--rerank-param", "n=2"], "error: --rerank-param: re-ranker 'none': no parameter 'n'"),
     (["--left-rerank", "dba", "--left-rerank-param", "alpha=x"], "error: --left-rerank-param: re-ranker 'dba': "
                                                                  "alpha: 'x' is not a number"),

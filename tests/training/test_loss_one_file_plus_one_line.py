@@ -1,17 +1,18 @@
 """"One file plus one line", for real: a loss registered here, and nowhere else, is listed by
 `training train --help` and `training list`, takes typed --loss-param values, and trains."""
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 import torch
 
+from core.params import param
 from training.losses import LOSSES, MetricLoss
 
 
 @dataclass
 class ScaledParams:
-    scale: float = field(default=2.0, metadata={"help": "factor on the pair loss"})
+    scale: float = param(2.0, "factor on the pair loss")
 
 
 class ScaledPairLoss(MetricLoss):

@@ -23,9 +23,9 @@ from .registry import LOSSES
 
 @dataclass
 class BinomialParams:
-    alpha: float = param(2.0, "scale α")
+    alpha: float = param(2.0, "scale α", bounds="(0, inf)")
     beta: float = param(0.5, "similarity offset β")
-    neg_cost: float = param(25.0, "cost η (C) of a negative pair")
+    neg_cost: float = param(25.0, "cost η (C) of a negative pair", bounds="[0, inf)")
 
 
 class BinomialDevianceLoss(MetricLoss):

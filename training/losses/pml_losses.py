@@ -10,7 +10,7 @@ from typing import Literal
 
 from pytorch_metric_learning import distances, losses, miners
 
-from core.params import param as _p
+from core.params import param
 
 from .base import PMLLoss, PMLProxyLoss
 from .registry import LOSSES
@@ -18,8 +18,8 @@ from .registry import LOSSES
 
 @dataclass
 class ProxyAnchorParams:
-    alpha: float = _p(32.0, "scale α")
-    margin: float = _p(0.1, "margin δ")
+    alpha: float = param(32.0, "scale α", bounds="(0, inf)")
+    margin: float = param(0.1, "margin δ")
 
 
 @LOSSES.register("proxy_anchor", ProxyAnchorParams, doc="Proxy-Anchor (Kim et al. 2020), one proxy per class",
@@ -31,7 +31,7 @@ def proxy_anchor(C, d, p: ProxyAnchorParams):
 @dataclass
 class ProxyNCAParams:
     # NCA with temperature 1/3 on normalized embeddings trains; 1 barely does
-    softmax_scale: float = _p(3.0, "inverse softmax temperature")
+    softmax_scale: float = param(3.0, "inverse softmax temperature", bounds="(0, inf)")
 
 
 @LOSSES.register("proxy_nca", ProxyNCAParams, doc="ProxyNCA (Movshovitz-Attias et al. 2017), one proxy per class",
@@ -42,8 +42,8 @@ def proxy_nca(C, d, p: ProxyNCAParams):
 
 @dataclass
 class TripletParams:
-    margin: float = _p(0.1, "triplet margin")
-    miner: Literal["semihard", "batchhard"] = _p("semihard", "triplet miner: semihard | batchhard")
+    margin: float = param(0.1, "triplet margin", bounds="[0, inf)")
+    miner: Literal["semihard", "batchhard"] = param("semihard", "triplet miner: semihard | batchhard")
 
 
 @LOSSES.register("triplet", TripletParams, doc="triplet margin loss with a semi-hard or batch-hard miner")
@@ -68,10 +68,10 @@ def npair(C, d, p: NPairParams):
 
 @dataclass
 class MultiSimilarityParams:
-    alpha: float = _p(2.0, "positive scale α")
-    beta: float = _p(50.0, "negative scale β")
-    base: float = _p(0.5, "similarity offset λ")
-    epsilon: float = _p(0.1, "miner margin ε")
+    alpha: float = param(2.0, "positive scale α", bounds="(0, inf)")
+    beta: float = param(50.0, "negative scale β", bounds="(0, inf)")
+    base: float = param(0.5, "similarity offset λ")
+    epsilon: float = param(0.1, "miner margin ε", bounds="[0, inf)")
 
 
 @LOSSES.register("multi_similarity", MultiSimilarityParams, doc="Multi-Similarity loss and miner (Wang et al. 2019)")
@@ -82,8 +82,8 @@ def multi_similarity(C, d, p: MultiSimilarityParams):
 
 @dataclass
 class ArcFaceParams:
-    margin: float = _p(28.6, "angular margin in degrees (PML default)")
-    scale: float = _p(64.0, "logit scale")
+    margin: float = param(28.6, "angular margin in degrees (PML default)", bounds="[0, 180)")
+    scale: float = param(64.0, "logit scale", bounds="(0, inf)")
 
 
 @LOSSES.register("arcface", ArcFaceParams, doc="ArcFace (Deng et al. 2019), one class weight (proxy) per class",
@@ -95,10 +95,10 @@ def arcface(C, d, p: ArcFaceParams):
 
 @dataclass
 class SoftTripleParams:
-    centers_per_class: int = _p(10, "centres K per class")
-    la: float = _p(20.0, "scale λ")
-    gamma: float = _p(0.1, "softmax temperature γ over a class's centres")
-    margin: float = _p(0.01, "margin δ")
+    centers_per_class: int = param(10, "centres K per class", bounds="[1, inf)")
+    la: float = param(20.0, "scale λ", bounds="(0, inf)")
+    gamma: float = param(0.1, "softmax temperature γ over a class's centres", bounds="(0, inf)")
+    margin: float = param(0.01, "margin δ")
 
 
 @LOSSES.register("soft_triple", SoftTripleParams, doc="SoftTriple (Qian et al. 2019), K centres per class",
@@ -111,8 +111,8 @@ def soft_triple(C, d, p: SoftTripleParams):
 
 @dataclass
 class ContrastiveParams:
-    pos_margin: float = _p(0.0, "distance below which positives cost nothing")
-    neg_margin: float = _p(0.5, "distance above which negatives cost nothing")
+    pos_margin: float = param(0.0, "distance below which positives cost nothing")
+    neg_margin: float = param(0.5, "distance above which negatives cost nothing")
 
 
 @LOSSES.register("contrastive", ContrastiveParams, doc="contrastive loss (Hadsell et al. 2006) on all pairs")
