@@ -1,8 +1,19 @@
 """Query-time re-ranking on top of any refined metric M′ and mode.  Adding one: a module with
 `@RERANKERS.register`, one import line below."""
 from . import aqe, dba, diffusion, kreciprocal, none  # noqa: F401  (registration: one line per re-ranker)
-from .registry import DEFAULT, RERANKERS, RerankerSpec, candidates, first_depth, ranked_pool, rerank, reranker_params
+from .registry import (
+    DEFAULT,
+    RERANKERS,
+    RerankerSpec,
+    candidates,
+    check_size_limit,
+    first_depth,
+    ranked_pool,
+    rerank,
+    reranker_params,
+    size_params,
+)
 from .space import MetricSpace, SearcherSpace
 
-__all__ = ["DEFAULT", "RERANKERS", "MetricSpace", "RerankerSpec", "SearcherSpace", "candidates", "first_depth",
-           "ranked_pool", "rerank", "reranker_params"]
+__all__ = ["DEFAULT", "RERANKERS", "MetricSpace", "RerankerSpec", "SearcherSpace", "candidates", "check_size_limit",
+           "first_depth", "ranked_pool", "rerank", "reranker_params", "size_params"]

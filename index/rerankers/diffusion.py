@@ -30,12 +30,14 @@ from .registry import RERANKERS, candidates
 @dataclass
 class DiffusionParams:
     k: int = param(50, "neighbours per item in the kNN graph, the item itself counted (run_test.m: 50)",
-                   bounds="[2, inf)")  # the item itself and a neighbour
-    kq: int = param(10, "the query's top items seeding the diffusion (run_test.m: 10)", bounds="[1, inf)")
+                   bounds="[2, inf)", size=True)  # the item itself and a neighbour
+    kq: int = param(10, "the query's top items seeding the diffusion (run_test.m: 10)", bounds="[1, inf)",
+                    size=True)
     alpha: float = param(0.99, "α of (I − αS) f = y", bounds="(0, 1)")
     gamma: float = param(3.0, "power γ of the similarities in the graph and the seed", bounds="(0, inf)")
-    truncation: int = param(1000, "the query's first-search candidates the graph is cut to", bounds="[1, inf)")
-    iterations: int = param(20, "conjugate-gradient iterations at most (run_test.m: 20)", bounds="[1, inf)")
+    truncation: int = param(1000, "the query's first-search candidates the graph is cut to", bounds="[1, inf)",
+                            size=True)
+    iterations: int = param(20, "conjugate-gradient iterations at most (run_test.m: 20)", bounds="[1, 1000]")
     tol: float = param(1e-6, "conjugate-gradient tolerance on the relative residual (run_test.m: 1e-6)",
                        bounds="(0, inf)")
 

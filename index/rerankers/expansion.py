@@ -11,7 +11,7 @@ from core.params import param
 
 @dataclass
 class ExpansionParams:
-    n: int = param(2, "neighbours summed into the vector (the paper's nQE / nDBA)", bounds="[1, inf)")
+    n: int = param(2, "neighbours summed into the vector (the paper's nQE / nDBA)", bounds="[1, inf)", size=True)
     alpha: float = param(3.0, "power α of the similarity weights (0: plain average)", bounds="[0, inf)")
 
 

@@ -50,12 +50,12 @@ PAIR_CELLS = 1 << 25  # a gallery's whole similarity matrix is kept in RAM up to
 
 @dataclass
 class KReciprocalParams:
-    k1: int = param(20, "k of the k-reciprocal sets R(p, k1)", bounds="[1, inf)")
+    k1: int = param(20, "k of the k-reciprocal sets R(p, k1)", bounds="[1, inf)", size=True)
     k2: int = param(6, "neighbours averaged in the local query expansion of the V vectors (1: none)",
-                    bounds="[1, inf)")
+                    bounds="[1, inf)", size=True)
     lambda_value: float = param(0.3, "λ: d* = (1 − λ) d_Jaccard + λ d_original", bounds="[0, 1]")
     pool: int = param(100, "the query's first-search candidates that are re-ranked (≥ k1 + 1: the query's own "
-                           "N(p, k1 + 1) is read from them)")
+                           "N(p, k1 + 1) is read from them)", size=True)
 
     def validate(self):
         if self.k2 > self.k1 + 1:

@@ -80,6 +80,21 @@ def reranker_params(name: str, given=None):
     return RERANKERS.params(name, given or {})
 
 
+def size_params(name: str) -> list[str]:
+    """The re-ranker's parameters that are sizes (declared `param(..., size=True)`): counts of gallery
+    items it reads or holds.  A size above the gallery means the whole gallery."""
+    return [f.name for f in dataclasses.fields(RERANKERS.get(name).params) if f.metadata.get("size")]
+
+
+def check_size_limit(name: str, params, limit: int) -> None:
+    """Refuse a size parameter above `limit` (a server's bound on one request's work), naming it."""
+    p = reranker_params(name, params)
+    for s in size_params(name):
+        v = int(getattr(p, s))
+        if v > limit:
+            raise UserError(f"re-ranker {name!r}: {s} must be ≤ {limit} (this server's limit), got {v}")
+
+
 def first_depth(name: str, params, k: int) -> int:
     """How many first-search candidates the re-ranker reads for a top-k answer."""
     d = RERANKERS.get(name).spec.depth

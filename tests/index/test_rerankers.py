@@ -630,3 +630,16 @@ def test_cosine_under_an_indefinite_metric_is_refused_as_in_search(gallery):
 def test_nothing_is_written_into_the_repository(tmp_path):
     root = Path(__file__).resolve().parents[2]
     assert root not in cache_root().parents
+
+
+def test_size_parameters_are_declared_and_held_to_a_server_limit():
+    from index.rerankers import check_size_limit, size_params
+
+    assert size_params("aqe") == ["n"] and size_params("dba") == ["n"]
+    assert size_params("kreciprocal") == ["k1", "k2", "pool"]
+    assert size_params("diffusion") == ["k", "kq", "truncation"]
+    check_size_limit("aqe", {"n": 200}, 200)
+    with pytest.raises(UserError, match=r"^re-ranker 'aqe': n must be ≤ 200 \(this server's limit\), got 1000000$"):
+        check_size_limit("aqe", {"n": 1_000_000}, 200)
+    with pytest.raises(UserError, match="re-ranker 'dba': alpha must be a finite number, got inf"):
+        check_size_limit("dba", {"alpha": "inf"}, 200)
