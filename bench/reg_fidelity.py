@@ -9,12 +9,14 @@ cached frozen prefix (the default tail recipe), kanji, selected on validation cl
 test classes.  For each regularizer, three arms on the same base loss:
   plain      the base loss alone;
   control    the regularizer present with weight 0 (for the determinant: flows present, R off,
-             ε = 0; for CGML: two class-aligned batches, each a full --batch-size, graph term off),
-             so a difference from plain is the architecture or the batches, not the term;
+             ε = 0, g_max without a metric loss, as eq. 11; for CGML: two class-aligned batches, each a full
+             --batch-size, graph term off), so a difference from plain is the architecture or the
+             batches, not the term;
   chosen     the regularizer's default form (the paper's) at the weight chosen on validation MAP@R
              (seed 0) from a grid holding the paper's value;
-and the named variants against it, at the chosen weight (the tail recipe's 30-epoch probe first): determinant
-logdet vs plus_one and ε = 0 vs 0.4, NIR's former NLL form, CGML's former half-batches.  Each term's
+and the named variants against it, at the chosen weight (the tail recipe's 30-epoch probe first): the
+determinant with g_max's own metric loss attached (control and grid), and on that form logdet vs plus_one,
+ε = 0 vs 0.4 and the logdet-tangent form; NIR's nll variant; CGML's split batches.  Each term's
 magnitude is logged next to the metric loss's (the last epoch's mean, from each run's log.jsonl).
 
 Finished runs are reused, and so are the measurements already in --out/results.json (same base loss,
@@ -56,25 +58,36 @@ PLAN = [  # the cheap arms first, the slow flows (determinant, then NIR: about 1
     ("binomial", "plain", None, (), None),
     ("binomial", "cgml control (two full batches, weight 0)", "cgml", (), 0.0),
     ("binomial", "cgml", "cgml", (), "wide"),  # grid: the registry's default weight, a decade below, 3 above
-    ("binomial", "cgml, former half batches", "cgml", ("cgml.batches=split",), "chosen:cgml"),
+    ("binomial", "cgml, split batches (half a batch each)", "cgml", ("cgml.batches=split",), "chosen:cgml"),
     ("triplet", "plain", None, (), None),
     ("triplet", "cgml control (two full batches, weight 0)", "cgml", (), 0.0),
     # the paper's λ for Triplet is 0.001 (0.002, the registry's default, is its Binomial and N-pair value)
     ("triplet", "cgml", "cgml", (), [0.0002, 0.001, 0.002, 0.02, 0.2, 2.0]),
+    # g_max without a metric loss (eq. 11): at weight 0 g_max is idle and the neck and trunk train as plain
+    # training through g_min, so control − plain is what g_min and the activation cost
     ("proxy_anchor", "determinant control (flows, R off, ε = 0)", "determinant", ("determinant.epsilon=0",), 0.0),
+    # g_max's own metric loss on g_max(u), not detached: a second metric loss on the neck and trunk
+    ("proxy_anchor", "determinant control, attached g_max loss", "determinant",
+     ("determinant.epsilon=0", "determinant.gmax_loss=attached"), 0.0),
     ("proxy_anchor", "determinant", "determinant", (), [0.01, 0.05, 0.2]),
-    ("proxy_anchor", "determinant, logdet R", "determinant", ("determinant.variant=logdet",), "chosen:determinant"),
-    ("proxy_anchor", "determinant, ε = 0", "determinant", ("determinant.epsilon=0",), "chosen:determinant"),
-    ("proxy_anchor", "determinant, former form (logdet, tangent augmentation into the loss, no activation)",
-     "determinant", ("determinant.variant=logdet", "determinant.augment=tangent", "determinant.activation=none"),
-     "chosen:determinant"),
+    ("proxy_anchor", "determinant, attached g_max loss", "determinant", ("determinant.gmax_loss=attached",),
+     [0.01, 0.05, 0.2]),
+    # the variants of the attached form, at its chosen weight
+    ("proxy_anchor", "determinant, attached g_max loss, logdet R", "determinant",
+     ("determinant.gmax_loss=attached", "determinant.variant=logdet"), "chosen:determinant, attached g_max loss"),
+    ("proxy_anchor", "determinant, attached g_max loss, ε = 0", "determinant",
+     ("determinant.gmax_loss=attached", "determinant.epsilon=0"), "chosen:determinant, attached g_max loss"),
+    ("proxy_anchor", "determinant, logdet-tangent form (logdet, tangent augmentation into the loss, no activation, "
+     "attached g_max loss)", "determinant",
+     ("determinant.gmax_loss=attached", "determinant.variant=logdet", "determinant.augment=tangent",
+      "determinant.activation=none"), "chosen:determinant, attached g_max loss"),
     # weight 0: the flow gets no gradient, so its learning rate cannot matter
     ("proxy_anchor", "nir control (weight 0)", "nir", (), 0.0),
     ("proxy_anchor", "nir", "nir", (), [0.01, 0.1, 1.0, 10.0]),  # the paper's 1; validation chose 0.1 of 0.1-10
     # the official code's multiplier on our base lr 1e-4: the flow at 5e-3, ten times the official absolute rate
     ("proxy_anchor", "nir, flow at 50 × lr (the official multiplier on our tenfold base lr)", "nir",
      ("nir.flow_lr_mult=50",), [0.1, 1.0, 10.0]),
-    ("proxy_anchor", "nir, former form (mean NLL, checkered 3-layer flow, no clamp, base loss unscaled)", "nir",
+    ("proxy_anchor", "nir, nll variant (mean NLL, checkered 3-layer flow, no clamp, base loss unscaled)", "nir",
      ("nir.variant=nll", "nir.flow=glow_checkered", "nir.layers=3", "nir.clamp=0", "nir.proxy_lr_scale=1",
       "nir.w_align=1", "nir.flow_lr_mult=50"), 0.001),
 ]
@@ -168,8 +181,8 @@ def main():
     ap.add_argument("--epochs", type=int, default=10, help="epochs per run (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads per run (default: %(default)s)")
     ap.add_argument("--only", help="only the arms of this regularizer, or whose label matches this glob "
-                    "(e.g. 'nir, former*'), and their plain base (default: every arm)")
-    ap.add_argument("--variant-seeds", help="seeds for the former-form variants (the arms labelled "
+                    "(e.g. 'nir, nll*'), and their plain base (default: every arm)")
+    ap.add_argument("--variant-seeds", help="seeds for the named variants (the arms labelled "
                     "'NAME, variant'), when fewer than --seeds are affordable (default: --seeds)")
     ap.add_argument("--runs", default="runs/bench-reg-fidelity", help="run folders, reused (default: %(default)s)")
     ap.add_argument("--out", default="bench/results/regularizers_fidelity", help="results (default: %(default)s)")
@@ -215,7 +228,7 @@ def main():
                 print(f"[{time.time() - t0:6.0f} s]   tune {loss} {label} w={w:g}: " + (
                     "diverged" if t["val_map@r"] is None else f"val MAP@R {100 * t['val_map@r']:.2f}"), flush=True)
             weight = max((t for t in tuning if t["val_map@r"] is not None), key=lambda t: t["val_map@r"])["weight"]
-            chosen[f"{loss}:{reg}"] = weight
+            chosen[f"{loss}:{label}"] = weight
         elif isinstance(weights, str):  # "chosen:LABEL": this invocation's choice, else the recorded one
             ref = weights.split(":", 1)[1]
             if f"{loss}:{ref}" not in chosen:
@@ -266,9 +279,11 @@ def main():
         print(f"[{time.time() - t0:6.0f} s] {loss} | {label} | w={weight} | test MAP@R {pm(vals['map@r'])}", flush=True)
     rows = merge_rows(out_json, rows, seeds, setting)
     argv = sys.argv[1:]
-    if "--only" in argv:  # the table holds every arm: name the command that measures them all
-        i = argv.index("--only")
-        argv = argv[:i] + argv[i + 2:]
+    for flag in ("--only", "--runs"):  # the table holds every arm, wherever the runs live: name the command
+        if flag in argv:               # that measures them all
+            i = argv.index(flag)
+            argv = argv[:i] + argv[i + 2:]
+        argv = [a for a in argv if not a.startswith(flag + "=")]
     cmd = "python " + " ".join(["bench/reg_fidelity.py"] + argv)
     L = ["# Regularizers as their papers define them, with controls (kanji, trained tail)", "",
          f"`{cmd}` (each row's measurement date in its last column) on 2 CPU cores: efficientnet_lite0 "
@@ -276,6 +291,9 @@ def main():
          f"{args.train_blocks} stage(s) trained over the cached frozen prefix with the default tail recipe, "
          f"{args.epochs} epochs, seeds {', '.join(map(str, seeds))}, mean ± std; weights chosen on validation "
          "classes (seed 0); test classes reported.", "",
+         "Last-epoch terms: the means over seeds of the last epoch's logged parts. A regularizer's own entry "
+         "(determinant, nir, cgml, skewed_mean) is its term after its weight, as the step adds it; R_min, R_max, "
+         "L_GC and nir_nll are unweighted; loss is the metric loss before any scale (NIR's w_align).", "",
          "| base | arm | seeds | weight | test MAP@R | R@1 | NMI | val MAP@R | last-epoch terms (mean over seeds) "
          "| s/run | measured |",
          "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -9,7 +9,8 @@ Kinds
                   contiguous halves, the first half from the second, then the second from the new
                   first; PyTorch's default initialisation; may take a context
   glow_checkered  one affine coupling per block on alternating checkered halves, a random
-                  permutation between blocks, near-identity initialisation (the former NIR flow)
+                  permutation between blocks, near-identity initialisation (NIR's checkered
+                  variant, nir.flow=glow_checkered)
 
 `clamp` > 0 soft-clamps every affine log-scale as FrEIA's "ATAN" clamp does:
 s = clamp · 0.636 · atan(a) (FrEIA/modules/coupling_layers.py, _BaseCouplingBlock), so |s| < clamp.

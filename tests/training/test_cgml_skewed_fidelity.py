@@ -1,8 +1,8 @@
 """CGML (paper 002) and the skewed mean (paper 003) against the papers and independent computations.
 
-  * CGML's X′ and X″ are each a full --batch-size batch by default (the paper's two minibatches of
-    13 classes × 10): the metric loss sees batches as large as a plain run's, in a real step and a
-    real trainer run; `cgml.batches=split` reproduces the earlier half-size batches exactly;
+  * CGML's X′ and X″ are each a full --batch-size batch by default (our reading of the paper's
+    minibatch of 13 classes × 10 as each of them): the metric loss sees batches as large as a plain
+    run's, in a real step and a real trainer run; `cgml.batches=split` gives half-size batches exactly;
   * the step's graph-consistency term is ‖S′X′ − S″X″‖_F computed in numpy, and its weighted value is
     logged next to the metric loss;
   * the skewed mean's `max_proxy_cos` is the numpy maximum off-diagonal proxy cosine over all proxies,
@@ -30,8 +30,9 @@ def test_full_pairs_are_two_class_aligned_batches_of_batch_size():
     assert [len(b) for b in epoch_batches(LABELS, 16, 2, True, np.random.RandomState(0))] == [32] * 3  # True: full
 
 
-def test_split_reproduces_the_earlier_half_batches_exactly():
-    """Indices the earlier code (each of X′ and X″ half of --batch-size) drew for these arguments."""
+def test_split_draws_the_recorded_half_batches_exactly():
+    """The indices split batches (each of X′ and X″ half of --batch-size) draw for these arguments, as recorded
+    when split was the only option: the measured split-batch rows stay reproducible."""
     old = [[7, 6, 17, 14, 21, 23, 33, 32, 7, 6, 16, 17, 21, 24, 31, 32],
            [16, 15, 7, 6, 11, 9, 20, 23, 15, 12, 7, 5, 10, 8, 24, 21],
            [11, 9, 17, 12, 43, 40, 3, 4, 10, 8, 13, 14, 37, 42, 2, 3]]
@@ -133,8 +134,8 @@ def _train_recording_loss_sizes(cfg, monkeypatch):
 
 @pytest.mark.parametrize("regs,params,want", [
     ((), (), 16),                                 # the plain arm: --batch-size per loss call
-    (("cgml",), (), 16),                          # CGML, the paper's: X′ and X″ each --batch-size
-    (("cgml",), ("cgml.batches=split",), 8),      # the earlier option: half each
+    (("cgml",), (), 16),                          # CGML, full batches: X′ and X″ each --batch-size
+    (("cgml",), ("cgml.batches=split",), 8),      # split batches: half each
 ])
 def test_trainer_metric_loss_batch_size(tmp_path, kanji_root, monkeypatch, regs, params, want):
     cfg = _tiny_cfg(tmp_path, kanji_root, loss="binomial", regularizer=regs, reg_param=params)

@@ -120,7 +120,7 @@ CASES = {
 DETERMINANT = {"loss": "proxy_anchor", "regs": ["determinant"],
                # the tangent variant: its random partners are drawn per rank, the case worth checking here
                "reg_param": ["determinant.transforms=2", "determinant.hidden=16", "determinant.epsilon=0.4",
-                             "determinant.augment=tangent"]}
+                             "determinant.augment=tangent", "determinant.gmax_loss=attached"]}
 TRIPLET = {"loss": "triplet", "loss_param": ["miner=semihard"]}
 
 

@@ -1,7 +1,8 @@
 """The determinant regularizer (paper 000) against independent computations: R over the real and
 augmented samples from autograd Jacobians, augmented samples built by hand (nearest same-class
 neighbour in numpy), the metric loss seeing the real batch only in a training step, the paper's
-defaults, the weight-0 control, and checkpoints written before the flow-head activation."""
+defaults, g_max's metric-loss variants and the weight-0 control's gradients, and checkpoints written
+before the flow-head activation."""
 import argparse
 import dataclasses
 
@@ -92,11 +93,9 @@ def test_R_over_real_and_augmented_samples_equals_autograd_jacobians(variant, tr
     assert float(terms["R_max"]) == pytest.approx(np.mean(r_max), abs=1e-9)
     assert float(terms["R_min_real"]) == pytest.approx(np.mean(r_min[:n]), abs=1e-9)
     assert float(terms["R_max_real"]) == pytest.approx(np.mean(r_max[:n]), abs=1e-9)
-    # eq. 11: λ1 R_min(Z) − λ2 R_max(Z), plus g_max's own metric loss on the real samples
-    with torch.no_grad():
-        emb_max = nn.functional.normalize(reg.g_max.flow().transform(torch.tensor(u)), dim=1)
-        want = 0.05 * np.mean(r_min) - 0.05 * np.mean(r_max) + float(reg.max_loss(emb_max, Y))
-    assert float(terms["determinant"]) == pytest.approx(want, abs=1e-9)
+    # eq. 11: λ1 R_min(Z) − λ2 R_max(Z); g_max has no metric loss of its own (gmax_loss=none)
+    assert reg.max_loss is None
+    assert float(terms["determinant"]) == pytest.approx(0.05 * np.mean(r_min) - 0.05 * np.mean(r_max), abs=1e-9)
 
 
 def test_no_augmentation_with_epsilon_zero_and_logdet_variant_on_real_samples():
@@ -127,7 +126,7 @@ def step_for(reg):
 
 
 def test_augmented_samples_never_reach_the_metric_loss_in_a_training_step():
-    reg = make_reg()
+    reg = make_reg(gmax_loss="attached")  # g_max's own loss too: neither loss sees an augmented sample
     model, step = step_for(reg)
     main, own = Recorder(reg.loss), Recorder(reg.max_loss)
     feats = torch.randn(len(Y), TRUNK, dtype=torch.float64)
@@ -174,11 +173,12 @@ def test_defaults_are_the_papers():
 
     p = DeterminantParams()
     assert (p.variant, p.augment, p.epsilon, p.activation) == ("plus_one", "feature", 0.4, "elu")
-    assert (p.flow, p.transforms, p.position, p.lambda_max) == ("realnvp", 12, "neck", -1.0)
+    assert (p.flow, p.transforms, p.position, p.lambda_max, p.gmax_loss) == ("realnvp", 12, "neck", -1.0, "none")
     assert REGULARIZERS.get("determinant").spec.weight == 0.05
     loss, _ = build_loss("proxy_anchor", C, 16)
     reg = DeterminantRegularizer(0.05, p, loss, 16, 32)
     assert reg.lambda_max == reg.weight == 0.05  # λ2 = λ1
+    assert reg.max_loss is None and reg.loss_parameters() == []  # eq. 11: one metric loss, g_min's
     for head in (reg.g_min, reg.g_max):
         assert head.plus_one and isinstance(head.activation, nn.ELU) and head.spec.activation == "elu"
         assert head.spec.kind == "realnvp" and head.spec.transforms == 12
@@ -190,34 +190,91 @@ def test_help_names_each_variant_and_the_papers():
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     text = " ".join(sub.choices["train"].format_help().split())
     for word in ("variant=plus_one", "variant=logdet", "augment=feature", "augment=tangent", "activation=elu",
-                 "activation=relu|leaky_relu|none", "the paper's defaults"):
+                 "activation=relu|leaky_relu|none", "gmax_loss=none", "gmax_loss=detached|attached",
+                 "the paper's defaults"):
         assert word in text, word
     from training.regularizers import REGULARIZERS
 
     helps = REGULARIZERS.get("determinant").param_help()
     assert "the paper's" in helps["variant"] and "the paper's" in helps["augment"]
     assert "the paper's" in helps["activation"] and "0.4" in helps["epsilon"]
+    assert "none (the paper's eq. 11" in helps["gmax_loss"]
 
 
-def test_weight_zero_epsilon_zero_control_trains_the_flows_by_the_metric_losses_only():
-    reg = make_reg(weight=0.0, epsilon=0.0)
+def grads(out, params):
+    return [torch.zeros_like(q) if g is None else g
+            for q, g in zip(params, torch.autograd.grad(out, params, retain_graph=True, allow_unused=True),
+                            strict=True)]
+
+
+def close(got, want):
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("gmax_loss", ["none", "detached", "attached"])
+def test_weight_zero_control_gives_neck_and_trunk_plain_trainings_gradient_unless_g_max_loss_is_attached(gmax_loss):
+    """The control (weight 0, ε = 0) through the training step, against plain training through g_min written
+    out with zuko's own transform: with gmax_loss=none (eq. 11's one metric loss) and detached, the trunk
+    output φ, the neck W and g_min get exactly plain training's gradient; attached adds g_max's loss's
+    gradient to them.  g_max gets none (none), or its own loss's gradient on u.detach() (detached)."""
+    reg = make_reg(weight=0.0, epsilon=0.0, gmax_loss=gmax_loss)
     assert reg.lambda_max == 0.0
     model, step = step_for(reg)
-    feats = torch.randn(len(Y), TRUNK, dtype=torch.float64)
-    loss, parts = step.forward(feats, Y, torch.Generator().manual_seed(0))
+    feats = torch.randn(len(Y), TRUNK, dtype=torch.float64, requires_grad=True)
+    total, parts = step.forward(feats, Y, torch.Generator().manual_seed(0))
     assert all(np.isfinite(parts[k]) for k in ("R_min", "R_max", "R_min_real", "R_max_real"))
-    flows = [*reg.g_min.parameters(), *reg.g_max.parameters()]
-    got = torch.autograd.grad(loss, flows, allow_unused=True)
-    neck = model.neck(feats)
-    u = nn.functional.elu(neck)
-    metric = (reg.loss(nn.functional.normalize(reg.g_min.flow().transform(u), dim=1), Y)
-              + reg.max_loss(nn.functional.normalize(reg.g_max.flow().transform(u), dim=1), Y))
-    want = torch.autograd.grad(metric, flows, allow_unused=True)
-    for a, b in zip(got, want, strict=True):
-        assert (a is None) == (b is None)
-        if a is not None:
-            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-    assert any(a is not None and a.abs().sum() > 0 for a in got)
+    W = model.neck.W
+    g_min, g_max = list(reg.g_min.parameters()), list(reg.g_max.parameters())
+    trunk = [feats, W, *g_min]
+
+    u = nn.functional.elu(feats @ W.T)
+    plain = reg.loss(nn.functional.normalize(reg.g_min.flow().transform(u), dim=1), Y)
+    if gmax_loss == "none":
+        assert reg.max_loss is None and reg.loss_parameters() == []
+        assert float(total) == pytest.approx(float(plain), abs=1e-12)
+        close(grads(total, trunk), grads(plain, trunk))
+        assert all(float(g.abs().max()) == 0 for g in grads(total, g_max))  # g_max idle at weight 0
+        return
+    own = reg.loss_parameters()
+    assert own and {id(q) for q in own}.isdisjoint(id(q) for q in reg.loss.parameters())  # its own proxies
+    g_max_in = u.detach() if gmax_loss == "detached" else u
+    second = reg.max_loss(nn.functional.normalize(reg.g_max.flow().transform(g_max_in), dim=1), Y)
+    assert float(total) == pytest.approx(float(plain + second), abs=1e-12)
+    close(grads(total, [*g_max, *own]), grads(second, [*g_max, *own]))
+    assert any(float(g.abs().max()) > 0 for g in grads(total, g_max))
+    if gmax_loss == "detached":
+        close(grads(total, trunk), grads(plain, trunk))
+    else:  # a second metric loss on the neck and the trunk
+        close(grads(total, trunk), grads(plain + second, trunk))
+        diff = [a - b for a, b in zip(grads(total, [feats, W]), grads(plain, [feats, W]), strict=True)]
+        assert all(float(d.abs().max()) > 1e-6 for d in diff)
+
+
+def test_detached_g_max_loss_at_the_trunk_position_leaves_the_neck_alone():
+    """At position=trunk g_max's output goes through the neck W before its loss: detached uses W's value,
+    so W's gradient is plain training's; attached trains W with the second loss too."""
+    from model.network import EmbeddingModel
+
+    feats = torch.randn(len(Y), TRUNK, dtype=torch.float64)
+    got = {}
+    for gmax_loss in ("detached", "attached"):
+        torch.manual_seed(0)
+        loss, _ = build_loss("proxy_anchor", C, D)
+        p = DeterminantParams(transforms=1, hidden=8, position="trunk", epsilon=0.0, gmax_loss=gmax_loss)
+        reg = DeterminantRegularizer(0.0, p, loss.double(), D, TRUNK)
+        reg.g_min.double()
+        reg.module.double()
+        torch.manual_seed(2)
+        model = EmbeddingModel(StubBackbone(), D, trunk_head=reg.g_min).double()
+        step = Step(model, loss, [reg], opt=None, grad_clip=0.0)
+        total, _ = step.forward(feats, Y, torch.Generator().manual_seed(0))
+        W = model.neck.W
+        u = nn.functional.elu(feats)
+        plain = loss(nn.functional.normalize(reg.g_min.flow().transform(u), dim=1) @ W.T, Y)
+        got[gmax_loss] = (grads(total, [W]), grads(plain, [W]))
+    close(*got["detached"])
+    assert float((got["attached"][0][0] - got["attached"][1][0]).abs().max()) > 1e-6
 
 
 def test_old_checkpoint_spec_without_activation_still_builds_and_new_specs_round_trip():

@@ -72,7 +72,7 @@ def test_nir_residual_invertible_logdet_and_gradients_reach_proxies():
 
     torch.manual_seed(0)
     loss, _ = build_loss("proxy_anchor", 5, 6)
-    # the official flow; the former NLL variant, so that at weight 1 the term is the mean NLL
+    # the official flow; the nll variant, so that at weight 1 the term is the mean NLL
     reg = NIRRegularizer(1.0, NIRParams(blocks=3, hidden=16, layers=3, variant="nll"), loss, 6, 32)
     for p in reg.flow.parameters():
         if p.dim() > 0:
@@ -212,12 +212,14 @@ def test_refusals(tmp_path):
     ("proxy_anchor", ("determinant", "nir", "skewed_mean"), ("determinant.transforms=2", "determinant.hidden=16",
                                                              "nir.flow_lr_mult=5"),
      "embed_head"),
-    # the determinant's non-default variants: logdet R, tangent augmentation, no activation
+    # the determinant's non-default variants: logdet R, tangent augmentation, no activation, g_max's own
+    # loss on detached inputs (through the neck's detached W at the trunk position)
     ("binomial", ("cgml", "determinant"), ("determinant.transforms=2", "determinant.hidden=16",
                                             "determinant.position=trunk", "determinant.variant=logdet",
-                                            "determinant.augment=tangent", "determinant.activation=none"),
+                                            "determinant.augment=tangent", "determinant.activation=none",
+                                            "determinant.gmax_loss=detached"),
      "trunk_head"),
-    # NIR's non-default variants: the former exp form on the former flow, raw input, embedded condition, noise
+    # NIR's non-default variants: the exp variant on the checkered flow, raw input, embedded condition, noise
     ("proxy_nca", ("nir",), ("nir.variant=exp", "nir.input=raw", "nir.flow=glow_checkered", "nir.layers=3",
                              "nir.clamp=0", "nir.condition=dense_embed", "nir.noise=0.05"), None),
 ])

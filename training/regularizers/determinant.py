@@ -14,21 +14,25 @@ Augmentation (§4 "Sample augmentation", augment=feature, the default): u_ij = u
 for u_j the nearest other same-class sample of the batch (Euclidean in u), ε = 0.4 (§5.4's best);
 a sample alone in its class gets none.  The augmented samples enter R only: the paper states
 there is no need for the metric loss on them.
-g_max's metric loss: eq. 11 writes a single loss term and does not say whether g_max's output
-gets one; without one g_max's only objective would be −λ2 R, unbounded above in its own
-parameters, so g_max keeps its own copy of the loss (its own proxies) on the real samples, and
-only the retrieval branch shapes the kept proxies.
+g_max's metric loss (gmax_loss): eq. 11 is minimised over (θ1, θ2, θ3), backbone, g_min and g_max,
+with one loss term, on the network whose outputs "are considered as the features of images"
+(g_min's); θ3 enters only through −λ2 R(Z2).  So by default (none) g_max has no metric loss and
+trains by −λ2 R alone, which is bounded: zuko's affine log-scale is below ln 1000 in magnitude.
+Named variants: detached gives g_max its own copy of the loss (its own proxies) on g_max(u.detach())
+(the copy trains g_max only: the neck and trunk see eq. 11's gradient); attached puts that copy on
+g_max(u), so a second metric loss trains the neck and the trunk too (also at weight 0).
 augment=tangent (not the paper's eq. 11; after §5.4's remark that the augmentation "occurs in
 the tangent hyperplane"): for each unit embedding x and a random same-class y in the batch,
 v = (I − xxᵀ)(y − x), x̃ = normalize(x + ε·v) joins the metric loss with x's label; R is then
 taken on the real samples only.
-Control: weight 0 with epsilon=0 keeps both flows and trains them by their metric losses only.
+Control: weight 0 with epsilon=0 keeps both flows in place; with gmax_loss=none g_max then gets no
+gradient, and the neck and trunk get exactly the gradient of plain training through g_min.
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch.nn import functional as F
@@ -60,6 +64,11 @@ class DeterminantParams:
         "elu", "activation before the flows (the paper's unnamed activation layer; elu: smooth and "
         "injective) | relu | leaky_relu | none (flows directly on W φ, or on the backbone output at trunk)")
     lambda_max: float = param(-1.0, "λ2; < 0 means the same as λ1 (the weight; the paper's λ1 = λ2)")
+    gmax_loss: Literal["none", "detached", "attached"] = param(
+        "none", "g_max's metric loss: none (the paper's eq. 11: one metric loss, on g_min's output; g_max trains "
+        "by −λ2 R only) | detached (g_max's own copy of the loss and proxies on g_max(u.detach()): trains g_max, "
+        "never the neck or trunk) | attached (that copy on g_max(u): a second metric loss that trains the neck "
+        "and trunk too, even at weight 0)")
 
     def validate(self) -> None:
         if self.epsilon < 0:
@@ -100,8 +109,8 @@ def tangent_augment(x: torch.Tensor, y: torch.Tensor, eps: float, gen: torch.Gen
 @REGULARIZERS.register(
     "determinant", DeterminantParams, weight=0.05,
     doc="determinant regularization with dueling flow metric layers g_min / g_max (the paper's defaults: "
-        "variant=plus_one, augment=feature with epsilon=0.4, activation=elu; other variants: variant=logdet, "
-        "augment=tangent, activation=relu|leaky_relu|none)")
+        "variant=plus_one, augment=feature with epsilon=0.4, activation=elu, gmax_loss=none; other variants: "
+        "variant=logdet, augment=tangent, activation=relu|leaky_relu|none, gmax_loss=detached|attached)")
 class DeterminantRegularizer(Regularizer):
     name = "determinant"
     lr_mult = 10.0  # flows at 1e-3 with the default base lr 1e-4 (paper: 1e-3 for flows and proxies)
@@ -116,8 +125,10 @@ class DeterminantRegularizer(Regularizer):
                               plus_one)
         max_spec = FlowSpec(params.flow, d, params.transforms, hidden, seed=1, activation=params.activation)
         self.g_max = FlowHead(max_spec, plus_one)
-        self.max_loss = copy.deepcopy(loss_module)  # g_max's own proxies
-        self.module = torch.nn.ModuleDict({"g_max": self.g_max, "max_loss": self.max_loss})
+        # g_max's own copy of the loss (its own proxies), in the detached and attached variants only
+        self.max_loss = copy.deepcopy(loss_module) if params.gmax_loss != "none" else None
+        parts = {"g_max": self.g_max} | ({"max_loss": self.max_loss} if self.max_loss is not None else {})
+        self.module = torch.nn.ModuleDict(parts)
         self.lambda_max = params.lambda_max if params.lambda_max >= 0 else self.weight
         self.head = "embed_head" if params.position == "neck" else "trunk_head"
 
@@ -126,11 +137,22 @@ class DeterminantRegularizer(Regularizer):
         return {self.head: self.g_min}
 
     def loss_parameters(self):
-        return list(self.max_loss.parameters())
+        return [] if self.max_loss is None else list(self.max_loss.parameters())
 
     def _R(self, ladj: torch.Tensor, plus: torch.Tensor | None) -> torch.Tensor:
         """R per sample."""
         return (plus if self.g_min.plus_one else ladj) / self.d
+
+    def _max_embedding(self, emb_max: torch.Tensor, u: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+        """What g_max's own loss sees: g_max's output on the real samples (attached), or g_max re-run on
+        u.detach() with the neck's W detached at the trunk position (detached: no gradient to neck or trunk)."""
+        if self.params.gmax_loss == "detached":
+            emb_max = self.g_max.flow_terms(u.detach())[0]
+            if self.head == "trunk_head":
+                W = cast(torch.Tensor, ctx.neck_layer.W)
+                emb_max = F.linear(emb_max, W.detach())
+            return emb_max
+        return ctx.neck_layer(emb_max) if self.head == "trunk_head" else emb_max
 
     def terms(self, ctx: BatchContext):
         y, p = ctx.labels, self.params
@@ -152,9 +174,9 @@ class DeterminantRegularizer(Regularizer):
             emb_max, *max_terms = self.g_max.flow_terms(u)
             r_max_real = self._R(*max_terms)
             r_min, r_max = r_min_real.mean(), r_max_real.mean()
-        if self.head == "trunk_head":
-            emb_max = ctx.neck_layer(emb_max)
-        total = self.weight * r_min - self.lambda_max * r_max + self.max_loss(emb_max, y)
+        total = self.weight * r_min - self.lambda_max * r_max
+        if self.max_loss is not None:  # gmax_loss=detached|attached
+            total = total + self.max_loss(self._max_embedding(emb_max, u, ctx), y)
         if p.augment == "tangent" and p.epsilon > 0:
             x = F.normalize(ctx.embeddings, dim=1)
             total = total + ctx.loss(tangent_augment(x, y, p.epsilon, ctx.generator), y)

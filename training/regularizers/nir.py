@@ -9,8 +9,8 @@ Official objective: mean_i exp(nll_i) + w_align · proxy loss, w_align = 0.01 (p
 0.0075 in the CUB200 runs of nir_benchmark_runs.sh): the proxy loss is scaled down, not the flow
 term.  So the term here is mean_i exp(nll_i) at weight 1 (the default), and `w_align` scales the
 base metric loss (Regularizer.base_loss_scale): the total is the official objective itself, so
---grad-clip sees the official gradient's scale.  The former forms (`nll`, `exp`) were weighted
-the other way: give them w_align=1 and their --reg-weight.
+--grad-clip sees the official gradient's scale.  The nll and exp variants are weighted the other
+way: give them w_align=1 and a --reg-weight.
 The exponential is taken in float32 without a guard, as the official code takes it: the soft
 clamp bounds |log|det|| by blocks · d · clamp, ½‖z‖² is unbounded, so exp overflows only when
 a sample's NLL exceeds ~88; the objective pushes the NLL down, where exp underflows to 0 and that
@@ -22,8 +22,9 @@ Linear-ReLU-Linear embedder).  Optional input noise (official default 0): x + no
 re-normalised.  The flow and the embedder train at 50× the base learning rate, the proxies at
 twice the rate a proxy loss alone gives them (loss_nir_proxy_lrmulti 4000 vs loss_oproxy_lrmulti
 2000), neither with weight decay.
-Variants: `nll` (the former default) averages the NLL; `exp` averages exp(nll / d);
-`flow=glow_checkered layers=3 clamp=0` is the former flow.  Unit embeddings lie on a sphere,
+Variants: `nll` averages the NLL; `exp` averages exp(nll / d); `flow=glow_checkered layers=3 clamp=0`
+is the checkered flow (one coupling per block on checkered halves, near-identity start, zuko's own
+bound on the log-scales).  Unit embeddings lie on a sphere,
 where a density can be made arbitrarily peaked (the NLL is unbounded below; exp(NLL) is not);
 with `input=raw` the flow models the un-normalised neck output instead.
 """
@@ -55,16 +56,16 @@ class NIRParams:
     blocks: int = param(5, "GLOW coupling blocks (official: 5, --loss_nir_nf_cblocks)")
     hidden: int = param(128, "coupling sub-network width (official: 128, --loss_nir_nf_fc_width)")
     layers: int = param(8, "linear layers per coupling sub-network, ReLU between (official: 8, "
-                           "--loss_nir_nf_fc_depth; 3 = the former flow's two hidden layers)")
+                           "--loss_nir_nf_fc_depth; 3 = the checkered flow's two hidden layers)")
     clamp: float = param(2.0, "soft clamp of the log-scales, s = clamp·0.636·atan(a) (official: 2, "
-                              "--loss_nir_nf_clamp_alpha); 0 = zuko's own bound (the former flow)")
+                              "--loss_nir_nf_clamp_alpha); 0 = zuko's own bound (the checkered flow's)")
     flow: Literal["glow", "glow_checkered"] = param(
         "glow", "glow (official: FrEIA GLOWCouplingBlocks on contiguous halves, a random permutation before "
-        "each, default init) | glow_checkered (the former flow: one coupling per block on checkered halves, "
+        "each, default init) | glow_checkered (the checkered flow: one coupling per block on checkered halves, "
         "near-identity init)")
     variant: Literal["official", "nll", "exp"] = param(
-        "official", "official: mean exp(½‖z‖² − log|det|), the official code's | nll: mean NLL (the former "
-        "default) | exp: mean exp(NLL / d) (the former exp form)")
+        "official", "official: mean exp(½‖z‖² − log|det|), the official code's | nll: mean NLL | exp: mean "
+        "exp(NLL / d) (give nll and exp w_align=1)")
     condition: Literal["dense", "dense_embed"] = param(
         "dense", "dense (official default, --loss_nir_nf_cond_mode): the unit proxy conditions every block | "
         "dense_embed (an official option): through a Linear-ReLU-Linear d→d→d embedder first")
@@ -75,10 +76,10 @@ class NIRParams:
                                                       "50 × its base lr 1e-5, --loss_nir_lrmulti)")
     proxy_lr_scale: float = param(PROXY_LR_SCALE, "the loss's proxies train at this × --proxy-lr-mult "
                                                   "(official: 2 = 4000/2000, --loss_nir_proxy_lrmulti over "
-                                                  "--loss_oproxy_lrmulti); 1 = the former rate")
+                                                  "--loss_oproxy_lrmulti); 1 = the proxy loss's own rate")
     w_align: float = param(W_ALIGN, "the base proxy loss's factor in the total: mean exp(NLL) + w_align · proxy "
                                     "loss (official: 0.01, --loss_nir_w_align; 0.0075 in its CUB runs); 1 leaves "
-                                    "the base loss as it is (the former forms)")
+                                    "the base loss as it is (for variant=nll|exp)")
     input: Literal["unit", "raw"] = param(
         "unit", "unit (official: the network's L2-normalised embedding) | raw: the neck output as is")
 
