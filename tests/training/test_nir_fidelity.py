@@ -272,7 +272,7 @@ def test_official_constants_and_optimizer_groups():
         5, 128, 8, 2.0, "glow", "official", "dense", 0.0, "unit")
     for f in dataclasses.fields(NIRParams):  # each help names the official value
         assert "official" in f.metadata["help"], f.name
-    with pytest.raises(UserError, match="nir.layers"):
+    with pytest.raises(UserError, match="^regularizer .nir.: layers must be ≥ 2, got 1$"):
         REGULARIZERS.params("nir", {"layers": 1})
 
     from model.backbones import build_backbone

@@ -35,7 +35,7 @@ from .registry import REGULARIZERS
 
 @dataclass
 class CGMLParams:
-    sigma: float = param(1.0, "RBF graph bandwidth σ")
+    sigma: float = param(1.0, "RBF graph bandwidth σ", bounds="(0, inf)")
     batches: Literal["full", "split"] = param(
         "full", "full: X′ and X″ each a full --batch-size batch (the paper's minibatch of 130 read as each "
                 "of them) | split: X′ and X″ share --batch-size, half each (the minibatch read as X′ ∪ X″)")

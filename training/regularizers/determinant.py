@@ -37,7 +37,6 @@ from typing import Literal, cast
 import torch
 from torch.nn import functional as F
 
-from core.errors import UserError
 from core.params import param
 from model.flows import FlowSpec
 from model.network import FlowHead
@@ -49,8 +48,8 @@ from .registry import REGULARIZERS
 @dataclass
 class DeterminantParams:
     flow: Literal["realnvp", "nice"] = param("realnvp", "flow kind: realnvp (the paper's) | nice")
-    transforms: int = param(12, "coupling layers (the paper uses 12)")
-    hidden: int = param(128, "coupling-network width (kept small: 2 CPU cores)")
+    transforms: int = param(12, "coupling layers (the paper uses 12)", bounds="[1, inf)")
+    hidden: int = param(128, "coupling-network width (kept small: 2 CPU cores)", bounds="[1, inf)")
     position: Literal["neck", "trunk"] = param("neck", "where the flows sit: neck (the paper's) | trunk")
     variant: Literal["plus_one", "logdet"] = param(
         "plus_one", "R: plus_one (the paper's eq. 7/10, (1/d) Σ log(|∂y_t/∂x_t| + 1) per coupling layer) "
@@ -59,7 +58,7 @@ class DeterminantParams:
         "feature", "feature (the paper's eq. 11): u_i + ε(u_j − u_i) toward the nearest same-class u_j in "
         "the flows' input space, in R only, never in the metric loss | tangent: unit embeddings moved on "
         "the sphere's tangent plane toward a random same-class sample, in the metric loss, R on real only")
-    epsilon: float = param(0.4, "augmentation ε (the paper's best: 0.4); 0 = no augmentation")
+    epsilon: float = param(0.4, "augmentation ε (the paper's best: 0.4); 0 = no augmentation", bounds="[0, inf)")
     activation: Literal["elu", "relu", "leaky_relu", "none"] = param(
         "elu", "activation before the flows (the paper's unnamed activation layer; elu: smooth and "
         "injective) | relu | leaky_relu | none (flows directly on W φ, or on the backbone output at trunk)")
@@ -69,10 +68,6 @@ class DeterminantParams:
         "by −λ2 R only) | detached (g_max's own copy of the loss and proxies on g_max(u.detach()): trains g_max, "
         "never the neck or trunk) | attached (that copy on g_max(u): a second metric loss that trains the neck "
         "and trunk too, even at weight 0)")
-
-    def validate(self) -> None:
-        if self.epsilon < 0:
-            raise UserError(f"determinant.epsilon must be ≥ 0, got {self.epsilon}")
 
 
 def nearest_same_class(u: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,7 +36,6 @@ from typing import Literal
 import torch
 from torch.nn import functional as F
 
-from core.errors import UserError
 from core.params import param
 from model.flows import FlowSpec, build_flow, flow_forward
 
@@ -53,12 +52,14 @@ PROXY_LR_SCALE = 4000.0 / 2000.0  # --loss_nir_proxy_lrmulti over the proxy loss
 
 @dataclass
 class NIRParams:
-    blocks: int = param(5, "GLOW coupling blocks (official: 5, --loss_nir_nf_cblocks)")
-    hidden: int = param(128, "coupling sub-network width (official: 128, --loss_nir_nf_fc_width)")
+    blocks: int = param(5, "GLOW coupling blocks (official: 5, --loss_nir_nf_cblocks)", bounds="[1, inf)")
+    hidden: int = param(128, "coupling sub-network width (official: 128, --loss_nir_nf_fc_width)",
+                        bounds="[1, inf)")
     layers: int = param(8, "linear layers per coupling sub-network, ReLU between (official: 8, "
-                           "--loss_nir_nf_fc_depth; 3 = the checkered flow's two hidden layers)")
+                           "--loss_nir_nf_fc_depth; 3 = the checkered flow's two hidden layers)", bounds="[2, inf)")
     clamp: float = param(2.0, "soft clamp of the log-scales, s = clamp·0.636·atan(a) (official: 2, "
-                              "--loss_nir_nf_clamp_alpha); 0 = zuko's own bound (the checkered flow's)")
+                              "--loss_nir_nf_clamp_alpha); 0 = zuko's own bound (the checkered flow's)",
+                         bounds="[0, inf)")
     flow: Literal["glow", "glow_checkered"] = param(
         "glow", "glow (official: FrEIA GLOWCouplingBlocks on contiguous halves, a random permutation before "
         "each, default init) | glow_checkered (the checkered flow: one coupling per block on checkered halves, "
@@ -70,26 +71,20 @@ class NIRParams:
         "dense", "dense (official default, --loss_nir_nf_cond_mode): the unit proxy conditions every block | "
         "dense_embed (an official option): through a Linear-ReLU-Linear d→d→d embedder first")
     noise: float = param(0.0, "input noise: x + noise·U[0,1), re-normalised, training only (official: 0, "
-                              "--loss_nir_noise)")
+                              "--loss_nir_noise)", bounds="[0, inf)")
     flow_lr_mult: float = param(FLOW_LR_MULT_DEFAULT, "flow and embedder learning rate = lr × this; 5 on the "
                                                       "default lr 1e-4 is the official absolute rate 5e-4 (official: "
-                                                      "50 × its base lr 1e-5, --loss_nir_lrmulti)")
+                                                      "50 × its base lr 1e-5, --loss_nir_lrmulti)",
+                                bounds="(0, inf)")
     proxy_lr_scale: float = param(PROXY_LR_SCALE, "the loss's proxies train at this × --proxy-lr-mult "
                                                   "(official: 2 = 4000/2000, --loss_nir_proxy_lrmulti over "
-                                                  "--loss_oproxy_lrmulti); 1 = the proxy loss's own rate")
+                                                  "--loss_oproxy_lrmulti); 1 = the proxy loss's own rate",
+                                  bounds="(0, inf)")
     w_align: float = param(W_ALIGN, "the base proxy loss's factor in the total: mean exp(NLL) + w_align · proxy "
                                     "loss (official: 0.01, --loss_nir_w_align; 0.0075 in its CUB runs); 1 leaves "
-                                    "the base loss as it is (for variant=nll|exp)")
+                                    "the base loss as it is (for variant=nll|exp)", bounds="(0, inf)")
     input: Literal["unit", "raw"] = param(
         "unit", "unit (official: the network's L2-normalised embedding) | raw: the neck output as is")
-
-    def validate(self) -> None:
-        for name, ok in (("blocks", self.blocks >= 1), ("hidden", self.hidden >= 1), ("layers", self.layers >= 2),
-                         ("clamp", self.clamp >= 0), ("noise", self.noise >= 0),
-                         ("flow_lr_mult", self.flow_lr_mult > 0), ("proxy_lr_scale", self.proxy_lr_scale > 0),
-                         ("w_align", self.w_align > 0)):
-            if not ok:
-                raise UserError(f"nir.{name} out of range: {getattr(self, name)!r}")
 
 
 @REGULARIZERS.register(

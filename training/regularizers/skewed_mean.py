@@ -36,11 +36,11 @@ from .registry import REGULARIZERS
 @dataclass
 class SkewedMeanParams:
     form: Literal["r1", "r2"] = param("r1", "r1: log-sum-exp of similarities | r2: power mean of distances")
-    gamma: float = param(10.0, "R1 skew γ")
+    gamma: float = param(10.0, "R1 skew γ", bounds="(0, inf)")
     delta: float = param(0.0, "R1 margin δ3 on similarities")
     lam: float = param(1.0, "R2 order −λ")
     target: float = param(math.sqrt(2.0), "R2 target distance δ₂")
-    max_proxies: int = param(512, "proxies sampled per step when there are more classes")
+    max_proxies: int = param(512, "proxies sampled per step when there are more classes", bounds="[2, inf)")
 
 
 DIAG_PROXIES = 4096  # per-step diagnostic over at most this many proxies (beyond: a fixed, evenly spaced subset)
