@@ -20,10 +20,11 @@ from core.logs import setup_logging
 from core.params import convert
 from data import DATASETS, DataConfig
 
+from .backends.gallery import Gallery
 from .build_config import BuildConfig
 from .refinements import GRIDS, MODES, REFINEMENTS, file_params, shared_params
 from .rerankers import RERANKERS
-from .search_config import SearchConfig
+from .search_config import NO_RERANK, SearchConfig
 
 log = logging.getLogger("index")
 
@@ -194,8 +195,8 @@ def cmd_remove(args) -> int:
     return 0
 
 
-def open_gallery(args):
-    """The gallery `search --backend faiss|ondisk|milvus` reads: an index.backends.gallery.Gallery."""
+def open_gallery(args) -> Gallery:
+    """The gallery `search --backend faiss|ondisk|milvus` reads."""
     if args.backend == "faiss":
         from .backends.search import Searcher
         from .backends.store import read_index
@@ -218,7 +219,7 @@ def open_gallery(args):
                          rerank_factor=args.rerank_factor)
 
 
-def _queries(args, gallery) -> tuple[np.ndarray, list[str], str]:
+def _queries(args, gallery: Gallery) -> tuple[np.ndarray, list[str], str]:
     """(query trunk features, a name per query, what error messages call them)."""
     if args.features:
         from core.arrays import check_matrix, load_npy
@@ -236,8 +237,9 @@ def _queries(args, gallery) -> tuple[np.ndarray, list[str], str]:
 
 
 def cmd_search(args) -> int:
-    """One path for every backend: open the gallery, embed or load the queries, resolve the
-    mode (cosine falls back to bilinear for an indefinite M′), search, write the same JSON."""
+    """One path for every backend: open the gallery, resolve the mode (cosine falls back to
+    bilinear for an indefinite M′), embed or load the queries, search through
+    `SearchConfig.search` (the strategy's search, then any re-ranker), write the same JSON."""
     from .threads import serving_threads
 
     if args.json:
@@ -245,25 +247,21 @@ def cmd_search(args) -> int:
     if args.rerank_factor < 1:
         raise UserError(f"--rerank-factor must be ≥ 1, got {args.rerank_factor}")
     serving_threads(args.threads or None)  # BLAS on 1 thread for single queries; FAISS as asked
-    params = strategy_params_from(args)
-    given = {k: v for k, v in params.items() if v is not None}
+    given = {k: v for k, v in strategy_params_from(args).items() if v is not None}
     cfg = SearchConfig.of(args.strategy, given, args.mode, args.rerank, rerank_params_from(args.rerank_param),
                           strict=True)  # every setting checked before the index is read
-    if cfg.rerank != "none" and args.backend != "faiss":
-        raise UserError(f"--rerank {cfg.rerank} needs --backend faiss: a re-ranker reads the gallery's exact "
-                        f"scores and neighbour lists, which the {args.backend} backend does not hold in memory")
     gallery = open_gallery(args)
+    mode, note = gallery.resolve_mode(cfg.strategy, cfg.params, cfg.mode)
+    cfg = cfg.with_mode(mode)
+    if cfg.rerank != NO_RERANK:
+        cfg.space(gallery)  # a backend that cannot re-rank refuses before any query is embedded
     feats, names, what = _queries(args, gallery)
-    mode, note = gallery.resolve_mode(args.strategy, params, args.mode)
     if note:
         print(f"note: {note}", file=sys.stderr)
-    if cfg.rerank == "none":
-        hits = gallery.search(feats, args.strategy, params, mode, args.k, what)
-    else:
-        hits = cfg.with_mode(mode).search(gallery, feats, args.k, what=what)
+    hits = cfg.search(gallery, feats, args.k, what=what)
     payload = {"backend": args.backend, "strategy": args.strategy,
                "params": given, "mode": mode, "rerank": cfg.rerank,
-               "rerank_params": cfg.rerank_params if cfg.rerank != "none" else {}, "k": hits.k,
+               "rerank_params": cfg.rerank_params if cfg.rerank != NO_RERANK else {}, "k": hits.k,
                "note": note,
                "queries": [{"query": n, "results": r} for n, r in zip(names, hits.results(), strict=True)]}
     if args.json:
@@ -532,7 +530,8 @@ def _search_parser(sub) -> None:
     g = s.add_argument_group("backends other than the index directory's FAISS index")
     g.add_argument("--backend", choices=("faiss", "ondisk", "milvus"), default="faiss",
                    help="faiss: --index's own index in RAM; ondisk: an on-disk IVF (see ivf-build); "
-                        "milvus: a collection written by `export --to milvus` (default: %(default)s)")
+                        "milvus: a collection written by `export --to milvus`, which does not re-rank "
+                        "(default: %(default)s)")
     g.add_argument("--ivf", help="ondisk: the on-disk IVF directory (default: INDEX/ivf_ondisk)")
     g.add_argument("--nprobe", type=int, default=0,
                    help="ondisk, and milvus IVF_* collections: inverted lists probed; 0 = 32 (at most nlist) "
