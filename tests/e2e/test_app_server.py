@@ -106,6 +106,9 @@ def test_api_search_matches_cli(server, tmp_path, monkeypatch):
     assert r.returncode == 0, r.stderr
     cli = json.loads(out.read_text())["queries"][0]["results"]
     assert_same_results(res["results"], cli)
+    by_name = client.predict(image=handle_file(str(img)), strategy="random", r=0.4, seed=2, mode="bilinear", k=6,
+                             api_name="/search")  # as docs/app-and-compare.md calls it
+    assert by_name == res
     # the defaults agree too: the trained metric, as evaluated everywhere (cosine)
     res = client.predict(handle_file(str(img)), api_name="/search")
     r = run_module("index", "search", "--index", str(svc.index_dir), "--image", str(img), "--json", str(out),
