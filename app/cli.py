@@ -9,6 +9,8 @@ from pathlib import Path
 
 from core.flags import add_shared_args, at_least
 
+from .limits import DEFAULT_MAX_RERANK_SIZE
+
 DEMO_INDEX = "artifacts/demo/index"
 DEMO_ANALYSIS = "artifacts/demo/strategies"
 DEFAULT_CONCURRENCY = 2
@@ -34,6 +36,10 @@ def build_parser():
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, loopback only)")
     p.add_argument("--port", type=int, default=7860, help="port to serve on (default: %(default)s)")
     p.add_argument("--max-upload-mb", type=float, default=10.0, help="upload size cap (default: %(default)s)")
+    p.add_argument("--max-rerank-size", type=at_least(1, "--max-rerank-size"), default=DEFAULT_MAX_RERANK_SIZE,
+                   help="the most any re-ranker size parameter may be in one request, in the panels, the Compare "
+                        "tab and both HTTP APIs (candidates read, neighbours expanded, a pool); a larger one is "
+                        "refused, naming it (default: %(default)s, above every re-ranker's default)")
     p.add_argument("--concurrency", type=at_least(1, "--concurrency"), default=DEFAULT_CONCURRENCY,
                    help="searches served at once (queue) (default: %(default)s)")
     p.add_argument("--no-verify", action="store_true", help="skip index checksum verification at start")
@@ -86,8 +92,8 @@ def launch(args, block: bool = True):
     sites = [(args.index, args.checkpoint, analysis, args.label, args.port)]
     if args.second_index:
         sites.append((args.second_index, None, args.second_analysis, args.second_label, args.port + 1))
-    services = [RetrievalService(ix, ck, an, verify=not args.no_verify, device=args.device)
-                for ix, ck, an, _, _ in sites]
+    services = [RetrievalService(ix, ck, an, verify=not args.no_verify, device=args.device,
+                                 max_rerank_size=args.max_rerank_size) for ix, ck, an, _, _ in sites]
     names = [label or Path(ix).name for ix, _, _, label, _ in sites]
     max_kb = max(1, int(args.max_upload_mb * 1024))
     from .rest import add_rest_routes
@@ -107,7 +113,8 @@ def launch(args, block: bool = True):
         add_rest_routes(page.app, svc, max_kb * 1024)  # POST /api/search, on the same server
         pages.append(page)
     demo, svc = pages[0], services[0]
-    demo.companions = pages[1:]  # closed with it by callers that hold only the first
+    # closed with it by callers that hold only the first
+    demo.companions = pages[1:]  # type: ignore[attr-defined]  # our attribute on Gradio's Blocks
     if block:
         demo.block_thread()
     return demo, svc

@@ -43,7 +43,7 @@ def tick_label(v: float) -> str:
 def nice_ticks(lo: float, hi: float, n: int = 5) -> np.ndarray:
     from matplotlib.ticker import MaxNLocator
 
-    t = MaxNLocator(n).tick_values(lo, hi)
+    t = np.asarray(MaxNLocator(n).tick_values(lo, hi), dtype=float)
     return t[(t >= lo - 1e-12) & (t <= hi + 1e-12)]
 
 
@@ -131,7 +131,7 @@ def ap_scatter(cmp, colour: str = "outcome", max_jaccard: float | None = None, m
         note = ", ".join(x for x in (note, f"{len(keep):,} of {len(cmp.ids):,} queries with Jaccard@{cmp.k} "
                                            f"≤ {max_jaccard:g}") if x)
     ids = cmp.ids[keep]
-    mark = np.nonzero(ids == mark_id)[0] if mark_id is not None else []
+    mark = np.nonzero(ids == mark_id)[0] if mark_id is not None else np.zeros(0, dtype=np.int64)
     return svg_scatter(cmp.ap_a[keep], cmp.ap_b[keep], ids, colours, tips,
                        title="per-query AP (MAP@R): click a point to open it", x_label=f"AP, {cmp.label_a}",
                        y_label=f"AP, {cmp.label_b}", lims=(0, 1, 0, 1), diagonal=True,

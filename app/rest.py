@@ -10,11 +10,14 @@ for clients that are not Python:
        -F rerank=aqe -F rerank_params="n=3, alpha=1" http://127.0.0.1:7860/api/search
 
 Fields: `image` (required), `strategy` (default trained), `mode` (default cosine),
-`k` (default 10), the strategy's own parameters by name (file parameters cannot
-be given), and optionally a re-ranker: `rerank` (default none) with `rerank_params`
-(`key=value` pairs separated by commas or spaces, or a JSON object; default: its
-own defaults).  Bad input is a 4xx with {"error": "..."}; uploads over the app's
---max-upload-mb are refused before they are decoded.
+`k` (default 10), the strategy parameters by name (file parameters cannot be
+given; another strategy's are not read), and optionally a re-ranker: `rerank`
+(default none) with `rerank_params` (`key=value` pairs separated by commas or
+spaces, or a JSON object; default: its own defaults), each size at most the
+server's --max-rerank-size.  A field that is none of these is refused with the
+valid ones.  Bad input is a 4xx with {"error": "..."}; uploads over the app's
+--max-upload-mb are refused before they are decoded.  The search itself is
+`RetrievalService.api_search`, as Gradio's; this module imports no UI.
 """
 from __future__ import annotations
 
@@ -23,10 +26,8 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from core.errors import UserError
-from index.backends.gallery import RESULT_FIELDS
 
-from .service import RetrievalService, rerank_params_from
-from .ui import spec_from
+from .service import RetrievalService
 
 
 def add_rest_routes(app, svc: RetrievalService, max_bytes: int) -> None:
@@ -50,21 +51,7 @@ def add_rest_routes(app, svc: RetrievalService, max_bytes: int) -> None:
         fields = {k: v for k, v in form.items() if isinstance(v, str)}
 
         def work() -> dict:
-            strategy = fields.pop("strategy", "trained")
-            mode = fields.pop("mode", "cosine")
-            k = fields.pop("k", "10")
-            rerank = fields.pop("rerank", "") or "none"
-            rerank_params = rerank_params_from(fields.pop("rerank_params", ""))
-            if strategy not in svc.strategy_choices(with_files=False):
-                raise UserError(f"unknown strategy {strategy!r}; choose from "
-                                f"{', '.join(svc.strategy_choices(with_files=False))}")
-            if not k.strip().isdigit():
-                raise UserError(f"k must be a whole number, got {k!r}")
-            spec = spec_from(strategy, mode, fields, rerank, rerank_params)  # refuses a bad re-ranker first
-            q = svc.query_from_upload(data)
-            panel = svc.panel(q, spec, int(k))
-            return {"metric": panel.title, "note": panel.note,
-                    "results": [{f: x[f] for f in RESULT_FIELDS} for x in panel.results]}
+            return svc.api_search(data, fields)
 
         try:
             return JSONResponse(await run_in_threadpool(work))

@@ -1,16 +1,22 @@
-"""Everything the app does, without Gradio: the handlers call this, and the tests do too.
+"""Everything the app does, without Gradio: the handlers call this, the HTTP APIs call this,
+and the tests do too.
 
 One `RetrievalService` per index: it embeds query images with the index's own
 model, searches under any two configurations (index/search_config.py; the
 trained metric and the identity by default), scores each panel (P@k and AP =
 MAP@R of the query when its class is known), finds the queries where the two
 disagree most, explains why a result moved between them, and draws the
-analysis pictures.
+analysis pictures.  The search specification is here too: a configuration from
+the controls' or an API call's values (`spec_from`), the API's parameters in their
+stable order (`api_params`) and its one search (`RetrievalService.api_search`).
+Every configuration searched is first checked against the server's bound on a
+re-ranker's sizes (`max_rerank_size`).
 Read paths are lock-free (FAISS searches are thread-safe); caches are locked.
 """
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import logging
@@ -33,10 +39,12 @@ from index.backends.gallery import RESULT_FIELDS
 from index.backends.search import Searcher
 from index.backends.store import read_index
 from index.embedder import ImageEmbedder
-from index.refinements import REFINEMENTS, file_params, strategy_key
-from index.search_config import SearchConfig
+from index.refinements import REFINEMENTS, file_params, shared_params, strategy_key, strategy_params
+from index.rerankers import check_size_limit, reranker_params
+from index.search_config import NO_RERANK, SearchConfig
 
 from .compare_view import ap_scatter, class_colours, metric_features, project_2d, subsample, svg_scatter
+from .limits import DEFAULT_MAX_RERANK_SIZE
 
 log = logging.getLogger("app")
 
@@ -61,6 +69,33 @@ class Panel:
 # the app's name for a configuration: one type from the panels to the comparer and the exports
 Spec = SearchConfig
 DEFAULT_RIGHT = SearchConfig("identity")  # the right panel's first configuration (the left's: SearchConfig())
+# The search API's parameters in their stable order.  Gradio's /search takes them positionally
+# (gradio_client), so this order only ever grows at the end: a strategy parameter registered
+# later follows these, in registry order.
+API_ORDER = ("image", "strategy", "r", "seed", "alpha", "p", "mode", "k", "psd", "rerank", "rerank_params")
+API_FIXED = ("image", "strategy", "mode", "k", "rerank", "rerank_params")  # the rest: strategy parameters
+
+
+def api_params() -> list[str]:
+    """The search API's parameter names (Gradio's /search, POST /api/search) in their stable order:
+    API_ORDER, then each file-free strategy parameter not in it, in registry order."""
+    strategy = [sp.name for sp in shared_params() if not sp.metadata.get("file")]
+    return ([n for n in API_ORDER if n in API_FIXED or n in strategy]
+            + [n for n in strategy if n not in API_ORDER])
+
+
+def spec_from(strategy, mode, values: dict, rerank: str = NO_RERANK, rerank_params: dict | None = None) -> Spec:
+    """A configuration from the parameter controls' or an API call's values (every strategy's, by
+    name; the others are not read): the chosen strategy's typed parameters, so that its label shows
+    exactly what was searched, and the re-ranker's (only its own: another key is refused with the
+    ones it takes)."""
+    for name in file_params(strategy):
+        if not values.get(name):
+            raise UserError(f"strategy {strategy}: upload {REFINEMENTS.get(strategy).param_help()[name]} first")
+    rerank = rerank or NO_RERANK
+    given = {k: v for k, v in (rerank_params or {}).items() if v is not None}
+    return Spec(strategy, dataclasses.asdict(strategy_params(strategy, values)), mode, rerank,
+                dataclasses.asdict(reranker_params(rerank, given)))
 
 
 def rerank_params_from(given) -> dict:
@@ -90,9 +125,21 @@ def jaccard(a, b) -> float:
     return len(sa & sb) / len(sa | sb) if sa | sb else 1.0
 
 
+def whole_number(value, name: str) -> int:
+    """An API's integer field, given as a number or as its text (a form field)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = float("nan")
+    if isinstance(value, bool) or not number.is_integer():
+        raise UserError(f"{name} must be a whole number, got {value!r}")
+    return int(number)
+
+
 class RetrievalService:
     def __init__(self, index_dir, checkpoint: str | None = None, analysis_dir: str | None = None,
-                 verify: bool = True, device: str = "cpu"):
+                 verify: bool = True, device: str = "cpu", max_rerank_size: int = DEFAULT_MAX_RERANK_SIZE):
+        self.max_rerank_size = int(max_rerank_size)
         self.data = read_index(index_dir, verify=verify)
         self.searcher = Searcher(self.data)
         self.index_dir = Path(index_dir)
@@ -108,8 +155,8 @@ class RetrievalService:
         self.comparer = Comparer(self.data, self.searcher)
         self.explainer = Explainer(self.searcher)
         self._maps: dict = {}
-        self._pca = None
-        self._thumbs: dict[int, Image.Image] = {}
+        self._pca: tuple | None = None  # (projection, the drawn map, data ↦ pixel), drawn once
+        self._thumbs: dict[tuple[int, int], Image.Image] = {}
         self._heatmaps: dict = {}
 
     def warm(self) -> None:
@@ -158,6 +205,36 @@ class RetrievalService:
         return self._row_of_id[int(item_id)]
 
     # ------------------------------------------------------------ search
+    def check(self, spec: Spec) -> None:
+        """Refuse a configuration this server does not search: an unknown re-ranker, a parameter it
+        does not take, or a size parameter above `max_rerank_size`."""
+        spec.check_searchable()
+        check_size_limit(spec.rerank, spec.rerank_params, self.max_rerank_size)
+
+    def api_search(self, image, values: dict) -> dict:
+        """One search of the HTTP APIs (Gradio's /search, POST /api/search): the query image and
+        `values` by the API's parameter names (`api_params()`), each optional: strategy trained
+        (one that needs no file), mode cosine, k 10, the strategy's own defaults, no re-ranker
+        (`rerank_params`: see `rerank_params_from`).  A name that is none of them is refused with
+        the valid ones.  → {"metric", "note", "results": RESULT_FIELDS per result}."""
+        valid = api_params()
+        unknown = [name for name in values if name not in valid]
+        if unknown:
+            raise UserError(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                            f"valid: {', '.join(valid)}")
+        strategy = values.get("strategy") or "trained"
+        choices = self.strategy_choices(with_files=False)
+        if strategy not in choices:
+            raise UserError(f"unknown strategy {strategy!r}; choose from {', '.join(choices)}")
+        k = whole_number(values.get("k", 10), "k")
+        spec = spec_from(strategy, values.get("mode") or "cosine", values, values.get("rerank") or NO_RERANK,
+                         rerank_params_from(values.get("rerank_params")))
+        self.check(spec)  # a bad configuration is refused before the image is decoded
+        panel = self.panel(self.query_from_upload(image), spec, k)
+        # "relative_path", not "path": gradio_client would take a "path" key for a file to download
+        return {"metric": panel.title, "note": panel.note,
+                "results": [{f: x[f] for f in RESULT_FIELDS} for x in panel.results]}
+
     def panel(self, q: Query, spec: Spec, k: int = 12) -> Panel:
         """One panel: the top k under `spec` (its re-ranker included) through `SearchConfig.search`,
         a gallery query's own item left out (leave-one-out: it neither appears nor helps its own
@@ -165,7 +242,7 @@ class RetrievalService:
         k = int(k)
         if not 1 <= k <= 200:
             raise UserError("k must be between 1 and 200")
-        spec.check_searchable()
+        self.check(spec)
         mode, note = self.searcher.resolve_mode(spec.strategy, spec.params, spec.mode)
         cfg = spec.with_mode(mode)
         res = cfg.search(self.searcher, q.feats, k, self_ids=self._self_ids(q))
@@ -204,7 +281,7 @@ class RetrievalService:
         (RESULT_FIELDS and whether each is of the query's class), P@k and AP, and the overlap of
         the two lists (Jaccard@k), as the JSON/CSV export writes them."""
         left = left or SearchConfig()
-        query = ({"kind": "item", "id": q.self_id, "label": q.label, "class_name": self.class_name(q.label)}
+        query = ({"kind": "item", "id": q.self_id, "label": q.label, "class_name": self.item_class(q.self_id)}
                  if q.self_id is not None else {"kind": "upload"})
         pair = self.compare(q, right, k, left)
         panels = [{"side": side, "metric": p.title, "config": cfg.to_dict(), "note": p.note, "p_at_k": p.p_at_k,
@@ -218,21 +295,28 @@ class RetrievalService:
     def why(self, q: Query, item_id: int, right: Spec, left: Spec | None = None, k: int = 12, top: int = 5) -> Why:
         """Gallery item `item_id` as a result of `q`: rank and score under both configurations,
         the score difference over the eigen-directions of M_right − M_left (index/analysis/explain.py)."""
+        left = left or SearchConfig()
+        for spec in (left, right):
+            self.check(spec)
         self_row = self._row(q.self_id) if q.self_id is not None else None
-        return self.explainer.why(q.feats, self._row(item_id), left or SearchConfig(), right, self_row=self_row,
+        return self.explainer.why(q.feats, self._row(item_id), left, right, self_row=self_row,
                                   k=int(k), top=top)
 
     # ------------------------------------------------------------ the whole test set
     def per_query_ap(self, spec: Spec, progress=None) -> np.ndarray:
         """MAP@R of every index item as a query (leave-one-out), under `spec` (its mode as given)
         and its re-ranker; one batched pass without a re-ranker, cached (index/analysis/compare.py)."""
+        self.check(spec)
         return self.comparer.ap(spec, progress)
 
     def comparison(self, right: Spec, left: Spec | None = None, k: int = 12, progress=None) -> Comparison:
         """Per-query AP under `left` (default: trained, cosine) vs `right` over every query, and
         Jaccard@k of their top-k lists.  `progress(done, total, what)`: called while a side with a
         re-ranker is computed (every query re-ranked: seconds to a minute on the demo index)."""
-        return self.comparer.compare(left or SearchConfig(), right, k=int(k), progress=progress)
+        left = left or SearchConfig()
+        for spec in (left, right):
+            self.check(spec)
+        return self.comparer.compare(left, right, k=int(k), progress=progress)
 
     def disagreements(self, right: Spec, left: Spec | None = None, top: int = 12, progress=None) -> list[dict]:
         if not self.data.manifest.get("count"):
@@ -283,6 +367,10 @@ class RetrievalService:
     # ------------------------------------------------------------ pictures
     def class_name(self, label: int) -> str:
         return self.data.class_names.get(int(label), str(int(label)))
+
+    def item_class(self, item_id: int) -> str:
+        """The class name of a gallery item."""
+        return self.class_name(int(self.data.items.labels[self._row(item_id)]))
 
     def thumbnail(self, item_id: int, size: int = 112) -> Image.Image:
         """The gallery image of an item (only indexed items are ever read)."""
@@ -355,7 +443,7 @@ class RetrievalService:
 
     def analysis(self) -> dict:
         """The strategy-evaluation outputs written by `python -m index evaluate`, if present."""
-        out = {"table": None, "sweep": None, "principles": None}
+        out: dict[str, str | Image.Image | None] = {"table": None, "sweep": None, "principles": None}
         if self.analysis_dir is None:
             return out
         t = self.analysis_dir / "table.md"

@@ -36,8 +36,9 @@ STRATS = [("trained", "cosine"), ("identity", "cosine"), ("diagonal", "bilinear"
 
 
 def gradio_args(strat: str, mode: str, seed: int) -> list:
-    """Gradio's /search after the image: strategy, r, seed, psd, alpha, p, mode, k, rerank, rerank_params."""
-    return [strat, 0.5, seed, "abs", 0.5, 0.5, mode, 10, "none", ""]
+    """Gradio's /search after the image, in its stable order (app.service.api_params): strategy, r,
+    seed, alpha, p, mode, k, psd, rerank, rerank_params."""
+    return [strat, 0.5, seed, 0.5, 0.5, mode, 10, "abs", "none", ""]
 
 
 def client(job) -> tuple[list[tuple[str, float]], list[str], float]:

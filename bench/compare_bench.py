@@ -49,8 +49,8 @@ def timed(fn):
 
 
 def compare_tab(index: str) -> dict:
+    from app.handlers import Handlers
     from app.service import RetrievalService
-    from app.ui import Handlers
 
     svc = RetrievalService(index, verify=False)
     h = Handlers(svc)
@@ -74,8 +74,8 @@ def compare_tab(index: str) -> dict:
 def search_breakdown(index: str, repeats: int) -> dict:
     import torch
 
+    from app.handlers import gallery_items, report_md
     from app.service import Query, RetrievalService, Spec
-    from app.ui import gallery_items, report_md
     from core.images import load_rgb
     from index.backends.search import Searcher
 

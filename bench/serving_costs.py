@@ -109,8 +109,9 @@ def main():
     from gradio.state_holder import SessionState
 
     from app.cli import GRADIO_SUMMARY_EVERY
+    from app.handlers import api_search
     from app.service import RetrievalService
-    from app.ui import api_search, build_ui
+    from app.ui import build_ui
     from index.threads import serving_threads
 
     torch.set_num_threads(1)

@@ -3,7 +3,8 @@ each side of `python -m index report` searches under.
 
 A configuration is a refinement strategy with its parameters and a mode, plus a query-time
 re-ranker (index/rerankers) with its parameters.  `search` is the one place a configuration is
-searched: the strategy's exact search, then the re-ranker over its candidates.
+searched, on any backend (a `Gallery`): the strategy's search, then the re-ranker over its
+candidates in the gallery's `MetricSpace`.
 """
 from __future__ import annotations
 
@@ -17,33 +18,33 @@ import numpy as np
 
 from core.errors import UserError
 
-from .backends.gallery import Hits
+from .backends.gallery import Gallery, Hits
 from .metric import MODES
 from .refinements import REFINEMENTS, strategy_key, strategy_label, strategy_params
-from .rerankers import RERANKERS, SearcherSpace, rerank, reranker_params
+from .rerankers import RERANKERS, MetricSpace, rerank, reranker_params
 
 NO_RERANK = "none"
-SPACES_PER_SEARCHER = 4  # metric spaces kept per searcher (each may hold its gallery's keys and offline memo)
+SPACES_PER_GALLERY = 4  # metric spaces kept per gallery (each may hold its gallery's keys and offline memo)
 _spaces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _spaces_lock = threading.Lock()
 
 
-def searcher_space(searcher, strategy: str, params: dict, mode: str) -> SearcherSpace:
-    """The `SearcherSpace` of (searcher, strategy, params, mode), kept while the searcher lives
-    (the last few per searcher): a re-ranker's offline artefacts, its in-memory indexes and the
+def gallery_space(gallery: Gallery, strategy: str, params: dict, mode: str) -> MetricSpace:
+    """The `MetricSpace` of (gallery, strategy, params, mode), kept while the gallery lives (the
+    last few per gallery): a re-ranker's offline artefacts, its in-memory indexes and the
     gallery's keys are then loaded once, not on every search."""
     key = (strategy_key(strategy, params), mode)
     with _spaces_lock:
-        per = _spaces.setdefault(searcher, OrderedDict())
+        per = _spaces.setdefault(gallery, OrderedDict())
         space = per.get(key)
         if space is not None:
             per.move_to_end(key)
             return space
-    space = SearcherSpace(searcher, strategy, params, mode)  # outside the lock: may build M′'s cosine parts
+    space = gallery.metric_space(strategy, params, mode)  # outside the lock: may build M′'s cosine parts
     with _spaces_lock:
-        per = _spaces.setdefault(searcher, OrderedDict())
+        per = _spaces.setdefault(gallery, OrderedDict())
         space = per.setdefault(key, space)
-        while len(per) > SPACES_PER_SEARCHER:
+        while len(per) > SPACES_PER_GALLERY:
             per.popitem(last=False)
     return space
 
@@ -98,18 +99,20 @@ class SearchConfig:
         """Refuse an unknown re-ranker or parameters it does not take, with the valid ones."""
         reranker_params(self.rerank, self.rerank_params)
 
-    def search(self, searcher, queries: np.ndarray, k: int, *, self_ids=None, what: str = "queries") -> Hits:
+    def search(self, gallery: Gallery, queries: np.ndarray, k: int, *, self_ids=None,
+               what: str = "queries") -> Hits:
         """The top k under this configuration (its mode as given: resolve it first), each query's
         own gallery row (`self_ids`: a row per query, −1 for none) left out.  Without a re-ranker:
-        the strategy's exact search, bit for bit; with one: the re-ranker over that search."""
+        the gallery's own search, bit for bit; with one: the re-ranker over that search, in the
+        gallery's metric space (a backend that cannot hold one refuses, naming itself)."""
         if self.rerank == NO_RERANK and self_ids is None:
-            return searcher.search(queries, self.strategy, self.params, self.mode, k, what)
-        q = searcher.prepare_queries(queries, what)
-        return rerank(self.rerank, self.space(searcher), q, k, params=self.rerank_params, self_ids=self_ids)
+            return gallery.search(queries, self.strategy, self.params, self.mode, k, what)
+        q = gallery.prepare_queries(queries, what)
+        return rerank(self.rerank, self.space(gallery), q, k, params=self.rerank_params, self_ids=self_ids)
 
-    def space(self, searcher) -> SearcherSpace:
-        """The metric space this configuration's re-ranker runs in (cached per searcher)."""
-        return searcher_space(searcher, self.strategy, self.params, self.mode)
+    def space(self, gallery: Gallery) -> MetricSpace:
+        """The metric space this configuration's re-ranker runs in (cached per gallery)."""
+        return gallery_space(gallery, self.strategy, self.params, self.mode)
 
     def without_rerank(self) -> SearchConfig:
         """The same strategy, parameters and mode, no re-ranker: the first search a re-ranker reads."""

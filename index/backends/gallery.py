@@ -4,14 +4,16 @@ A gallery holds trunk features φ(x) and searches them under any refined M′:
   search.Searcher              the index directory's FAISS index, in RAM
   ondisk.OnDiskIVF             an IVF index whose inverted lists live on disk
   milvus_store.MilvusGallery   a Milvus collection
-Each answers `search` with `Hits`, so `index search` reads all three through this
+Each answers `search` with `Hits`, and gives the `MetricSpace` a re-ranker runs in where its
+gallery's vectors are in reach (in RAM or memory-mapped; Milvus keeps them in the database
+and refuses), so `SearchConfig.search` and `index search` read all three through this
 interface alone.  Below the interface: what the on-disk IVF and Milvus share (they keep
 only the neck W, and re-rank candidates exactly under a `metric.QueryMetric`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -22,6 +24,9 @@ from ..metric import QueryMetric, matrix_report, resolve_mode
 from ..operator import MetricOperator
 from ..refinements import operator_kind, refine, strategy_params
 from .store import Items
+
+if TYPE_CHECKING:  # the re-rankers' space is built on a gallery; only its type is named here
+    from ..rerankers.space import MetricSpace
 
 # one search result, the same in `index search --json` (every backend) and the app's API
 RESULT_FIELDS = ("rank", "id", "label", "class_name", "score", "relative_path")
@@ -100,6 +105,15 @@ class Gallery(Protocol):
         strategy's M′, best first.  Cosine under an indefinite M′ is refused: resolve the mode
         first.  `what` names the queries in error messages."""
 
+    def prepare_queries(self, feats: np.ndarray, what: str = "query features") -> np.ndarray:
+        """Queries as `search` takes them: float32 rows, L2-normalised where the stored features
+        are; refused when not numeric, of another dimension, not finite or all zeros."""
+
+    def metric_space(self, strategy: str, params: dict | None, mode: str) -> MetricSpace:
+        """The gallery under one strategy and mode (its mode resolved) as a re-ranker reads it:
+        exact scores and every item's vector.  A backend whose vectors are out of reach refuses
+        with a UserError naming it."""
+
 
 # ---------------------------------------------------------------- shared by the backends
 def prepare_queries(feats: np.ndarray, dim: int, normalize: bool, what: str = "query features") -> np.ndarray:
@@ -138,8 +152,9 @@ def strategy_metric(W: np.ndarray, strategy: str, params: dict | None, mode: str
 class NeckGallery:
     """The Gallery calls of a backend that keeps the neck W beside φ(x) (on-disk IVF, Milvus):
     M′ is made from W per search, and `search` is the backend's `search_metric` under it.
-    A subclass sets W, nprobe (None: its default) and rerank_factor, and has dim, __len__ and
-    search_metric(queries, metric, k, nprobe=None, rerank_factor=None, what=…)."""
+    A subclass sets W, nprobe (None: its default) and rerank_factor, and has dim, normalize,
+    __len__, metric_space and search_metric(queries, metric, k, nprobe=None, rerank_factor=None,
+    what=…)."""
     W: np.ndarray
     rerank_factor: int = 10
 
@@ -148,12 +163,20 @@ class NeckGallery:
     def dim(self) -> int:
         raise NotImplementedError
 
+    @property
+    def normalize(self) -> bool:
+        """Whether the stored features are L2-normalised (queries then are too)."""
+        raise NotImplementedError
+
     def __len__(self) -> int:
         raise NotImplementedError
 
     def search_metric(self, feats: np.ndarray, metric: QueryMetric, k: int = 10, nprobe: int | None = None,
                       rerank_factor: int | None = None, what: str = "query features") -> Hits:
         raise NotImplementedError
+
+    def prepare_queries(self, feats: np.ndarray, what: str = "query features") -> np.ndarray:
+        return prepare_queries(feats, self.dim, self.normalize, what)
 
     def strategy_metric(self, strategy: str, params: dict | None = None, mode: str = "bilinear") -> QueryMetric:
         return strategy_metric(self.W, strategy, params, mode)

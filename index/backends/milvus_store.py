@@ -25,7 +25,9 @@ Collection layout:
   label → class name; absent from collections exported before it, whose class names are
   then the labels)
 
-MilvusGallery is a `gallery.Gallery`; `search_metric` searches under any symmetric M′.
+MilvusGallery is a `gallery.Gallery`; `search_metric` searches under any symmetric M′.  It does
+not re-rank: re-rankers read any gallery vector (offline passes read every one), which stay in
+the database.
 
 pymilvus and milvus-lite are an optional extra (requirements-milvus.txt), imported only here.
 """
@@ -34,15 +36,18 @@ from __future__ import annotations
 import base64
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from core.errors import UserError
 
 from ..metric import QueryMetric
-from .gallery import Hits, NeckGallery, exact_top, prepare_queries
+from .gallery import Hits, NeckGallery, exact_top
 from .store import Items
+
+if TYPE_CHECKING:
+    from ..rerankers.space import MetricSpace
 
 METRIC = "IP"            # never "COSINE": see the module docstring
 EXACT_INDEX = "FLAT"     # exact: bilinear scores come straight from Milvus
@@ -50,6 +55,8 @@ MAX_TOPK = 16384         # Milvus's limit on one search's top-k
 PATH_MAX, SPLIT_MAX = 4096, 256
 OUTPUT = ["row", "label", "path", "split"]
 INSTALL = "pip install -r requirements-milvus.txt"
+RERANK_REFUSAL = ("the milvus backend does not re-rank: re-rankers read the gallery's vectors, which stay in Milvus; "
+             "search the index directory (--backend faiss) or its on-disk IVF (--backend ondisk)")
 # index-manifest keys that travel with the gallery: query images are embedded by the same model
 MODEL_FACTS = ("checkpoint", "checkpoint_sha256", "backbone", "transform", "trunk_dim", "dataset", "split")
 
@@ -184,8 +191,15 @@ class MilvusGallery(NeckGallery):
     def dim(self) -> int:
         return int(self.info["dim"])
 
+    @property
+    def normalize(self) -> bool:
+        return bool(self.info["normalize"])
+
     def __len__(self) -> int:
         return int(self.info["count"])
+
+    def metric_space(self, strategy: str, params: dict | None, mode: str) -> MetricSpace:
+        raise UserError(RERANK_REFUSAL)
 
     def search_metric(self, feats: np.ndarray, metric: QueryMetric, k: int = 10, nprobe: int | None = None,
                       rerank_factor: int | None = None, what: str = "query features") -> Hits:
@@ -196,7 +210,7 @@ class MilvusGallery(NeckGallery):
             raise UserError(f"k must be in [1, {MAX_TOPK}], got {k}")
         nprobe = self.nprobe if nprobe is None else nprobe
         rerank_factor = self.rerank_factor if rerank_factor is None else rerank_factor
-        qt = metric.transform(prepare_queries(feats, self.dim, bool(self.info["normalize"]), what))
+        qt = metric.transform(self.prepare_queries(feats, what))
         index_type = self.info["index_type"]
         rerank = metric.mode == "cosine" or index_type != EXACT_INDEX
         limit = min(MAX_TOPK, metric.candidate_count(k, len(self), rerank_factor)) if rerank else min(k, len(self))

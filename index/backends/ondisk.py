@@ -42,7 +42,10 @@ identity; bench/ondisk_bench.py measures it.  Cosine mode (PSD M′ only) fetche
 candidates by the inner product and divides by ‖x‖_M′ in the exact re-rank, so it
 fetches 4 × more candidates, as index.backends.search's approximate path does.
 
-OnDiskIVF is a `gallery.Gallery`; `search_metric` searches under any symmetric M′.
+OnDiskIVF is a `gallery.Gallery`; `search_metric` searches under any symmetric M′.  Re-rankers
+run over it as over an index directory (`metric_space`): a `search.Searcher` over the
+memory-mapped features whose candidates come from the same IVF lists, re-ranked exactly.
+Their offline passes read every row (and keep the gallery's keys in RAM).
 """
 from __future__ import annotations
 
@@ -57,6 +60,7 @@ import os
 import sys
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import faiss
 import numpy as np
@@ -68,8 +72,12 @@ from core.errors import UserError
 from core.manifest import read_manifest
 
 from ..metric import QueryMetric
-from .gallery import Hits, NeckGallery, exact_top, prepare_queries
-from .store import Items
+from .gallery import Hits, NeckGallery, exact_top
+from .search import Searcher
+from .store import IndexData, Items
+
+if TYPE_CHECKING:
+    from ..rerankers.space import MetricSpace
 
 log = logging.getLogger("index")
 
@@ -315,6 +323,9 @@ class OnDiskIVF(NeckGallery):
     @nprobe.setter
     def nprobe(self, value: int) -> None:
         self._nprobe = self._checked_nprobe(value)
+        # the re-rankers' Searcher reads the index's own nprobe (its searches pass no parameters)
+        faiss.extract_index_ivf(self.index).nprobe = self._nprobe
+        self.__dict__.pop("_in_memory", None)
 
     def _checked_nprobe(self, value) -> int:
         if not 1 <= int(value) <= self.manifest["nlist"]:
@@ -325,8 +336,33 @@ class OnDiskIVF(NeckGallery):
     def dim(self) -> int:
         return int(self.manifest["dim"])
 
+    @property
+    def normalize(self) -> bool:
+        return bool(self.manifest["normalize"])
+
     def __len__(self) -> int:
         return int(self.manifest["count"])
+
+    def metric_space(self, strategy: str, params: dict | None, mode: str) -> MetricSpace:
+        return self._in_memory.metric_space(strategy, params, mode)
+
+    @cached_property
+    def _in_memory(self) -> Searcher:
+        """This gallery as a `Searcher`, for re-rankers: the memory-mapped features, candidates from
+        the IVF lists (`nprobe` of them), re-ranked exactly, as `search_metric` does."""
+        items, names = self._metadata
+        if items is None:
+            raise UserError(f"the on-disk IVF at {self.path} was built from bare features: re-ranked results "
+                            "need its items; build it from an index directory (ivf-build --index)")
+        man = self.manifest
+        # what re-rankers' offline caches are keyed by (rerankers.cache.fingerprint): the features'
+        # checksum, the neck, and the candidate settings their neighbour lists were searched with
+        content = {"features": man["features"]["fingerprint"], "files": man["files"],
+                   "W": hashlib.sha256(np.ascontiguousarray(self.W).tobytes()).hexdigest(),
+                   "nprobe": self._nprobe, "rerank_factor": self.rerank_factor}
+        data = IndexData(self.path, {"normalize": self.normalize, "factory": man["factory"], "count": len(self),
+                                     "files": content}, self.features, items, self.W, self.index, names)
+        return Searcher(data, rerank_factor=self.rerank_factor)
 
     def search_metric(self, feats: np.ndarray, metric: QueryMetric, k: int = 10, nprobe: int | None = None,
                       rerank_factor: int | None = None, what: str = "query features") -> Hits:
@@ -337,7 +373,7 @@ class OnDiskIVF(NeckGallery):
         # per-call parameters, not index.nprobe: concurrent searches may probe differently
         params = faiss.SearchParametersIVF()
         params.nprobe = self._nprobe if nprobe is None else self._checked_nprobe(nprobe)
-        qt = metric.transform(prepare_queries(feats, self.dim, bool(self.manifest["normalize"]), what))
+        qt = metric.transform(self.prepare_queries(feats, what))
         kc = metric.candidate_count(k, len(self), self.rerank_factor if rerank_factor is None else rerank_factor)
         R = np.full((len(qt), k), -1, dtype=np.int64)
         S = np.full((len(qt), k), -np.inf, dtype=np.float32)

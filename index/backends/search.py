@@ -5,13 +5,15 @@ once and switching strategy costs one (structured) d × d product per query.
 Cosine mode (PSD M′ only) divides by ‖φ(x)‖_M′; those norms, and the
 norm-scaled copy of the database the exact cosine search uses, are cached per
 strategy.  Approximate indexes fetch candidates and re-rank them exactly.
-FAISS reads are thread-safe; the caches are guarded by a lock.  A `gallery.Gallery`.
+FAISS reads are thread-safe; the caches are guarded by a lock.  A `gallery.Gallery`, whose
+re-rankers run in a `rerankers.SearcherSpace` over it.
 """
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import faiss
 import numpy as np
@@ -23,6 +25,9 @@ from ..operator import MetricOperator
 from ..refinements import operator_kind, refine, strategy_key, strategy_label, strategy_params
 from .gallery import Hits, prepare_queries
 from .store import IndexData
+
+if TYPE_CHECKING:
+    from ..rerankers.space import MetricSpace
 
 
 @dataclass(eq=False)  # identity semantics: fields hold numpy arrays
@@ -122,6 +127,12 @@ class Searcher:
         """Queries as float32 rows; refused when not numeric, not 1-D or 2-D, empty, of another
         dimension, not finite, all zeros or too large to rank by."""
         return prepare_queries(feats, self.data.dim, self.normalize, what)
+
+    def metric_space(self, strategy: str, params: dict | None, mode: str) -> MetricSpace:
+        """The `SearcherSpace` re-rankers run in (the features are in RAM or memory-mapped)."""
+        from ..rerankers.space import SearcherSpace  # the re-rankers build on this module
+
+        return SearcherSpace(self, strategy, params, mode)
 
     def query_view(self, strategy: str = "trained", params: dict | None = None, mode: str = "bilinear"):
         """(transform, index): searching `index` with `transform(φ(q))` by inner product ranks

@@ -49,7 +49,7 @@ def test_scatter_points_are_the_evaluators_per_query_ap(svc):
 
 
 def test_compare_handler_counts_filters_classes_and_steps(svc):
-    from app.ui import Handlers
+    from app.handlers import Handlers
 
     h = Handlers(svc)
     cfg = panels(left=("trained", "bilinear"), right=("random", "bilinear"))
@@ -128,7 +128,7 @@ def test_url_state_round_trips_and_refuses_bad_values():
 def side_width() -> int:
     """How many values `on_load` gives per side: strategy, mode, each strategy parameter, re-ranker,
     each re-ranker parameter."""
-    from app.ui import rerank_controls
+    from app.controls import rerank_controls
 
     return 3 + len(shared_params()) + len(rerank_controls())
 
@@ -136,7 +136,7 @@ def side_width() -> int:
 def test_old_links_open_with_trained_on_the_left(svc):
     """A link made when only the right side could change (no left_* keys) opens as it did: the
     trained metric on the left, in the link's mode."""
-    from app.ui import Handlers
+    from app.handlers import Handlers
 
     item = int(svc.data.items.ids[2])
     old = {"q": str(item), "strategy": "shrink", "alpha": "0.25", "mode": "bilinear", "k": "6"}
@@ -162,7 +162,8 @@ def test_old_links_open_with_trained_on_the_left(svc):
 
 
 def test_on_load_opens_a_shared_link_of_two_configurations(svc):
-    from app.ui import Handlers, rerank_controls
+    from app.controls import rerank_controls
+    from app.handlers import Handlers
 
     class Req:  # what gr.Request gives the handler
         query_params = {"q": str(int(svc.data.items.ids[2])), "left_strategy": "random", "left_r": "0.3",
@@ -191,7 +192,7 @@ def test_on_load_opens_a_shared_link_of_two_configurations(svc):
 
 
 def test_share_link_of_an_item_and_of_an_upload(svc, tmp_path):
-    from app.ui import Handlers
+    from app.handlers import Handlers
 
     h = Handlers(svc)
     item = {"kind": "item", "id": int(svc.data.items.ids[1])}
@@ -204,7 +205,8 @@ def test_share_link_of_an_item_and_of_an_upload(svc, tmp_path):
 def test_params_shown_are_the_chosen_strategys(svc):
     """A panel shows the parameter controls its strategy takes, and hides its parameter group when
     it takes none."""
-    from app.ui import on_strategy, visible_params
+    from app.controls import visible_params
+    from app.handlers import on_strategy
 
     names = [sp.name for sp in shared_params()]
     want = {"trained": set(), "identity": set(), "diagonal": {"r", "seed"}, "random": {"r", "seed"},
@@ -222,7 +224,7 @@ def test_params_shown_are_the_chosen_strategys(svc):
 def test_two_configurations_end_to_end(svc, tmp_path):
     """A non-trained left side through every view: both panels, the share link, the export, the
     Compare tab's statistics, scatter, disagreements and per-class table, the why panel."""
-    from app.ui import Handlers
+    from app.handlers import Handlers
 
     h = Handlers(svc)
     left, right = Spec("shrink", {"alpha": 0.3}, "cosine"), Spec("random", {"r": 0.5, "seed": 0}, "bilinear")
@@ -299,7 +301,7 @@ def test_export_equals_cli_search(svc, tmp_path):
 
 
 def test_export_of_an_item_query_carries_p_at_k_and_ap(svc, tmp_path):
-    from app.ui import Handlers
+    from app.handlers import Handlers
 
     item = {"kind": "item", "id": int(svc.data.items.ids[3])}
     files = Handlers(svc).on_export(item, None, 4, **panels())

@@ -100,7 +100,7 @@ def test_the_compare_tab_reranks_every_query_as_its_panel_does(svc, spec):
 # ---------------------------------------------------------------- the UI's handlers
 def with_rerank(values: dict, side: str, name: str, **params) -> dict:
     """The handlers' keyword values with `side`'s re-ranker control set, and its parameter controls."""
-    from app.ui import rerank_key
+    from app.controls import rerank_key
 
     return values | {f"{side}_rerank": name} | {rerank_key(side, name, p): v for p, v in params.items()}
 
@@ -111,7 +111,7 @@ def test_search_handler_runs_each_panels_reranker_and_links_it(svc):
     from support import panels
 
     from app.compare_view import parse_state
-    from app.ui import Handlers
+    from app.handlers import Handlers
 
     item = int(svc.data.items.ids[4])
     values = with_rerank(panels(), "right", "aqe", n=3, alpha=1.0)
@@ -137,7 +137,7 @@ def test_compare_why_and_export_handlers_with_a_reranker(svc, tmp_path):
 
     from support import panels
 
-    from app.ui import Handlers
+    from app.handlers import Handlers
 
     h = Handlers(svc)
     values = with_rerank(panels(right=("trained", "cosine")), "right", "dba", n=2, alpha=3.0)
@@ -173,7 +173,9 @@ def test_compare_why_and_export_handlers_with_a_reranker(svc, tmp_path):
 
 
 def test_reranker_controls_show_only_the_chosen_ones(svc):
-    from app.ui import build_ui, on_rerank, rerank_controls
+    from app.controls import rerank_controls
+    from app.handlers import on_rerank
+    from app.ui import build_ui
     from index.rerankers import RERANKERS
 
     keys = [(name, sp.name) for name, sp in rerank_controls()]
@@ -198,7 +200,8 @@ def test_reranker_controls_show_only_the_chosen_ones(svc):
 def test_gradio_api_takes_an_optional_reranker(svc):
     import gradio as gr
 
-    from app.ui import api_search, build_ui
+    from app.handlers import api_search
+    from app.ui import build_ui
 
     search = api_search(svc)
     img = str(svc.root / svc.data.items.paths[2])
@@ -218,7 +221,7 @@ def test_gradio_api_takes_an_optional_reranker(svc):
             search(img, "trained", mode="cosine", k=4, rerank=rerank, rerank_params=params)
     api = build_ui(svc).get_api_info()["named_endpoints"]["/search"]["parameters"]
     names = [p["parameter_name"] for p in api]
-    assert names[-4:] == ["mode", "k", "rerank", "rerank_params"]  # after every earlier parameter
+    assert names[-2:] == ["rerank", "rerank_params"]  # after every earlier parameter (tests/app/test_app_api.py)
     assert all(p["parameter_has_default"] for p in api[-2:])
 
 

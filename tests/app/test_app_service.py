@@ -98,7 +98,7 @@ def test_bad_uploads_are_refused_with_a_message(svc, tmp_path, monkeypatch):
 
 
 def test_ui_handler_turns_errors_into_a_visible_message(svc, tmp_path):
-    from app.ui import Handlers
+    from app.handlers import Handlers
 
     h = Handlers(svc)
     bad = tmp_path / "bad.jpg"
@@ -114,7 +114,7 @@ def test_ui_handler_turns_errors_into_a_visible_message(svc, tmp_path):
 
 
 def test_custom_matrix_from_the_ui_is_labelled_by_its_file(svc, tmp_path):
-    from app.ui import Handlers
+    from app.handlers import Handlers
 
     M = tmp_path / "mine.npy"
     np.save(M, np.eye(svc.data.dim))

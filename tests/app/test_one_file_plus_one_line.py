@@ -78,8 +78,9 @@ def test_new_strategy_reaches_the_sweep(lift_registered):
 
 
 def test_new_strategy_reaches_the_app(lift_registered, tiny_index):
+    from app.handlers import Handlers
     from app.service import RetrievalService, Spec
-    from app.ui import Handlers, build_ui
+    from app.ui import build_ui
 
     svc = RetrievalService(tiny_index)
     assert "lift" in svc.strategy_choices() and "lift" in svc.strategy_choices(with_files=False)
@@ -99,7 +100,7 @@ def test_new_strategy_reaches_the_app(lift_registered, tiny_index):
     assert len(sliders) == 2  # one per panel, hidden until a panel chooses lift
     assert all((s.minimum, s.maximum, s.value, s.visible) == (0.0, 2.0, 0.25, False) for s in sliders)
     api = demo.get_api_info()["named_endpoints"]["/search"]["parameters"]
-    assert "gamma" in [p["parameter_name"] for p in api]
+    assert [p["parameter_name"] for p in api][-2:] == ["rerank_params", "gamma"]  # a new one comes last
 
 
 def test_unregistering_removes_it_again(capsys):

@@ -44,8 +44,10 @@ def flipped(svc, feats, depth: int, k: int, own: int | None = None) -> list[int]
 
 
 def test_new_reranker_reaches_the_panels_and_their_dropdowns(flip_registered, svc):
+    from app.controls import rerank_key
+    from app.handlers import Handlers
     from app.service import Spec
-    from app.ui import Handlers, build_ui, rerank_key
+    from app.ui import build_ui
 
     item = int(svc.data.items.ids[3])
     q = svc.query_from_item(item)
@@ -73,8 +75,8 @@ def test_new_reranker_reaches_both_http_apis(flip_registered, svc):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
+    from app.handlers import api_search
     from app.rest import add_rest_routes
-    from app.ui import api_search
 
     path = svc.root / svc.data.items.paths[5]
     feats = svc.query_from_upload(str(path)).feats

@@ -21,13 +21,16 @@ pytestmark = pytest.mark.multiprocess
 
 def test_gradio_overheads_are_bounded(server):
     """The settings reach Gradio: its event-log summary is not recomputed per search, and the
-    sessions stateless API calls open are capped (bench/serving_costs.py measures both)."""
+    sessions stateless API calls open are capped (bench/serving_costs.py measures both); the
+    re-rankers' sizes are bounded by the server's default limit."""
     from app.cli import GRADIO_SUMMARY_EVERY, SESSIONS
+    from app.limits import DEFAULT_MAX_RERANK_SIZE
 
     _, svc, _ = server
     demo = svc.demo
     assert demo._queue.ANAYLTICS_CACHE_FREQUENCY == GRADIO_SUMMARY_EVERY
     assert demo.state_holder.capacity == SESSIONS < 10000
+    assert svc.max_rerank_size == DEFAULT_MAX_RERANK_SIZE
 
 
 def test_threads_default_to_a_share_of_the_cores(tmp_path):
@@ -82,20 +85,20 @@ def test_api_search_matches_cli(server, tmp_path, monkeypatch):
     img = svc.root / svc.data.items.paths[7]
     client = Client(url, verbose=False)
     api = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/search"]
-    # the positional parameters README documents: the file-free strategy parameters between strategy and mode,
-    # then the optional re-ranker
-    assert [p["parameter_name"] for p in api["parameters"]] == ["image", "strategy", "r", "seed", "psd", "alpha",
-                                                                  "p", "mode", "k", "rerank", "rerank_params"]
-    reranked = client.predict(handle_file(str(img)), "random", 0.4, 2, "abs", 0.5, 0.5, "bilinear", 6, "aqe",
+    # the stable positional order docs/app-and-compare.md documents: every parameter added later comes last
+    assert [p["parameter_name"] for p in api["parameters"]] == ["image", "strategy", "r", "seed", "alpha", "p",
+                                                                  "mode", "k", "psd", "rerank", "rerank_params"]
+    reranked = client.predict(handle_file(str(img)), "random", 0.4, 2, 0.5, 0.5, "bilinear", 6, "abs", "aqe",
                               "n=3, alpha=1", api_name="/search")
     want = svc.panel(svc.query_from_upload(str(img)), Spec("random", {"r": 0.4, "seed": 2}, "bilinear", "aqe",
                                                            {"n": 3, "alpha": 1.0}), 6)
     assert reranked["metric"] == want.title and [r["id"] for r in reranked["results"]] == [r["id"] for r in
                                                                                             want.results]
     with pytest.raises(AppError, match="nope is not in the list of choices"):  # the dropdown's, as for a strategy
-        client.predict(handle_file(str(img)), "trained", 0.5, 0, "abs", 0.5, 0.5, "cosine", 3, "nope", "",
+        client.predict(handle_file(str(img)), "trained", 0.5, 0, 0.5, 0.5, "cosine", 3, "abs", "nope", "",
                        api_name="/search")
-    res = client.predict(handle_file(str(img)), "random", 0.4, 2, "abs", 0.5, 0.5, "bilinear", 6, api_name="/search")
+    # a script written before `psd` existed: image, strategy, r, seed, alpha, p, mode, k
+    res = client.predict(handle_file(str(img)), "random", 0.4, 2, 0.5, 0.5, "bilinear", 6, api_name="/search")
     out = tmp_path / "cli.json"
     r = run_module("index", "search", "--index", str(svc.index_dir), "--image",
                    str(img), "--strategy", "random", "--r", "0.4", "--seed", "2", "--k", "6", "--mode", "bilinear",
@@ -103,6 +106,9 @@ def test_api_search_matches_cli(server, tmp_path, monkeypatch):
     assert r.returncode == 0, r.stderr
     cli = json.loads(out.read_text())["queries"][0]["results"]
     assert_same_results(res["results"], cli)
+    by_name = client.predict(image=handle_file(str(img)), strategy="random", r=0.4, seed=2, mode="bilinear", k=6,
+                             api_name="/search")  # as docs/app-and-compare.md calls it
+    assert by_name == res
     # the defaults agree too: the trained metric, as evaluated everywhere (cosine)
     res = client.predict(handle_file(str(img)), api_name="/search")
     r = run_module("index", "search", "--index", str(svc.index_dir), "--image", str(img), "--json", str(out),
@@ -115,8 +121,8 @@ def test_api_search_matches_cli(server, tmp_path, monkeypatch):
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n truncated")
     with pytest.raises(AppError, match="not a usable image"):
-        client.predict(handle_file(str(bad)), "identity", 0.5, 0, "abs", 0.5, 0.5, "bilinear", 3, api_name="/search")
-    again = client.predict(handle_file(str(img)), "identity", 0.5, 0, "abs", 0.5, 0.5, "cosine", 3, api_name="/search")
+        client.predict(handle_file(str(bad)), "identity", 0.5, 0, 0.5, 0.5, "bilinear", 3, api_name="/search")
+    again = client.predict(handle_file(str(img)), "identity", 0.5, 0, 0.5, 0.5, "cosine", 3, api_name="/search")
     assert len(again["results"]) == 3
 
 
@@ -150,6 +156,9 @@ def test_rest_search_matches_cli_and_refuses_bad_input(server, tmp_path):
              ({"image": img.read_bytes()}, {"mode": "sideways"}, 400, "mode"),
              ({"image": img.read_bytes()}, {"k": "0"}, 400, "k must"),
              ({"image": img.read_bytes()}, {"k": "ten"}, 400, "k must"),
+             ({"image": img.read_bytes()}, {"stratgy": "identity"}, 400, "unknown field 'stratgy'; valid: image,"),
+             ({"image": img.read_bytes()}, {"rerank": "aqe", "rerank_params": f"n={svc.max_rerank_size + 1}"}, 400,
+              "(this server's limit)"),
              ({"image": b"\0" * (11 * 1024 * 1024)}, {}, 413, "too large")]  # the app's default cap: 10 MB
     for files, data, status, msg in cases:
         e = httpx.post(api, files=files or None, data=data, timeout=60)

@@ -1,5 +1,6 @@
 """One Gallery interface: the index directory's FAISS index in RAM, the on-disk IVF and Milvus
-(Lite) are each a `Gallery`, and `index search` gives the same JSON through any of them."""
+(Lite) are each a `Gallery`, and `index search` gives the same JSON through any of them, re-rankers
+included where the backend holds its vectors in reach (Milvus refuses them in one line)."""
 import importlib.util
 import inspect
 import json
@@ -7,11 +8,14 @@ import json
 import numpy as np
 import pytest
 
+from core.errors import UserError
 from index.backends.gallery import RESULT_FIELDS, Gallery, Hits
-from index.backends.ondisk import OnDiskIVF, build_for_index
+from index.backends.ondisk import OnDiskIVF, build_for_index, build_ondisk_ivf
 from index.backends.search import Searcher
 from index.backends.store import Items, read_index, write_index
 from index.cli import main
+from index.rerankers import RERANKERS, MetricSpace
+from index.search_config import SearchConfig
 
 N, DIM, NLIST, K = 500, 16, 8, 6
 HAVE_MILVUS = all(importlib.util.find_spec(m) is not None for m in ("pymilvus", "milvus_lite"))
@@ -59,7 +63,7 @@ BACKEND_FLAGS = {"faiss": ["--index", "{t}/idx"],
 def test_every_backend_is_a_gallery(built, backend):
     g = open_backend(built, backend)
     assert isinstance(g, Gallery)
-    for name in ("search", "resolve_mode"):  # the Protocol's own signatures, parameter for parameter
+    for name in ("search", "resolve_mode", "prepare_queries", "metric_space"):  # the Protocol's own signatures
         want = inspect.signature(getattr(Gallery, name)).parameters
         got = inspect.signature(getattr(type(g), name)).parameters
         assert [(p.name, p.default) for p in got.values()] == [(p.name, p.default) for p in want.values()], name
@@ -102,3 +106,76 @@ def test_index_search_gives_the_same_json_on_every_backend(built, flags, capsys)
             np.testing.assert_allclose([r["score"] for r in a["results"]], [r["score"] for r in w["results"]],
                                        rtol=1e-5, atol=1e-6)
     assert want["queries"][0]["results"][0]["class_name"].startswith("class ")
+
+
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path, monkeypatch):
+    """The re-rankers' offline caches under the test's folder, never the user's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+
+
+# each re-ranker at settings small enough for 500 items (a pool wider than the candidates read)
+RERANK_FLAGS = {"aqe": ["n=3,alpha=1"], "dba": ["n=2"], "diffusion": ["k=8,kq=4,truncation=60"],
+                "kreciprocal": ["k1=6,k2=2,pool=40"]}
+
+
+def test_every_registered_reranker_is_tried_here():
+    assert set(RERANK_FLAGS) == set(RERANKERS.names()) - {"none"}
+
+
+@pytest.mark.parametrize("mode", ["cosine", "bilinear"])
+@pytest.mark.parametrize("rerank", sorted(RERANK_FLAGS))
+def test_rerankers_run_on_the_ondisk_backend_as_on_the_index(built, rerank, mode, capsys):
+    """The same configuration through `index search` on the index directory and on its on-disk IVF
+    (every list probed, every row a candidate): the same re-ranked results."""
+    t = built
+    common = ["search", "--features", str(t / "q.npy"), "--k", str(K), "--strategy", "spectral", "--p", "0.5",
+              "--mode", mode, "--rerank", rerank, "--rerank-param", *RERANK_FLAGS[rerank]]
+    out = {}
+    for b in ("faiss", "ondisk"):
+        assert main(common + [f.format(t=t) for f in BACKEND_FLAGS[b]] + ["--rerank-factor", str(N)]) == 0
+        out[b] = json.loads(capsys.readouterr().out)
+    want, got = out["faiss"], out["ondisk"]
+    assert got["rerank"] == want["rerank"] == rerank and got["rerank_params"] == want["rerank_params"]
+    for a, w in zip(got["queries"], want["queries"], strict=True):
+        assert [r["id"] for r in a["results"]] == [r["id"] for r in w["results"]] and len(a["results"]) == K
+        np.testing.assert_allclose([r["score"] for r in a["results"]], [r["score"] for r in w["results"]],
+                                   rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_searchconfig_searches_every_backend_through_the_gallery(built, backend):
+    """`SearchConfig.search` takes any Gallery: without a re-ranker it is the gallery's own search;
+    with one it runs in the gallery's MetricSpace, or the backend refuses in one line."""
+    g = open_backend(built, backend)
+    if backend == "ondisk":
+        g.nprobe = NLIST
+    q = np.load(built / "q.npy")
+    plain = SearchConfig.of("trained", {}, "cosine").search(g, q, K)
+    want = g.search(q, "trained", {}, "cosine", K)
+    np.testing.assert_array_equal(plain.rows, want.rows)
+    np.testing.assert_array_equal(plain.scores, want.scores)
+    cfg = SearchConfig.of("trained", {}, "cosine", "aqe", {"n": 2})
+    if backend == "milvus":
+        with pytest.raises(UserError, match="the milvus backend does not re-rank") as e:
+            cfg.search(g, q, K)
+        assert "\n" not in str(e.value)
+        return
+    assert isinstance(cfg.space(g), MetricSpace) and cfg.space(g) is cfg.space(g)  # kept per gallery
+    exact = cfg.search(Searcher(read_index(built / "idx")), q, K)
+    np.testing.assert_array_equal(cfg.search(g, q, K).rows, exact.rows)
+
+
+@pytest.mark.milvus
+@needs_milvus
+def test_milvus_refuses_a_reranker_before_any_query_is_embedded(built, tmp_path):
+    with pytest.raises(UserError, match="the milvus backend does not re-rank: .*--backend ondisk"):
+        main(["search", "--backend", "milvus", "--uri", str(built / "g.db"), "--collection", "gal",
+              "--image", str(tmp_path / "not-read.png"), "--rerank", "aqe"])
+
+
+def test_an_ondisk_ivf_of_bare_features_refuses_rerankers_in_one_line(built, tmp_path):
+    out = build_ondisk_ivf(built / "idx" / "features.npy", tmp_path / "bare", nlist=NLIST, normalize=True)
+    with pytest.raises(UserError, match="built from bare features: re-ranked results need its items") as e:
+        SearchConfig.of("trained", {}, "cosine", "aqe").search(OnDiskIVF(out), np.load(built / "q.npy"), K)
+    assert "\n" not in str(e.value)

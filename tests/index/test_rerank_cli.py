@@ -47,7 +47,6 @@ def test_search_without_a_reranker_is_unchanged(tiny_index, tmp_path):
 @pytest.mark.parametrize("bad, message", [
     (["--rerank", "aqe", "--rerank-param", "k1=3"], "re-ranker 'aqe'"),
     (["--rerank", "aqe", "--rerank-param", "n"], "KEY=VALUE"),
-    (["--rerank", "aqe", "--backend", "ondisk"], "needs --backend faiss"),
 ])
 def test_bad_rerank_settings_are_refused_before_the_index_is_read(tmp_path, bad, message):
     with pytest.raises(UserError, match=message):

@@ -1,0 +1,78 @@
+"""`ivf-build`, `export`: the galleries the other backends search, an on-disk IVF index and a
+Milvus collection, written from an index directory (or, for the IVF, bare features)."""
+from __future__ import annotations
+
+import json
+
+from core.errors import UserError
+
+from .flags import milvus_args, milvus_token
+
+
+# ---------------------------------------------------------------- ivf-build
+def ivf_build_parser(sub) -> None:
+    v = sub.add_parser("ivf-build", help="build an IVF index whose inverted lists live on disk (larger than RAM), "
+                                         "searched with `search --backend ondisk`")
+    v.add_argument("--index", help="index directory whose features.npy, neck W and metadata to use")
+    v.add_argument("--features", help="or: trunk features .npy (float32 N × d, read in chunks, never loaded whole)")
+    v.add_argument("--neck", help="neck W .npy (k × d) for --features (none: identity)")
+    v.add_argument("--normalized", action="store_true",
+                   help="--features rows are L2-normalised (checked on a sample); queries then are too")
+    v.add_argument("--out", help="directory to write (atomically) (default with --index: INDEX/ivf_ondisk)")
+    v.add_argument("--nlist", type=int, default=0,
+                   help="inverted lists; 0 = a power of two near √N (default: %(default)s)")
+    v.add_argument("--codec", default="SQ8", help="FAISS encoding of the lists' codes; candidates are re-ranked "
+                                                  "exactly from the features (default: %(default)s)")
+    v.add_argument("--shard-rows", type=int, default=1_000_000,
+                   help="rows per shard filled in RAM before the on-disk merge (default: %(default)s)")
+    v.add_argument("--train-size", type=int, default=0,
+                   help="rows sampled to train the quantiser; 0 = 64 × nlist (default: %(default)s)")
+    v.add_argument("--seed", type=int, default=0, help="seed of the training sample (default: %(default)s)")
+    v.set_defaults(func=cmd_ivf_build)
+
+
+def cmd_ivf_build(args) -> int:
+    from ..backends.ondisk import MANIFEST, build_for_index, build_ondisk_ivf
+
+    kw = {"nlist": args.nlist or None, "codec": args.codec, "shard_rows": args.shard_rows,
+          "train_size": args.train_size or None, "seed": args.seed}
+    if bool(args.index) == bool(args.features):
+        raise UserError("give one of --index IDX (an index directory) or --features F.npy")
+    if args.index:
+        out = build_for_index(args.index, args.out, **kw)
+    else:
+        from core.arrays import load_npy
+
+        if not args.out:
+            raise UserError("--features needs --out (the on-disk index directory to write)")
+        W = load_npy(args.neck, "neck W") if args.neck else None
+        out = build_ondisk_ivf(args.features, args.out, W=W, normalize=args.normalized, **kw)
+    man = json.loads((out / MANIFEST).read_text())
+    print(json.dumps({k: man[k] for k in ("count", "dim", "nlist", "codec", "shards", "normalize")}
+                     | {"bytes_on_disk": sum(f["bytes"] for f in man["files"].values()), "ivf": str(out)}, indent=2))
+    return 0
+
+
+# ---------------------------------------------------------------- export
+def export_parser(sub) -> None:
+    x = sub.add_parser("export", help="copy an index directory's features and metadata into a vector database")
+    x.add_argument("--to", choices=("milvus",), required=True, help="target database (a collection with metric IP)")
+    x.add_argument("--index", required=True, help="index directory to export")
+    milvus_args(x)
+    x.add_argument("--index-type", choices=("FLAT", "IVF_FLAT", "HNSW"), default="FLAT",
+                   help="Milvus index on the vectors; other than FLAT, search re-ranks candidates exactly "
+                        "(default: %(default)s)")
+    x.add_argument("--overwrite", action="store_true", help="replace a collection of that name")
+    x.set_defaults(func=cmd_export)
+
+
+def cmd_export(args) -> int:
+    from ..backends.milvus_store import export_index
+
+    if not (args.uri and args.collection):
+        raise UserError("export --to milvus needs --uri and --collection")
+    n = export_index(args.index, args.uri, args.collection, token=milvus_token(args), overwrite=args.overwrite,
+                     index_type=args.index_type)
+    print(json.dumps({"exported": n, "to": args.to, "uri": args.uri, "collection": args.collection,
+                      "metric_type": "IP", "index_type": args.index_type}))
+    return 0
