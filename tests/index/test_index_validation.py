@@ -160,7 +160,7 @@ def test_k_is_capped_at_the_index_size_before_anything_is_allocated(idx, tmp_pat
 def test_a_negative_seed_is_refused_in_the_cli_and_in_the_parameters_the_app_uses(idx, tmp_path, capsys):
     rc, _, err = cli(capsys, "search", "--index", idx, "--features", save(tmp_path / "Q.npy", np.ones(D)),
                      "--strategy", "random", "--seed", -1)
-    assert rc == 2 and err == "error: seed must be ≥ 0, got -1"
+    assert rc == 2 and err == "error: refinement strategy 'random': seed must be ≥ 0, got -1"
     with pytest.raises(UserError, match="seed must be ≥ 0, got -1"):
         strategy_params("diagonal", {"r": 0.5, "seed": -1})
 
