@@ -24,10 +24,19 @@ leave-one-out probe's own row leaves them).  Such a change of y's list can chang
 for x = y, for the entry it pushes out and for the one a removed row lets in, so R(·, k) is
 recomputed for those nodes alone, R*(x) only where x or a member of R(x, k1) is one of them, and
 the offline sets serve everywhere else: the result is the same as recomputing everything.
-Only the query's top `pool` candidates are re-ranked, and only what their d* reads is computed:
-the V vectors of N(p, k2) and of N(g, k2) for each candidate g.  The candidates come from the
-probe's full similarity row, which the row normalisation needs anyway, not from a second (first)
-search.  With pool ≥ the gallery size this is the official code, run for one probe at a time.
+
+Every gallery item is ranked by d* (the default pool, clipped to the gallery: the official code,
+run for one probe at a time), yet d* is computed only where it can differ from (1 − λ) + λ d:
+d_J(p, g) < 1 only where V_p and V_g share a nonzero entry.  Offline, the gallery's own V vectors
+are stored as the official code's inverted index (item j → the g with V_g[j] > 0, and V_g[j]);
+online, g whose V_g the probe may have changed (its list N(g, k2) changed, or holds a node whose
+R* was recomputed or whose row maximum moved) get d* computed as below, the others read
+Σ_j min(V_p[j], V_g[j]) from the index, and every item neither reaches has d_J = 1 exactly, so
+the first k of those in the plain order are the only ones that can reach the top k.  A bounded
+`pool` (a variant) ranks only the query's top `pool` candidates; up to BRUTE_POOL they are
+ranked one by one: the V vectors of N(p, k2) and of N(g, k2) for each candidate g.  The
+candidates come from the probe's full similarity row, which the row normalisation needs anyway,
+not from a second (first) search.  Both ways give the same d*, bit for bit (tested).
 """
 from __future__ import annotations
 
@@ -40,28 +49,31 @@ import numpy as np
 from core.errors import UserError
 from core.params import param
 
+from ..backends.gallery import Hits
 from .neighbours import neighbour_lists, row_extremes, without
-from .registry import RERANKERS
+from .registry import RERANKERS, WHOLE_GALLERY
+from .space import MetricSpace
 
 BATCH = 32          # probes re-ranked together (one vectorised pass) ...
 BATCH_CELLS = 1 << 22  # ... at most this many probe × gallery cells (S and the change flags: ~30 MB)
 PAIR_CELLS = 1 << 25  # a gallery's whole similarity matrix is kept in RAM up to this many cells (128 MB)
+SET_CELLS = 1 << 23  # the offline sets' reverse checks per block (64 MB of int64)
+BRUTE_POOL = 500  # a pool up to this is ranked candidate by candidate; above, through the inverted index
 
 
 @dataclass
 class KReciprocalParams:
-    k1: int = param(20, "k of the k-reciprocal sets R(p, k1)", bounds="[1, inf)", size=True)
-    k2: int = param(6, "neighbours averaged in the local query expansion of the V vectors (1: none)",
-                    bounds="[1, inf)", size=True)
+    k1: int = param(20, "k of the k-reciprocal sets R(p, k1); clipped to the gallery", bounds="[1, inf)", size=True)
+    k2: int = param(6, "neighbours averaged in the local query expansion of the V vectors (1: none); clipped to the "
+                       "gallery", bounds="[1, inf)", size=True)
     lambda_value: float = param(0.3, "λ: d* = (1 − λ) d_Jaccard + λ d_original", bounds="[0, 1]")
-    pool: int = param(100, "the query's first-search candidates that are re-ranked (≥ k1 + 1: the query's own "
-                           "N(p, k1 + 1) is read from them)", size=True)
+    pool: int = param(WHOLE_GALLERY, "the query's first-search candidates ranked by d*, clipped to the gallery: the "
+                                     "default ranks every item, as the official code does; a smaller pool is a "
+                                     "variant that leaves the rest out", bounds="[1, inf)")
 
     def validate(self):
         if self.k2 > self.k1 + 1:
             raise UserError(f"kreciprocal: k2 must be in [1, k1 + 1], got {self.k2}")
-        if self.pool < self.k1 + 1:
-            raise UserError(f"kreciprocal: pool must be ≥ k1 + 1 = {self.k1 + 1}, got {self.pool}")
 
 
 def unique(a: np.ndarray) -> np.ndarray:
@@ -98,7 +110,7 @@ def top_rows(S: np.ndarray, own: np.ndarray, m: int) -> np.ndarray:
     return np.where(np.take_along_axis(keep, at, 1), out, -1)
 
 
-def gallery_similarities(space) -> np.ndarray | None:
+def gallery_similarities(space: MetricSpace) -> np.ndarray | None:
     """s(x, y) for every pair of gallery rows (n × n float32), kept in the space's memory while
     n² ≤ PAIR_CELLS: the pairs missing from the cached lists (members that an expansion brings
     in) are then a lookup, not a gather of d-dimensional keys per batch.  None above that."""
@@ -127,7 +139,8 @@ class _Batch:
     (`gallery_sets`); without them (building them, or a gallery too small for them) every set
     is computed."""
 
-    def __init__(self, space, lists, ext, S: np.ndarray, s_qq: np.ndarray, own: np.ndarray, cand: np.ndarray,
+    def __init__(self, space: MetricSpace, lists: tuple[np.ndarray, np.ndarray], ext: dict[str, np.ndarray],
+                 S: np.ndarray, s_qq: np.ndarray, own: np.ndarray, cand: np.ndarray,
                  k1: int, offline: dict | None = None, reverse: dict | None = None):
         self.space, self.n = space, space.n
         self.N1 = space.n + 1
@@ -203,6 +216,9 @@ class _Batch:
             bg, xg = b[g], x[g]
             r = self.rows[xg, : L + 1].astype(np.int64)
             s = self.sims[xg, : L + 1]
+            if r.shape[1] < L + 1:  # lists as long as the gallery (k1 ≥ n − 1): padded
+                r = np.pad(r, ((0, 0), (0, L + 1 - r.shape[1])), constant_values=-1)
+                s = np.pad(s, ((0, 0), (0, L + 1 - s.shape[1])), constant_values=-np.inf)
             own = self.own[bg]
             drop = (r == own[:, None]).any(1)
             if drop.any():  # only the lists that hold the probe's own row are compacted
@@ -378,7 +394,8 @@ def distances(batch: _Batch, pools: np.ndarray, p: KReciprocalParams) -> np.ndar
     return np.where(pools >= 0, d, np.inf)
 
 
-def gallery_sets(space, lists, ext, k1: int) -> dict[str, np.ndarray]:
+def gallery_sets(space: MetricSpace, lists: tuple[np.ndarray, np.ndarray], ext: dict[str, np.ndarray],
+                 k1: int) -> dict[str, np.ndarray]:
     """Offline: over the gallery alone, every item's R(x, k1) and R(x, ½k1) (its list entries,
     −1 where not reciprocal: "r1", "rh") and R*(x, k1) with s(x, ·) of its members (CSR:
     rows[ptr[x]:ptr[x+1]], sims alike)."""
@@ -388,8 +405,9 @@ def gallery_sets(space, lists, ext, k1: int) -> dict[str, np.ndarray]:
         n, h = space.n, half(k1)
         out = {"r1": np.empty((n, k1 + 1), np.int32), "rh": np.empty((n, h + 1), np.int32)}
         ptr, parts_r, parts_s = np.zeros(n + 1, dtype=np.int64), [], []
-        for a in range(0, n, 4096):
-            e = np.arange(a, min(a + 4096, n))
+        step = max(1, min(4096, SET_CELLS // (k1 + 2) ** 2))  # a block's reverse checks: step × (k1 + 1)² entries
+        for a in range(0, n, step):
+            e = np.arange(a, min(a + step, n))
             out["r1"][e], out["rh"][e] = none.reciprocal(e, k1), none.reciprocal(e, h)
             ri, y = none.expanded(e, k1)
             parts_r.append(y.astype(np.int32))
@@ -399,7 +417,7 @@ def gallery_sets(space, lists, ext, k1: int) -> dict[str, np.ndarray]:
     return space.store.get("kreciprocal-sets", {"k1": k1}, compute)
 
 
-def reverse_lists(space, rows: np.ndarray, k1: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+def reverse_lists(space: MetricSpace, rows: np.ndarray, k1: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """For k = k1 and ½k1: (ptr, src) with src[ptr[i]:ptr[i+1]] the items whose first k + 1 list
     entries hold i (the lists a leave-one-out query's own row changes); kept in memory."""
     name = f"kreciprocal-reverse-{k1}"
@@ -416,9 +434,171 @@ def reverse_lists(space, rows: np.ndarray, k1: int) -> dict[int, tuple[np.ndarra
     return space.store.memo[name]
 
 
+def gather(ptr: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """CSR look-up of many keys at once: (i, at) for every position `at` in ptr[keys[i]]:ptr[keys[i] + 1]."""
+    cnt = ptr[keys + 1] - ptr[keys]
+    i = np.repeat(np.arange(len(keys)), cnt)
+    return i, np.repeat(ptr[keys] - (np.cumsum(cnt) - cnt), cnt) + np.arange(int(cnt.sum()))
+
+
+def probe_vector(batch: _Batch, p: KReciprocalParams) -> np.ndarray:
+    """Each probe's query-expanded V_qe(p) (§4.4: the mean of V_z over z ∈ N(p, k2)) as one dense
+    table over the batch's codes (M,), summed as `distances` sums it."""
+    probes = batch.probe()
+    Lp = batch.lists(probes, p.k2) if p.k2 > 1 else probes[:, None]
+    X, inv = np.unique(Lp[Lp >= 0], return_inverse=True)
+    ri, col, w = batch.V(X, p.k1)
+    n_p = (Lp >= 0).sum(1)
+    start = np.searchsorted(ri, np.arange(len(X)))
+    cnt = np.bincount(ri, minlength=len(X))
+    pb = np.flatnonzero(Lp >= 0) // Lp.shape[1]
+    reps = cnt[inv]
+    at = np.repeat(start[inv] - (np.cumsum(reps) - reps), reps) + np.arange(int(reps.sum()))
+    return np.bincount(col[at], weights=w[at] / n_p[np.repeat(pb, reps)], minlength=batch.M)
+
+
+def support_index(space: MetricSpace, rows: np.ndarray, ext: dict, sets: dict, k1: int,
+                  k2: int) -> dict[str, np.ndarray]:
+    """Offline, over the gallery alone: every item's query-expanded V_qe(g) (the mean of V_z over
+    z ∈ N(g, k2); V_z of Eq. 7 on R*(z, k1)), stored as the official code's inverted index: for
+    each item j, the items g with V_qe(g)[j] > 0 ("items"[ptr[j]:ptr[j+1]]) and that value
+    ("values").  Summed as `distances` sums it, so a probe reads the same numbers."""
+    def compute():
+        n = space.n
+        cnt = np.diff(sets["ptr"])
+        owner = np.repeat(np.arange(n), cnt)
+        self_s = ext["self"].astype(np.float64)
+        rm = self_s - ext["min1"]  # the row maximum of d, as _Batch.row_max reads it
+        rm = np.where(rm > 0, rm, 1.0)
+        w = np.exp(-(self_s[owner] - sets["sims"].astype(np.float64)) / rm[owner])
+        total = np.bincount(owner, weights=w, minlength=n)
+        V = w / np.maximum(total[owner], 1e-300)
+        keys, vals = [], []
+        for a in range(0, n, 2048):
+            g = np.arange(a, min(a + 2048, n))
+            z = rows[g, :k2].astype(np.int64) if k2 > 1 else g[:, None]  # k2 = 1: V_g itself
+            n_y = (z >= 0).sum(1)
+            flat = np.flatnonzero(z >= 0)
+            gi, at = gather(sets["ptr"], z.ravel()[flat])
+            gi = flat[gi] // z.shape[1]
+            uk, kinv = np.unique(sets["rows"][at].astype(np.int64) * n + g[gi], return_inverse=True)
+            keys.append(uk)
+            vals.append(np.bincount(kinv, weights=V[at] / n_y[gi]))
+        key, val = np.concatenate(keys), np.concatenate(vals)
+        order = np.argsort(key, kind="stable")
+        j, g = np.divmod(key[order], n)  # by column j, then item g
+        ptr = np.zeros(n + 1, dtype=np.int64)
+        np.add.at(ptr, j + 1, 1)
+        return {"ptr": np.cumsum(ptr), "items": g.astype(np.int32), "values": val[order]}
+    return space.store.get("kreciprocal-support", {"k1": k1, "k2": k2}, compute)
+
+
+def reverse_k2(space: MetricSpace, rows: np.ndarray, k2: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ptr, src): src[ptr[z]:ptr[z+1]] are the items whose gallery list N(·, k2) holds z; kept in memory."""
+    name = f"kreciprocal-reverse-k2-{k2}"
+    if name not in space.store.memo:
+        flat = rows[:, :k2].ravel().astype(np.int64)
+        order = np.argsort(flat, kind="stable")
+        ptr = np.zeros(space.n + 1, dtype=np.int64)
+        np.add.at(ptr, flat + 1, 1)
+        space.store.memo[name] = (np.cumsum(ptr), np.repeat(np.arange(space.n), k2)[order])
+    return space.store.memo[name]
+
+
+def changed_vectors(batch: _Batch, p: KReciprocalParams, rev_k2) -> np.ndarray:
+    """B × n: the gallery rows g whose V_qe(g) in the probe's universe may differ from the
+    gallery's: g's list N(g, k2) changed, or it holds a node z whose V_z may have changed (R*(z)
+    recomputed by `members`: z touched at k1, or a member of R(z, k1) touched at ½k1, which by
+    the symmetry of R are the R(c, k1) of each c touched at ½k1; or z's row maximum moved: the
+    probe below z's smallest similarity, or the own row was it)."""
+    ext, offline = batch.ext, batch.offline
+    assert offline is not None  # built with the offline sets (kreciprocal)
+    vz = batch.touched[p.k1] | (batch.S < ext["min1"][None, :]) | (ext["arg1"][None, :] == batch.own[:, None])
+    tb, tc = np.nonzero(batch.touched[batch.h])
+    r1 = offline["r1"][tc]
+    ok = r1 >= 0
+    vz[np.broadcast_to(tb[:, None], r1.shape)[ok], r1[ok]] = True
+    if p.k2 == 1:  # V_qe(g) = V_g
+        return vz
+    out = batch.changed[p.k1].copy()  # N(g, k2) ⊂ N(g, k1 + 1)
+    zb, zx = np.nonzero(vz)
+    ptr, src = rev_k2
+    i, at = gather(ptr, zx)
+    out[zb[i], src[at]] = True
+    return out
+
+
+def whole_gallery(batch: _Batch, p: KReciprocalParams, support: dict, rev_k2, k: int,
+                  pool: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The top k of the whole gallery by d* (the official code's ranking), or of the plain
+    search's top `pool` candidates, per probe: rows and d*.
+
+    d_J(p, g) < 1 only where V_qe(p) and V_qe(g) share a nonzero entry.  Where V_qe(g) is the
+    gallery's (`changed_vectors` says where it may not be), the offline inverted index gives
+    Σ_j min(V_p[j], V_g[j]) directly, as the official code computes it; the rows whose vector
+    may have changed go through `distances`; every other row has d_J = 1 and d* = (1 − λ) +
+    λ d(p, g), so the first k of them in the plain order are all that can reach the top k."""
+    B, n, N1, lam = batch.B, batch.n, batch.N1, p.lambda_value
+    S, own = batch.S, batch.own
+    vp = probe_vector(batch, p)
+    fresh = changed_vectors(batch, p, rev_k2)
+    fresh[np.flatnonzero(own >= 0), own[own >= 0]] = False
+    inpool = None
+    if pool is not None:  # only the plain search's top `pool` are ranked
+        top = top_rows(S, own, pool)
+        inpool = np.zeros_like(fresh)
+        ok = top >= 0
+        inpool[np.broadcast_to(np.arange(B)[:, None], top.shape)[ok], top[ok]] = True
+        fresh &= inpool
+    # unchanged vectors that meet the probe's support: Σ_j min(V_p[j], V_g[j]) over the index
+    codes = np.flatnonzero(vp > 0)
+    pb, pj = np.divmod(codes, N1)
+    keep = pj < n  # the probe's own column: no unchanged vector holds it
+    i, at = gather(support["ptr"], pj[keep])
+    b, g = pb[keep][i], support["items"][at].astype(np.int64)
+    mins = np.minimum(support["values"][at], vp[codes[keep][i]])
+    ok = ~fresh[b, g] & (g != own[b]) & (True if inpool is None else inpool[b, g])
+    key = b[ok] * n + g[ok]
+    order = np.argsort(key, kind="stable")  # per (probe, g): columns in ascending order, as `distances` sums
+    uk, kinv = np.unique(key[order], return_inverse=True)
+    tmin = np.bincount(kinv, weights=mins[ok][order])
+    ob, og = np.divmod(uk, n)
+    # the changed ones, by `distances` (each probe's in the plain order: top_rows's)
+    fb, fg = np.nonzero(fresh)
+    per = np.bincount(fb, minlength=B)
+    pools = np.full((B, max(int(per.max(initial=0)), 1)), -1, dtype=np.int64)
+    o = np.lexsort((fg, -S[fb, fg], fb))
+    fb, fg = fb[o], fg[o]
+    pools[fb, np.arange(len(fb)) - np.repeat(np.cumsum(per) - per, per)] = fg
+    d_fresh = distances(batch, pools, p)
+    # the rest: the first k in the plain order outside both
+    taken = np.bincount(ob, minlength=B) + per
+    top = top_rows(S, own, min(k + int(taken.max(initial=0)), n if pool is None else pool))
+    rm = batch.row_max(batch.probe())
+    out_r = np.full((B, k), -1, dtype=np.int64)
+    out_d = np.full((B, k), np.inf)
+    o_start = np.searchsorted(ob, np.arange(B + 1))
+    for j in range(B):
+        og_j, t_j = og[o_start[j]: o_start[j + 1]], tmin[o_start[j]: o_start[j + 1]]
+        f_j = pools[j][pools[j] >= 0]
+        t = top[j][top[j] >= 0]
+        rest = t[~fresh[j, t] & ~np.isin(t, og_j)][:k]
+        rows = np.concatenate([og_j, rest])
+        d_j = 1.0 - np.concatenate([t_j, np.zeros(len(rest))]) / (2.0 - np.concatenate([t_j, np.zeros(len(rest))]))
+        d = (1.0 - lam) * d_j + lam * ((batch.s_qq[j] - S[j, rows]) / rm[j])
+        rows = np.concatenate([f_j, rows])
+        d = np.concatenate([d_fresh[j, : len(f_j)], d])
+        o = np.lexsort((rows, -S[j, rows]))  # the plain order, then stably by d*
+        rows, d = rows[o], d[o]
+        best = np.argsort(d, kind="stable")[:k]
+        out_r[j, : len(best)], out_d[j, : len(best)] = rows[best], d[best]
+    return out_r, out_d
+
+
 @RERANKERS.register("kreciprocal", KReciprocalParams, offline=True, reads_first=False, pool="pool",
                     grid={"k1": (10, 20, 30), "k2": (1, 3, 6), "lambda_value": (0.1, 0.3, 0.5)})
-def kreciprocal(space, queries, first, k, *, self_ids, params: KReciprocalParams):
+def kreciprocal(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: int, *, self_ids: np.ndarray,
+                params: KReciprocalParams) -> Hits:
     """k-reciprocal encoding (Zhong et al. CVPR 2017): Jaccard distance of k-reciprocal sets, d* = (1 − λ) d_J + λ d."""
     p = params
     lists = neighbour_lists(space, min(p.k1 + 2, space.n))  # + 1: the item itself, + 1: a leave-one-out row
@@ -426,7 +606,14 @@ def kreciprocal(space, queries, first, k, *, self_ids, params: KReciprocalParams
     # a gallery too small for lists of k1 + 2 is small enough to compute every set
     offline = gallery_sets(space, lists, ext, p.k1) if lists[0].shape[1] >= p.k1 + 2 else None
     reverse = reverse_lists(space, lists[0], p.k1) if offline is not None else None
-    depth = min(max(p.pool, k), space.n)
+    # every candidate (the official code): d* only for those the probe's support reaches
+    # every candidate by default (the official code): d* is computed only where it can move; a
+    # pool up to BRUTE_POOL is cheaper to rank whole
+    pool = max(p.pool, k)
+    support = support_index(space, lists[0], ext, offline, p.k1, p.k2) if offline and pool > BRUTE_POOL else None
+    rev_k2 = reverse_k2(space, lists[0], p.k2) if support is not None and p.k2 > 1 else None
+    # the probe's own list N(p, k1 + 1) is read from its candidates
+    depth = min(p.k1 + 1 if support is not None else max(pool, p.k1 + 1), space.n)
     out_r = np.full((len(queries), k), -1, dtype=np.int64)
     out_s = np.full((len(queries), k), -np.inf, dtype=np.float32)
     step = max(1, min(BATCH, BATCH_CELLS // max(space.n, 1)))
@@ -438,10 +625,13 @@ def kreciprocal(space, queries, first, k, *, self_ids, params: KReciprocalParams
         cand = top_rows(S, own, depth)
         s_qq = np.einsum("qd,qd->q", space.transform(q), space.key(q))
         batch = _Batch(space, lists, ext, S, s_qq, own, cand, p.k1, offline, reverse)
-        pools = cand[:, : max(p.pool, k)]
-        d = distances(batch, pools, p)
-        order = np.argsort(d, axis=1, kind="stable")[:, :k]
-        r, dd = np.take_along_axis(pools, order, 1), np.take_along_axis(d, order, 1)
+        if support is not None:
+            r, dd = whole_gallery(batch, p, support, rev_k2, k, pool if pool < space.n else None)
+        else:
+            pools = cand[:, :pool]
+            d = distances(batch, pools, p)
+            order = np.argsort(d, axis=1, kind="stable")[:, :k]
+            r, dd = np.take_along_axis(pools, order, 1), np.take_along_axis(d, order, 1)
         out_r[a: a + step] = np.where(np.isfinite(dd), r, -1)
         out_s[a: a + step] = np.where(np.isfinite(dd), 1.0 - dd, -np.inf)  # a similarity: higher is closer
 
@@ -452,8 +642,8 @@ def kreciprocal(space, queries, first, k, *, self_ids, params: KReciprocalParams
         # batch per core, each with BLAS on one thread (threaded BLAS under threads oversubscribes)
         from threadpoolctl import threadpool_limits
 
-        with threadpool_limits(1, user_api="blas"), ThreadPoolExecutor(workers) as pool:
-            list(pool.map(one, starts))
+        with threadpool_limits(1, user_api="blas"), ThreadPoolExecutor(workers) as ex:
+            list(ex.map(one, starts))
     else:
         for a in starts:
             one(a)
