@@ -40,6 +40,7 @@ not from a second (first) search.  Both ways give the same d*, bit for bit (test
 """
 from __future__ import annotations
 
+import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -58,7 +59,8 @@ BATCH = 32          # probes re-ranked together (one vectorised pass) ...
 BATCH_CELLS = 1 << 22  # ... at most this many probe × gallery cells (S and the change flags: ~30 MB)
 PAIR_CELLS = 1 << 25  # a gallery's whole similarity matrix is kept in RAM up to this many cells (128 MB)
 SET_CELLS = 1 << 23  # the offline sets' reverse checks per block (64 MB of int64)
-BRUTE_POOL = 500  # a pool up to this is ranked candidate by candidate; above, through the inverted index
+TERMS_BYTES = 1 << 26  # the last call's d_J and d kept for a call that differs in λ alone (64 MB)
+BRUTE_POOL = 150  # a pool up to this is cheaper ranked candidate by candidate; above, through the inverted index
 
 
 @dataclass
@@ -160,6 +162,10 @@ class _Batch:
         c, cs = np.take_along_axis(cand, order, 1), np.take_along_axis(cs, order, 1)
         self.q_rows = self._insert(c, cs, self.s_qq, k1 + 1)
         self.offline = offline
+        # set by `refresh`: which gallery nodes' R*(x, k1) differ from the offline sets (B × n), and
+        # the sets it computed (codes sorted; CSR members and similarities)
+        self.refreshed: np.ndarray | None = None
+        self.known: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         if offline is not None:
             assert reverse is not None  # built with the offline lists (rerank_kreciprocal)
             # changed[k][b, y]: N(y, k+1) over U_b differs from the gallery's; touched[k]: the
@@ -322,13 +328,22 @@ class _Batch:
         b, x = np.divmod(e, self.N1)
         fresh = x == self.n
         g = np.flatnonzero(~fresh)
-        r1 = self.offline["r1"][x[g]]
-        th = self.touched[self.h]
-        fresh[g] = self.touched[k1][b[g], x[g]] | ((r1 >= 0) & th[b[g][:, None], np.maximum(r1, 0)]).any(1)
+        if self.known is not None and self.refreshed is not None:  # `refresh` computed these, kept those that changed
+            fresh[g] = self.refreshed[b[g], x[g]]
+        else:
+            r1 = self.offline["r1"][x[g]]
+            th = self.touched[self.h]
+            fresh[g] = self.touched[k1][b[g], x[g]] | ((r1 >= 0) & th[b[g][:, None], np.maximum(r1, 0)]).any(1)
         idx_f, idx_c = np.flatnonzero(fresh), np.flatnonzero(~fresh)
-        ri_f, y_f = self.expanded(e[idx_f], k1)
-        ri_f = idx_f[ri_f]
-        s_f = self.similarity(e[ri_f], y_f)
+        if self.known is not None:
+            codes, kptr, ky, ks = self.known
+            at_k = np.searchsorted(codes, e[idx_f])
+            ri_f, at = gather(kptr, at_k)
+            ri_f, y_f, s_f = idx_f[ri_f], ky[at], ks[at]
+        else:
+            ri_f, y_f = self.expanded(e[idx_f], k1)
+            ri_f = idx_f[ri_f]
+            s_f = self.similarity(e[ri_f], y_f)
         ptr, mem, sims = self.offline["ptr"], self.offline["rows"], self.offline["sims"]
         xc = x[idx_c]
         cnt = ptr[xc + 1] - ptr[xc]
@@ -349,6 +364,16 @@ class _Batch:
 
 def distances(batch: _Batch, pools: np.ndarray, p: KReciprocalParams) -> np.ndarray:
     """d*(p, g) (Eq. 12) for each probe and each row g of its pool (B × pool, inf where −1)."""
+    return combined(pools, *terms(batch, pools, p), p.lambda_value)
+
+
+def combined(pools: np.ndarray, d_j: np.ndarray, d_orig: np.ndarray, lam: float) -> np.ndarray:
+    """d* = (1 − λ) d_J + λ d (Eq. 12), inf where the pool has no row."""
+    return np.where(pools >= 0, (1.0 - lam) * d_j + lam * d_orig, np.inf)
+
+
+def terms(batch: _Batch, pools: np.ndarray, p: KReciprocalParams) -> tuple[np.ndarray, np.ndarray]:
+    """d_J(p, g) and the row-normalised d(p, g) for each probe and each row g of its pool (B × pool)."""
     B, width = pools.shape
     probes = batch.probe()
     Y = np.concatenate([probes[:, None], np.where(pools >= 0, probes[:, None] - batch.n + pools, -1)], 1)
@@ -390,8 +415,7 @@ def distances(batch: _Batch, pools: np.ndarray, p: KReciprocalParams) -> np.ndar
     d_j = 1.0 - tmin / (2.0 - tmin)                            # Σ max = Σ V_p + Σ V_g − Σ min = 2 − Σ min
     s_pg = np.take_along_axis(batch.S, np.maximum(pools, 0), 1)
     d_orig = (batch.s_qq[:, None] - s_pg) / batch.row_max(probes)[:, None]
-    d = (1.0 - p.lambda_value) * d_j + p.lambda_value * d_orig
-    return np.where(pools >= 0, d, np.inf)
+    return d_j, d_orig
 
 
 def gallery_sets(space: MetricSpace, lists: tuple[np.ndarray, np.ndarray], ext: dict[str, np.ndarray],
@@ -505,19 +529,55 @@ def reverse_k2(space: MetricSpace, rows: np.ndarray, k2: int) -> tuple[np.ndarra
     return space.store.memo[name]
 
 
-def changed_vectors(batch: _Batch, p: KReciprocalParams, rev_k2) -> np.ndarray:
+def refresh(batch: _Batch, p: KReciprocalParams, rev_k2) -> np.ndarray:
     """B × n: the gallery rows g whose V_qe(g) in the probe's universe may differ from the
-    gallery's: g's list N(g, k2) changed, or it holds a node z whose V_z may have changed (R*(z)
-    recomputed by `members`: z touched at k1, or a member of R(z, k1) touched at ½k1, which by
-    the symmetry of R are the R(c, k1) of each c touched at ½k1; or z's row maximum moved: the
-    probe below z's smallest similarity, or the own row was it)."""
+    gallery's: g's list N(g, k2) changed, or it holds a node z whose V_z changed.  V_z changes
+    where R*(z, k1) does or z's row maximum moves (the probe below z's smallest similarity, or
+    the own row was it).  R*(z) can change only where R(z, k1) changed or R(c, ½k1) did for a
+    member c (by the symmetry of R, z ∈ R(c, k1) of the gallery then, R(z, k1) being unchanged);
+    R(·, k) can change only at the nodes touched at k, so those are compared with the offline
+    sets first.  The R* of those z, and the probes', are computed here once, compared with the
+    offline sets, and kept for `members` (`batch.refreshed`, `batch.known`)."""
     ext, offline = batch.ext, batch.offline
     assert offline is not None  # built with the offline sets (kreciprocal)
-    vz = batch.touched[p.k1] | (batch.S < ext["min1"][None, :]) | (ext["arg1"][None, :] == batch.own[:, None])
-    tb, tc = np.nonzero(batch.touched[batch.h])
-    r1 = offline["r1"][tc]
-    ok = r1 >= 0
-    vz[np.broadcast_to(tb[:, None], r1.shape)[ok], r1[ok]] = True
+    n, N1 = batch.n, batch.N1
+    maybe = np.zeros_like(batch.touched[p.k1])
+    for k in dict.fromkeys((p.k1, batch.h)):
+        # R(c, k) where it can have changed (c touched at k), compared with the offline set
+        tb, tc = np.nonzero(batch.touched[k])
+        R = np.sort(batch.reciprocal(tb * N1 + tc, k), axis=1)
+        off = offline["r1" if k == p.k1 else "rh"][tc]
+        off = np.sort(np.where(off >= 0, tb[:, None] * N1 + off, -1), axis=1)
+        moved = (R != off).any(1)
+        tb, tc = tb[moved], tc[moved]
+        if k == p.k1:
+            maybe[tb, tc] = True
+        if k == batch.h:  # R*(x) reads R(c, ½k1) for c ∈ R(x, k1): by the symmetry of R, x ∈ R(c, k1)
+            r1 = offline["r1"][tc]
+            ok = r1 >= 0
+            maybe[np.broadcast_to(tb[:, None], r1.shape)[ok], r1[ok]] = True
+    mb, mx = np.nonzero(maybe)
+    codes = np.concatenate([mb * N1 + mx, batch.probe()])
+    codes.sort()
+    ri, y = batch.expanded(codes, p.k1)
+    sims = batch.similarity(codes[ri], y)
+    cnt = np.bincount(ri, minlength=len(codes))
+    kptr = np.concatenate([[0], np.cumsum(cnt)])
+    batch.known = (codes, kptr, y, sims)
+    # the same set as offline: as many members, each the same (both sorted)
+    cb, cx = np.divmod(codes, N1)
+    gal = cx < n
+    optr = offline["ptr"]
+    same = np.zeros(len(codes), dtype=bool)
+    same[gal] = cnt[gal] == optr[cx[gal] + 1] - optr[cx[gal]]
+    i, at = gather(optr, np.where(same, cx, 0)[same])
+    node = np.flatnonzero(same)[i]
+    differ = np.bincount(node, weights=y[kptr[node] + (at - optr[cx[node]])] != cb[node] * N1 + offline["rows"][at],
+                         minlength=len(codes)) > 0
+    same &= ~differ
+    batch.refreshed = np.zeros_like(maybe)
+    batch.refreshed[cb[gal & ~same], cx[gal & ~same]] = True
+    vz = batch.refreshed | (batch.S < ext["min1"][None, :]) | (ext["arg1"][None, :] == batch.own[:, None])
     if p.k2 == 1:  # V_qe(g) = V_g
         return vz
     out = batch.changed[p.k1].copy()  # N(g, k2) ⊂ N(g, k1 + 1)
@@ -529,19 +589,20 @@ def changed_vectors(batch: _Batch, p: KReciprocalParams, rev_k2) -> np.ndarray:
 
 
 def whole_gallery(batch: _Batch, p: KReciprocalParams, support: dict, rev_k2, k: int,
-                  pool: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The top k of the whole gallery by d* (the official code's ranking), or of the plain
-    search's top `pool` candidates, per probe: rows and d*.
+                  pool: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per probe, the rows that can reach its top k by d* over the whole gallery (the official
+    code's ranking), or over the plain search's top `pool` candidates, in the plain order
+    (−1 padded), with their d_J and d (`terms`).
 
     d_J(p, g) < 1 only where V_qe(p) and V_qe(g) share a nonzero entry.  Where V_qe(g) is the
-    gallery's (`changed_vectors` says where it may not be), the offline inverted index gives
+    gallery's (`refresh` says where it may not be), the offline inverted index gives
     Σ_j min(V_p[j], V_g[j]) directly, as the official code computes it; the rows whose vector
     may have changed go through `distances`; every other row has d_J = 1 and d* = (1 − λ) +
     λ d(p, g), so the first k of them in the plain order are all that can reach the top k."""
-    B, n, N1, lam = batch.B, batch.n, batch.N1, p.lambda_value
+    B, n, N1 = batch.B, batch.n, batch.N1
     S, own = batch.S, batch.own
+    fresh = refresh(batch, p, rev_k2)
     vp = probe_vector(batch, p)
-    fresh = changed_vectors(batch, p, rev_k2)
     fresh[np.flatnonzero(own >= 0), own[own >= 0]] = False
     inpool = None
     if pool is not None:  # only the plain search's top `pool` are ranked
@@ -570,29 +631,32 @@ def whole_gallery(batch: _Batch, p: KReciprocalParams, support: dict, rev_k2, k:
     o = np.lexsort((fg, -S[fb, fg], fb))
     fb, fg = fb[o], fg[o]
     pools[fb, np.arange(len(fb)) - np.repeat(np.cumsum(per) - per, per)] = fg
-    d_fresh = distances(batch, pools, p)
-    # the rest: the first k in the plain order outside both
-    taken = np.bincount(ob, minlength=B) + per
-    top = top_rows(S, own, min(k + int(taken.max(initial=0)), n if pool is None else pool))
+    dj_fresh, do_fresh = terms(batch, pools, p)
+    # the rest: the first k in the plain order outside both (and inside the pool)
+    allowed = ~fresh if inpool is None else inpool & ~fresh
+    allowed[ob, og] = False
+    top = top_rows(np.where(allowed, S, -np.inf), own, min(k, n))
     rm = batch.row_max(batch.probe())
-    out_r = np.full((B, k), -1, dtype=np.int64)
-    out_d = np.full((B, k), np.inf)
     o_start = np.searchsorted(ob, np.arange(B + 1))
+    parts = []
     for j in range(B):
         og_j, t_j = og[o_start[j]: o_start[j + 1]], tmin[o_start[j]: o_start[j + 1]]
         f_j = pools[j][pools[j] >= 0]
         t = top[j][top[j] >= 0]
-        rest = t[~fresh[j, t] & ~np.isin(t, og_j)][:k]
+        rest = t[allowed[j, t]]
         rows = np.concatenate([og_j, rest])
-        d_j = 1.0 - np.concatenate([t_j, np.zeros(len(rest))]) / (2.0 - np.concatenate([t_j, np.zeros(len(rest))]))
-        d = (1.0 - lam) * d_j + lam * ((batch.s_qq[j] - S[j, rows]) / rm[j])
+        tm = np.concatenate([t_j, np.zeros(len(rest))])
         rows = np.concatenate([f_j, rows])
-        d = np.concatenate([d_fresh[j, : len(f_j)], d])
-        o = np.lexsort((rows, -S[j, rows]))  # the plain order, then stably by d*
-        rows, d = rows[o], d[o]
-        best = np.argsort(d, kind="stable")[:k]
-        out_r[j, : len(best)], out_d[j, : len(best)] = rows[best], d[best]
-    return out_r, out_d
+        d_j = np.concatenate([dj_fresh[j, : len(f_j)], 1.0 - tm / (2.0 - tm)])
+        d_o = np.concatenate([do_fresh[j, : len(f_j)], (batch.s_qq[j] - S[j, rows[len(f_j):]]) / rm[j]])
+        o = np.lexsort((rows, -S[j, rows]))  # the plain order (ranked stably by d* after)
+        parts.append((rows[o], d_j[o], d_o[o]))
+    width = max(len(r) for r, _, _ in parts)
+    out = np.full((B, width), -1, dtype=np.int64), np.ones((B, width)), np.zeros((B, width))  # pads: finite
+    for j, part in enumerate(parts):
+        for a, v in zip(out, part, strict=True):
+            a[j, : len(v)] = v
+    return out
 
 
 @RERANKERS.register("kreciprocal", KReciprocalParams, offline=True, reads_first=False, pool="pool",
@@ -606,7 +670,6 @@ def kreciprocal(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: 
     # a gallery too small for lists of k1 + 2 is small enough to compute every set
     offline = gallery_sets(space, lists, ext, p.k1) if lists[0].shape[1] >= p.k1 + 2 else None
     reverse = reverse_lists(space, lists[0], p.k1) if offline is not None else None
-    # every candidate (the official code): d* only for those the probe's support reaches
     # every candidate by default (the official code): d* is computed only where it can move; a
     # pool up to BRUTE_POOL is cheaper to rank whole
     pool = max(p.pool, k)
@@ -614,9 +677,28 @@ def kreciprocal(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: 
     rev_k2 = reverse_k2(space, lists[0], p.k2) if support is not None and p.k2 > 1 else None
     # the probe's own list N(p, k1 + 1) is read from its candidates
     depth = min(p.k1 + 1 if support is not None else max(pool, p.k1 + 1), space.n)
+    step = max(1, min(BATCH, BATCH_CELLS // max(space.n, 1)))
+    starts = range(0, len(queries), step)
     out_r = np.full((len(queries), k), -1, dtype=np.int64)
     out_s = np.full((len(queries), k), -np.inf, dtype=np.float32)
-    step = max(1, min(BATCH, BATCH_CELLS // max(space.n, 1)))
+
+    def rank(a: int, pools: np.ndarray, d_j: np.ndarray, d_orig: np.ndarray) -> None:
+        d = combined(pools, d_j, d_orig, p.lambda_value)
+        order = np.argsort(d, axis=1, kind="stable")[:, :k]
+        r, dd = np.take_along_axis(pools, order, 1), np.take_along_axis(d, order, 1)
+        out_r[a: a + len(r), : r.shape[1]] = np.where(np.isfinite(dd), r, -1)
+        out_s[a: a + len(r), : r.shape[1]] = np.where(np.isfinite(dd), 1.0 - dd, -np.inf)  # higher is closer
+
+    # d_J and d do not depend on λ: a call that differs from the previous one in λ alone (a sweep
+    # over λ) ranks the terms it kept (up to TERMS_BYTES)
+    key = (p.k1, p.k2, pool, k, _digest(queries), _digest(self_ids))
+    last = space.store.memo.get("kreciprocal-terms")
+    if last is not None and last[0] == key:
+        for a, t in last[1].items():
+            rank(a, *t)
+        return space.hits(out_r, out_s)
+    kept: dict[int, tuple] = {}
+    size = [0]
     gallery_similarities(space)  # built once, before the batches share it
 
     def one(a: int) -> None:
@@ -626,16 +708,27 @@ def kreciprocal(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: 
         s_qq = np.einsum("qd,qd->q", space.transform(q), space.key(q))
         batch = _Batch(space, lists, ext, S, s_qq, own, cand, p.k1, offline, reverse)
         if support is not None:
-            r, dd = whole_gallery(batch, p, support, rev_k2, k, pool if pool < space.n else None)
+            t = whole_gallery(batch, p, support, rev_k2, k, pool if pool < space.n else None)
         else:
             pools = cand[:, :pool]
-            d = distances(batch, pools, p)
-            order = np.argsort(d, axis=1, kind="stable")[:, :k]
-            r, dd = np.take_along_axis(pools, order, 1), np.take_along_axis(d, order, 1)
-        out_r[a: a + step] = np.where(np.isfinite(dd), r, -1)
-        out_s[a: a + step] = np.where(np.isfinite(dd), 1.0 - dd, -np.inf)  # a similarity: higher is closer
+            t = (pools, *terms(batch, pools, p))
+        rank(a, *t)
+        size[0] += sum(x.nbytes for x in t)
+        if size[0] <= TERMS_BYTES:
+            kept[a] = t
 
-    starts = range(0, len(queries), step)
+    _run(one, starts)
+    space.store.memo["kreciprocal-terms"] = (key, kept) if size[0] <= TERMS_BYTES else None
+    return space.hits(out_r, out_s)
+
+
+def _digest(a: np.ndarray) -> str:
+    a = np.ascontiguousarray(a)
+    return hashlib.blake2b(a.data.cast("B"), digest_size=16).hexdigest() + str((a.dtype.str, a.shape))
+
+
+def _run(one, starts: range) -> None:
+    """one(a) for every batch start: in threads where FAISS has several."""
     workers = min(len(starts), max(1, faiss.omp_get_max_threads()))
     if workers > 1:
         # the batches are independent and numpy's sorts and set operations release the GIL: one
@@ -647,4 +740,3 @@ def kreciprocal(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: 
     else:
         for a in starts:
             one(a)
-    return space.hits(out_r, out_s)

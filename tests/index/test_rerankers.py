@@ -432,7 +432,6 @@ def test_kreciprocal_sets_when_a_removed_row_lets_an_entry_in(tmp_path):
 
 # ---------------------------------------------------------------- leave-one-out
 LOO = [("aqe", {"n": 3}), ("kreciprocal", {"k1": 10, "k2": 4, "pool": 40}), ("kreciprocal", {}),
-       ("kreciprocal", {"k1": 10, "k2": 4, "pool": 600}),  # above BRUTE_POOL: the inverted index (every item)
        ("dba", {"n": 3}), ("diffusion", {"k": 8, "kq": 4, "truncation": 60}), ("diffusion", {"k": 8, "kq": 4}),
        ("none", {})]
 
@@ -453,6 +452,45 @@ def test_a_gallery_item_as_query_is_reranked_as_if_it_were_not_in_the_gallery(tm
         np.testing.assert_array_equal(got.rows[qi], back)
         np.testing.assert_allclose(got.scores[qi], want.scores[0], rtol=1e-4, atol=1e-5)
         assert i not in got.rows[qi]
+
+
+@pytest.mark.parametrize("rparams", [{"k1": 10, "k2": 4}, {"k1": 10, "k2": 4, "pool": 40}, {"k2": 1}])
+def test_kreciprocal_leave_one_out_through_the_inverted_index(tmp_path, monkeypatch, rparams):
+    """The inverted-index path (every pool here), a gallery item as query: the answer of the
+    gallery without it."""
+    import index.rerankers.kreciprocal as kr
+
+    monkeypatch.setattr(kr, "BRUTE_POOL", 0)
+    x, lab, W = features()
+    full = build(tmp_path / "full", x, lab, W)
+    own = np.array([3, 40, 77, 149])
+    got = rerank("kreciprocal", space_for(full, "trained", {}, "cosine"), x[own], 10, params=rparams, self_ids=own)
+    for qi, i in enumerate(own):
+        keep = np.arange(N) != i
+        alone = build(tmp_path / f"without{i}", x[keep], lab[keep], W)
+        want = rerank("kreciprocal", space_for(alone, "trained", {}, "cosine"), x[i:i + 1], 10, params=rparams)
+        np.testing.assert_array_equal(got.rows[qi], np.nonzero(keep)[0][want.rows[0]])
+        np.testing.assert_allclose(got.scores[qi], want.scores[0], rtol=1e-4, atol=1e-5)
+
+
+def test_kreciprocal_a_sweep_over_lambda_reuses_the_terms(gallery, monkeypatch):
+    """Calls that differ in λ alone rank the kept d_J and d again: the same answer as computed afresh."""
+    import index.rerankers.kreciprocal as kr
+
+    searcher, x, _ = gallery
+    space = space_for(searcher, "trained", {}, "cosine")
+    q, own = x[:20], np.arange(20)
+    first = rerank("kreciprocal", space, q, 10, params={"lambda_value": 0.3}, self_ids=own)
+    calls, terms = [], kr.terms
+    monkeypatch.setattr(kr, "terms", lambda *a: calls.append(1) or terms(*a))
+    again = rerank("kreciprocal", space, q, 10, params={"lambda_value": 0.7}, self_ids=own)
+    assert not calls  # nothing recomputed
+    fresh = rerank("kreciprocal", space_for(searcher, "trained", {}, "cosine"), q, 10,
+                   params={"lambda_value": 0.7}, self_ids=own)
+    assert calls  # a new space computes them
+    np.testing.assert_array_equal(again.rows, fresh.rows)
+    np.testing.assert_array_equal(again.scores, fresh.scores)
+    assert not np.array_equal(first.scores, again.scores)
 
 
 def test_self_ids_accepts_a_first_search_that_holds_the_query(gallery):
