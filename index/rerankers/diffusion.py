@@ -222,7 +222,7 @@ def _ranked(f: np.ndarray, s: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.
 
 
 @RERANKERS.register("diffusion", DiffusionParams, offline=True, depth="kq", pool="truncation",
-                    grid={"k": (10, 30, 50), "alpha": (0.9, 0.99), "gamma": (1.0, 3.0)})
+                    grid={"k": (5, 10, 30, 50), "alpha": (0.9, 0.99), "gamma": (1.0, 3.0)})
 def diffusion(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: int, *, self_ids: np.ndarray,
               params: DiffusionParams) -> Hits:
     """Diffusion on the mutual kNN graph (Iscen et al. CVPR 2017): rank items by f = (I − αS)⁻¹y."""

@@ -41,6 +41,8 @@ not from a second (first) search.  Both ways give the same d*, bit for bit (test
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -59,7 +61,8 @@ BATCH = 32          # probes re-ranked together (one vectorised pass) ...
 BATCH_CELLS = 1 << 22  # ... at most this many probe × gallery cells (S and the change flags: ~30 MB)
 PAIR_CELLS = 1 << 25  # a gallery's whole similarity matrix is kept in RAM up to this many cells (128 MB)
 SET_CELLS = 1 << 23  # the offline sets' reverse checks per block (64 MB of int64)
-TERMS_BYTES = 1 << 26  # the last call's d_J and d kept for a call that differs in λ alone (64 MB)
+TERMS_BYTES = 1 << 26  # the latest calls' d_J and d kept for calls that differ in λ alone (64 MB)
+_TERMS_LOCK = threading.Lock()
 BRUTE_POOL = 150  # a pool up to this is cheaper ranked candidate by candidate; above, through the inverted index
 
 
@@ -660,7 +663,7 @@ def whole_gallery(batch: _Batch, p: KReciprocalParams, support: dict, rev_k2, k:
 
 
 @RERANKERS.register("kreciprocal", KReciprocalParams, offline=True, reads_first=False, pool="pool",
-                    grid={"k1": (10, 20, 30), "k2": (1, 3, 6), "lambda_value": (0.1, 0.3, 0.5)})
+                    grid={"k1": (4, 6, 10, 20, 30), "k2": (1, 3, 6), "lambda_value": (0.1, 0.3, 0.5)})
 def kreciprocal(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: int, *, self_ids: np.ndarray,
                 params: KReciprocalParams) -> Hits:
     """k-reciprocal encoding (Zhong et al. CVPR 2017): Jaccard distance of k-reciprocal sets, d* = (1 − λ) d_J + λ d."""
@@ -689,12 +692,16 @@ def kreciprocal(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: 
         out_r[a: a + len(r), : r.shape[1]] = np.where(np.isfinite(dd), r, -1)
         out_s[a: a + len(r), : r.shape[1]] = np.where(np.isfinite(dd), 1.0 - dd, -np.inf)  # higher is closer
 
-    # d_J and d do not depend on λ: a call that differs from the previous one in λ alone (a sweep
-    # over λ) ranks the terms it kept (up to TERMS_BYTES)
+    # d_J and d do not depend on λ: a call that differs from a recent one in λ alone (a sweep over
+    # λ, batch after batch) ranks the terms kept from it (the latest calls' up to TERMS_BYTES)
     key = (p.k1, p.k2, pool, k, _digest(queries), _digest(self_ids))
-    last = space.store.memo.get("kreciprocal-terms")
-    if last is not None and last[0] == key:
-        for a, t in last[1].items():
+    with _TERMS_LOCK:  # a server's concurrent requests share the space
+        recent = space.store.memo.setdefault("kreciprocal-terms", OrderedDict())
+        hit = recent.get(key)
+        if hit is not None:
+            recent.move_to_end(key)
+    if hit is not None:
+        for a, t in hit[0].items():
             rank(a, *t)
         return space.hits(out_r, out_s)
     kept: dict[int, tuple] = {}
@@ -718,7 +725,11 @@ def kreciprocal(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: 
             kept[a] = t
 
     _run(one, starts)
-    space.store.memo["kreciprocal-terms"] = (key, kept) if size[0] <= TERMS_BYTES else None
+    if size[0] <= TERMS_BYTES:
+        with _TERMS_LOCK:
+            recent[key] = (kept, size[0])
+            while sum(v[1] for v in recent.values()) > TERMS_BYTES:
+                recent.popitem(last=False)
     return space.hits(out_r, out_s)
 
 
