@@ -573,7 +573,7 @@ def refresh(batch: _Batch, p: KReciprocalParams, rev_k2) -> np.ndarray:
     optr = offline["ptr"]
     same = np.zeros(len(codes), dtype=bool)
     same[gal] = cnt[gal] == optr[cx[gal] + 1] - optr[cx[gal]]
-    i, at = gather(optr, np.where(same, cx, 0)[same])
+    i, at = gather(optr, cx[same])
     node = np.flatnonzero(same)[i]
     differ = np.bincount(node, weights=y[kptr[node] + (at - optr[cx[node]])] != cb[node] * N1 + offline["rows"][at],
                          minlength=len(codes)) > 0
@@ -600,7 +600,7 @@ def whole_gallery(batch: _Batch, p: KReciprocalParams, support: dict, rev_k2, k:
     d_J(p, g) < 1 only where V_qe(p) and V_qe(g) share a nonzero entry.  Where V_qe(g) is the
     gallery's (`refresh` says where it may not be), the offline inverted index gives
     Σ_j min(V_p[j], V_g[j]) directly, as the official code computes it; the rows whose vector
-    may have changed go through `distances`; every other row has d_J = 1 and d* = (1 − λ) +
+    may have changed go through `terms`; every other row has d_J = 1 and d* = (1 − λ) +
     λ d(p, g), so the first k of them in the plain order are all that can reach the top k."""
     B, n, N1 = batch.B, batch.n, batch.N1
     S, own = batch.S, batch.own
@@ -627,7 +627,7 @@ def whole_gallery(batch: _Batch, p: KReciprocalParams, support: dict, rev_k2, k:
     uk, kinv = np.unique(key[order], return_inverse=True)
     tmin = np.bincount(kinv, weights=mins[ok][order])
     ob, og = np.divmod(uk, n)
-    # the changed ones, by `distances` (each probe's in the plain order: top_rows's)
+    # the changed ones, by `terms` (each probe's in the plain order: top_rows's)
     fb, fg = np.nonzero(fresh)
     per = np.bincount(fb, minlength=B)
     pools = np.full((B, max(int(per.max(initial=0)), 1)), -1, dtype=np.int64)
