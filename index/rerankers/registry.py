@@ -63,7 +63,12 @@ class RerankerSpec(Spec):
                 raise ValueError(f"{entry.what}: {what}={value!r} is not one of its parameters {sorted(names)}")
 
     def listing_lines(self) -> list[str]:
-        return ["offline part: computed once per index, strategy and mode, cached"] if self.offline else []
+        lines = ["offline part: computed once per index, strategy and mode, cached"] if self.offline else []
+        if self.grid:
+            lines.append("grid (`index evaluate --rerankers` chooses on validation): " + ", ".join(
+                f"{k} ∈ {{{', '.join(f'{v:g}' if isinstance(v, float) else str(v) for v in vs)}}}"
+                for k, vs in self.grid.items()))
+        return lines
 
 
 RERANKERS = Registry("re-ranker", spec=RerankerSpec)

@@ -71,6 +71,7 @@ def test_list_names_every_reranker_with_its_parameters(capsys):
         assert e.name in out
         for k in e.param_defaults():
             assert f"{k} = " in out
+    assert "k1 ∈ {4, 6, 10, 20, 30}, k2 ∈ {1, 3, 6}, lambda_value ∈ {0.1, 0.3, 0.5}" in out  # the grids too
 
 
 def _direct_map_at_r(searcher, cfg, labels):
