@@ -1,5 +1,6 @@
 """Wall time of the demo's re-ranker row: `best_reranker` on the demo's trained tail, called as
-`python -m demo` calls it (the validation-selected strategy, the re-rankers of DEMO_RERANKERS).
+`python -m demo` calls it (the validation-selected strategy, the re-rankers of DEMO_RERANKERS, each
+re-ranker's coarse grid on validation).
 
   python bench/demo_rerank_row.py [--cold]
 
@@ -37,7 +38,9 @@ def main():
     setting = SearchConfig.of("diagonal-psd", {"r": 1.0, "seed": 0, "psd": "clip"}, "cosine")
     t = time.time()
     row = best_reranker((f, y), (vf, vy), W, setting, DEMO_RERANKERS)
-    print(f"best_reranker {time.time() - t:.1f} s ({'cold' if args.cold else 'warm'} cache): {row['rerank']}, "
+    chosen = ", ".join(f"{k}={v}" for k, v in row.get("rerank_params", {}).items())
+    print(f"best_reranker {time.time() - t:.1f} s ({'cold' if args.cold else 'warm'} cache): {row['rerank']}"
+          f"{f'({chosen})' if chosen else ''}, "
           f"test MAP@R {100 * row['test']['map@r']:.2f} (none {100 * row['test_none']['map@r']:.2f})")
 
 

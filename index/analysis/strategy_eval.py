@@ -270,7 +270,8 @@ def run_evaluation(test_feats, test_labels, W, out, val=None, normalize=True, se
                    strategies: tuple[str, ...] | None = None, grid_name: str = "coarse", split: str = "test",
                    rerankers: tuple[str, ...] = ()) -> dict:
     """The strategy sweep on `split` (and val), its summary table and plots; with `rerankers`
-    beyond "none", also the strategy × re-ranker matrix (index/analysis/rerank_eval.py)."""
+    beyond "none", also the strategy × re-ranker matrix (index/analysis/rerank_eval.py), each
+    re-ranker's parameters chosen on val from its grid (`grid_name`, as the strategies')."""
     out = Path(out)
     configs = sweep_configs(seeds, strategies, grid_name)
     given = {split: (test_feats, test_labels)} | ({} if val is None else {"val": val})
@@ -289,7 +290,7 @@ def run_evaluation(test_feats, test_labels, W, out, val=None, normalize=True, se
     if any(r != "none" for r in rerankers):
         from .rerank_eval import chosen_settings, matrix_markdown, matrix_table, rerank_matrix
 
-        mat = rerank_matrix(given, W, chosen_settings(test_agg, val_agg), rerankers, normalize, progress)
+        mat = rerank_matrix(given, W, chosen_settings(test_agg, val_agg), rerankers, normalize, progress, grid_name)
         result["rerank"] = matrix_table(mat[split], mat.get("val")) | {"runs": mat}
         write_text(out / "rerank.md", counts_line(counts) + "\n\n" + matrix_markdown(result["rerank"]))
     write_json(out / "strategies.json", result)

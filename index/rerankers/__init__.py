@@ -4,10 +4,14 @@ from . import aqe, dba, diffusion, kreciprocal, none  # noqa: F401  (registratio
 from .registry import (
     DEFAULT,
     RERANKERS,
+    SIZE_LIMIT,
+    WHOLE_GALLERY,
     RerankerSpec,
     candidates,
     check_size_limit,
+    clipped,
     first_depth,
+    gallery_counts,
     ranked_pool,
     rerank,
     reranker_params,
@@ -15,5 +19,6 @@ from .registry import (
 )
 from .space import MetricSpace, SearcherSpace
 
-__all__ = ["DEFAULT", "RERANKERS", "MetricSpace", "RerankerSpec", "SearcherSpace", "candidates", "check_size_limit",
-           "first_depth", "ranked_pool", "rerank", "reranker_params", "size_params"]
+__all__ = ["DEFAULT", "RERANKERS", "SIZE_LIMIT", "WHOLE_GALLERY", "MetricSpace", "RerankerSpec", "SearcherSpace",
+           "candidates", "check_size_limit", "clipped", "first_depth", "gallery_counts", "ranked_pool", "rerank",
+           "reranker_params", "size_params"]

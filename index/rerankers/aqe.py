@@ -15,8 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..backends.gallery import Hits
 from .expansion import ExpansionParams, weighted_sum
 from .registry import RERANKERS, candidates
+from .space import MetricSpace
 
 
 @dataclass
@@ -24,14 +26,16 @@ class AQEParams(ExpansionParams):
     """αQE's parameters (shared with αDBA)."""
 
 
-def expanded(space, queries: np.ndarray, rows: np.ndarray, alpha: float) -> np.ndarray:
+def expanded(space: MetricSpace, queries: np.ndarray, rows: np.ndarray, alpha: float) -> np.ndarray:
     """normalise(key(q) + Σ_i max(s(q, x_i), 0)^α key(x_i)) over each query's rows (−1: none)."""
     s = space.score(queries, rows)  # exact s(q, x_i), whatever index gave the candidates
     return weighted_sum(space, space.key(queries), rows, s, alpha)
 
 
 @RERANKERS.register("aqe", AQEParams, depth="n", grid={"n": (1, 2, 3, 5, 10), "alpha": (0.0, 1.0, 3.0, 5.0)})
-def aqe(space, queries, first, k, *, self_ids, params: AQEParams):
+def aqe(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: int, *, self_ids: np.ndarray,
+        params: AQEParams) -> Hits:
     """α-weighted query expansion (Radenović et al. TPAMI 2019): search again with normalise(q + Σ s(q, xᵢ)^α xᵢ)."""
+    assert first is not None  # registered with reads_first
     rows, _ = candidates(first, self_ids, params.n)
     return space.search(expanded(space, queries, rows, params.alpha), k, exclude=self_ids)

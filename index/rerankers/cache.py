@@ -17,6 +17,7 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -70,7 +71,7 @@ class OfflineStore:
     def __init__(self, root: Path, space_key: str, describe: dict | None = None):
         self.dir = Path(root) / space_key
         self.describe = describe or {}
-        self.memo: dict[str, dict[str, np.ndarray]] = {}
+        self.memo: dict[str, Any] = {}  # in-process artefacts: arrays, indexes, look-up tables
 
     def path(self, name: str, params: dict | None = None) -> Path:
         return self.dir / f"{name}-{key_hash(name, params or {})}.npz"

@@ -22,9 +22,11 @@ from dataclasses import asdict, dataclass
 import faiss
 import numpy as np
 
+from ..backends.gallery import Hits
 from .expansion import ExpansionParams, weighted_sum
 from .neighbours import neighbour_lists
 from .registry import RERANKERS
+from .space import MetricSpace
 
 
 @dataclass
@@ -41,11 +43,11 @@ def _without_self(rows: np.ndarray, sims: np.ndarray, own: np.ndarray, drop: np.
     return np.where(gone, -1, r), np.where(gone, 0.0, s)
 
 
-def _augment(space, own: np.ndarray, nb: np.ndarray, s: np.ndarray, alpha: float) -> np.ndarray:
+def _augment(space: MetricSpace, own: np.ndarray, nb: np.ndarray, s: np.ndarray, alpha: float) -> np.ndarray:
     return weighted_sum(space, space.gallery_vectors(own), nb, s, alpha)
 
 
-def augmented(space, p: DBAParams) -> dict[str, np.ndarray]:
+def augmented(space: MetricSpace, p: DBAParams) -> dict[str, np.ndarray]:
     """The cached augmented keys ("keys", n × d) and the neighbours each used ("nb", n × nDBA)."""
     def compute():
         rows, sims = neighbour_lists(space, p.n + 2)
@@ -58,7 +60,7 @@ def augmented(space, p: DBAParams) -> dict[str, np.ndarray]:
     return space.store.get("dba", asdict(p), compute)
 
 
-def _index(space, p: DBAParams, aug: dict) -> tuple[faiss.Index, np.ndarray, np.ndarray]:
+def _index(space: MetricSpace, p: DBAParams, aug: dict) -> tuple[faiss.Index, np.ndarray, np.ndarray]:
     """An exact inner-product index over the augmented keys, and the reverse-neighbour lists
     (CSR: rev[ptr[i]:ptr[i+1]] are the items whose nDBA neighbours include i); kept in memory."""
     memo = space.store.memo
@@ -80,7 +82,8 @@ def _index(space, p: DBAParams, aug: dict) -> tuple[faiss.Index, np.ndarray, np.
 
 @RERANKERS.register("dba", DBAParams, offline=True, reads_first=False,
                     grid={"n": (1, 2, 3, 5, 10), "alpha": (0.0, 1.0, 3.0, 5.0)})
-def dba(space, queries, first, k, *, self_ids, params: DBAParams):
+def dba(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: int, *, self_ids: np.ndarray,
+        params: DBAParams) -> Hits:
     """Database-side augmentation (Radenović et al. TPAMI 2019): search x′ = normalise(x + Σ s(x, yᵢ)^α yᵢ)."""
     aug = augmented(space, params)
     index, rev, ptr = _index(space, params, aug)
@@ -93,7 +96,8 @@ def dba(space, queries, first, k, *, self_ids, params: DBAParams):
     return space.hits(rows, scores)
 
 
-def _leave_one_out(space, p: DBAParams, index, rev, ptr, t: np.ndarray, i: int, k: int):
+def _leave_one_out(space: MetricSpace, p: DBAParams, index: faiss.Index, rev: np.ndarray, ptr: np.ndarray,
+                   t: np.ndarray, i: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """One query's top k against the gallery augmented without item i."""
     affected = rev[ptr[i]: ptr[i + 1]]
     kk = min(space.n, k + len(affected) + 1)

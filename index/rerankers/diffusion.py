@@ -5,14 +5,23 @@ diffusion-retrieval: knngraph.m, transition_matrix.m, ymake.m, trunclap.m, dfs.m
 descriptors, as run_test.m's `feature_type = 'global'`).
 
 Offline (cached): each item's k nearest items (itself among them, as knn_wrap returns it).
-Online, per query, on the graph truncated to its top `truncation` first-search candidates
+Online, per query, on the whole gallery's graph as run_test.m runs global descriptors
+(`dotrunc = 0`: S and I − αS are built once, offline), or, with `truncation` below the gallery
+size (a variant: run_test.m truncates only regional descriptors on Oxford105k/Paris106k, at
+10,000), on the graph cut to the query's top `truncation` first-search candidates
 (findtrunc.m + trunclap.m):
   §3.1     A_ij = max(s(x_i, x_j), 0)^γ if x_i, x_j are in each other's k-NN (mutual), else 0;
            A_ii = 0  (knngraph.m)
   Eq. 4    S = D^{-1/2} A D^{-1/2},  D = diag(A 1)  (transition_matrix.m, on the truncated A)
   §3.2     y_i = max(s(q, x_i), 0)^γ for the query's top kq items, 0 elsewhere  (ymake.m)
   Eq. 9    f = (I − αS)^{-1} y, solved by conjugate gradients (dfs.m: pcg, tol, iterations)
-and the candidates are ranked by f.  Items outside the truncation keep f = 0, as in the code.
+and the items are ranked by f (equal f: in the plain search's order).  Items outside a
+truncation keep f = 0, as in the code.
+
+Leave-one-out (a query that is gallery item i): the graph is the gallery's without i.  On the
+whole graph only the rows of i and of the items whose k-NN list held i change (their lists move
+up by one entry); those rows and columns are rebuilt for the query and the rest of the offline
+affinity is used as it is, so every query meets exactly the graph of the gallery without it.
 """
 from __future__ import annotations
 
@@ -23,20 +32,27 @@ from scipy import sparse
 
 from core.params import param
 
+from ..backends.gallery import Hits
 from .neighbours import neighbour_lists, without
-from .registry import RERANKERS, candidates
+from .registry import RERANKERS, WHOLE_GALLERY, candidates
+from .space import MetricSpace
+
+BATCH_CELLS = 1 << 22  # queries × items diffused together on the whole graph (one sparse product per CG
+# step; the solver holds five such float64 blocks: 160 MB)
 
 
 @dataclass
 class DiffusionParams:
-    k: int = param(50, "neighbours per item in the kNN graph, the item itself counted (run_test.m: 50)",
-                   bounds="[2, inf)", size=True)  # the item itself and a neighbour
-    kq: int = param(10, "the query's top items seeding the diffusion (run_test.m: 10)", bounds="[1, inf)",
-                    size=True)
+    k: int = param(50, "neighbours per item in the kNN graph, the item itself counted (run_test.m: 50); clipped to "
+                       "the gallery", bounds="[2, inf)", size=True)  # the item itself and a neighbour
+    kq: int = param(10, "the query's top items seeding the diffusion (run_test.m: 10); clipped to the gallery",
+                    bounds="[1, inf)", size=True)
     alpha: float = param(0.99, "α of (I − αS) f = y", bounds="(0, 1)")
     gamma: float = param(3.0, "power γ of the similarities in the graph and the seed", bounds="(0, inf)")
-    truncation: int = param(1000, "the query's first-search candidates the graph is cut to", bounds="[1, inf)",
-                            size=True)
+    truncation: int = param(WHOLE_GALLERY, "the query's first-search candidates the graph is cut to, clipped to the "
+                                           "gallery: the default diffuses on the whole gallery, as run_test.m does "
+                                           "for global descriptors (dotrunc = 0); a smaller value is findtrunc.m's "
+                                           "truncation (a variant)", bounds="[1, inf)")
     iterations: int = param(20, "conjugate-gradient iterations at most (run_test.m: 20)", bounds="[1, 1000]")
     tol: float = param(1e-6, "conjugate-gradient tolerance on the relative residual (run_test.m: 1e-6)",
                        bounds="(0, inf)")
@@ -44,25 +60,37 @@ class DiffusionParams:
 
 def conjugate_gradient(A, b: np.ndarray, tol: float, iterations: int) -> np.ndarray:
     """x with A x ≈ b (A symmetric positive definite), from x = 0, stopping once ‖b − Ax‖ ≤ tol ‖b‖
-    (MATLAB pcg's criterion, without a preconditioner)."""
-    x = np.zeros_like(b)
-    r = b.copy()
-    bn = float(np.linalg.norm(b))
-    if bn == 0.0:
-        return x
+    (MATLAB pcg's criterion, without a preconditioner).  `A`: a matrix, or a function X ↦ AX;
+    `b`: a vector, or a matrix whose columns are solved side by side, each stopping on its own."""
+    apply = A if callable(A) else (lambda v: A @ v)
+    one = b.ndim == 1
+    B = b[:, None] if one else b
+    x = np.zeros_like(B)
+    r = B.copy()
+    bn = np.linalg.norm(B, axis=0)
+    live = bn > 0
     p = r.copy()
-    rs = float(r @ r)
+    rs = np.einsum("ij,ij->j", r, r)
     for _ in range(iterations):
-        Ap = A @ p
-        a = rs / float(p @ Ap)
+        if not live.any():
+            break
+        Ap = apply(p)
+        a = np.where(live, rs / np.where(live, np.einsum("ij,ij->j", p, Ap), 1.0), 0.0)
         x += a * p
         r -= a * Ap
-        rs_new = float(r @ r)
-        if np.sqrt(rs_new) <= tol * bn:
-            break
-        p = r + (rs_new / rs) * p
+        rs_new = np.einsum("ij,ij->j", r, r)
+        live &= ~(np.sqrt(rs_new) <= tol * bn)
+        p = r + np.where(live, rs_new / np.where(rs > 0, rs, 1.0), 0.0) * p
         rs = rs_new
-    return x
+    return x[:, 0] if one else x
+
+
+def mutual(r: np.ndarray, c: np.ndarray, n: int) -> np.ndarray:
+    """Which of the directed edges r → c (c in r's list) are mutual (r in c's list as well)."""
+    key = np.sort(r * n + c)
+    back = c * n + r
+    at = np.minimum(np.searchsorted(key, back), max(len(key) - 1, 0))
+    return (key[at] == back) if len(key) else np.zeros(len(r), dtype=bool)
 
 
 def affinity(sub: np.ndarray, rows: np.ndarray, sims: np.ndarray, gamma: float, place: np.ndarray) -> sparse.csr_matrix:
@@ -77,11 +105,9 @@ def affinity(sub: np.ndarray, rows: np.ndarray, sims: np.ndarray, gamma: float, 
     c = local.ravel()
     keep = np.flatnonzero((c >= 0) & (c != r))
     r, c = r[keep], c[keep]
-    edge = np.zeros((T, T), dtype=bool)
-    edge[r, c] = True
-    mutual = edge[c, r]  # i is in the k-NN of its neighbour j as well
-    w = np.maximum(sims.ravel()[keep[mutual]].astype(np.float64), 0.0) ** gamma
-    return sparse.csr_matrix((w, (r[mutual], c[mutual])), shape=(T, T))
+    m = mutual(r, c, T)  # i is in the k-NN of its neighbour j as well
+    w = np.maximum(sims.ravel()[keep[m]].astype(np.float64), 0.0) ** gamma
+    return sparse.csr_matrix((w, (r[m], c[m])), shape=(T, T))
 
 
 def normalised(A: sparse.csr_matrix) -> sparse.csr_matrix:
@@ -92,30 +118,153 @@ def normalised(A: sparse.csr_matrix) -> sparse.csr_matrix:
     return sparse.csr_matrix((A.data * inv[A.row] * inv[A.col], (A.row, A.col)), shape=A.shape)
 
 
-@RERANKERS.register("diffusion", DiffusionParams, offline=True, depth="truncation", pool="truncation",
-                    grid={"k": (10, 30, 50), "alpha": (0.9, 0.99), "gamma": (1.0, 3.0)})
-def diffusion(space, queries, first, k, *, self_ids, params: DiffusionParams):
-    """Diffusion on the mutual kNN graph (Iscen et al. CVPR 2017): rank the query's candidates by f = (I − αS)⁻¹y."""
+def whole_graph(space: MetricSpace, p: DiffusionParams) -> dict[str, np.ndarray]:
+    """Offline: the mutual-kNN affinity of the whole gallery (knngraph.m; CSR arrays) and its
+    degrees."""
+    def compute():
+        lists, sims = neighbour_lists(space, p.k)
+        A = affinity(np.arange(space.n), lists, sims, p.gamma, np.full(space.n, -1, dtype=np.int64))
+        return {"indptr": A.indptr, "indices": A.indices, "data": A.data, "deg": np.asarray(A.sum(1)).ravel()}
+    return space.store.get("diffusion-graph", {"k": p.k, "gamma": p.gamma}, compute)
+
+
+def _reverse(space: MetricSpace, lists: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ptr, src): src[ptr[i]:ptr[i+1]] are the items whose k-NN list holds i; kept in memory."""
+    name = f"diffusion-reverse-{k}"
+    if name not in space.store.memo:
+        flat = lists[:, :k].ravel().astype(np.int64)
+        order = np.argsort(flat, kind="stable")
+        ptr = np.zeros(space.n + 1, dtype=np.int64)
+        np.add.at(ptr, flat + 1, 1)
+        space.store.memo[name] = {"ptr": np.cumsum(ptr), "src": np.repeat(np.arange(space.n), k)[order]}
+    m = space.store.memo[name]
+    return m["ptr"], m["src"]
+
+
+def _without_item(lists: np.ndarray, sims: np.ndarray, rev, i: int, k: int, gamma: float):
+    """The gallery-without-i affinity's change: (gone, r, c, w) with `gone` the rows and columns
+    that are rebuilt (i and the items whose k-NN list held i) and (r, c, w) their new entries,
+    both directions."""
+    ptr, src = rev
+    L = src[ptr[i]: ptr[i + 1]]
+    L = L[L != i]
+    gone = np.concatenate([[i], L])
+    if not len(L):
+        return gone, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
+    nr, ns = without(lists[L], sims[L], np.full(len(L), i), k)  # their lists move up by one entry
+    r = np.repeat(L, k)
+    c, s = nr.ravel().astype(np.int64), ns.ravel()
+    ok = (c >= 0) & (c != r)
+    r, c, s = r[ok], c[ok], s[ok]
+    # c's list without i: its own list where i was not in it, else moved up as above
+    in_L = np.zeros(len(lists), dtype=bool)
+    in_L[L] = True
+    cl = np.where(in_L[c][:, None], np.full((len(c), k), -1), lists[c, :k])
+    moved_c = np.flatnonzero(in_L[c])
+    cl[moved_c] = nr[np.searchsorted(L, c[moved_c])]  # L is sorted (the reverse lists are)
+    hit = cl == r[:, None]
+    m = hit.any(1)
+    w_rc = np.maximum(s[m].astype(np.float64), 0.0) ** gamma  # r's entry for c
+    out_r, out_c, out_w = [r[m]], [c[m]], [w_rc]
+    # the entry c → r, from c's list, where c is not rebuilt itself (else it is its own row above)
+    back = m & ~in_L[c]
+    pos = hit[back].argmax(1)
+    w_cr = np.maximum(sims[c[back], pos].astype(np.float64), 0.0) ** gamma
+    out_r.append(c[back])
+    out_c.append(r[back])
+    out_w.append(w_cr)
+    return gone, np.concatenate(out_r), np.concatenate(out_c), np.concatenate(out_w)
+
+
+def _diffuse_whole(space: MetricSpace, queries: np.ndarray, seeds: np.ndarray, self_ids: np.ndarray,
+                   p: DiffusionParams) -> np.ndarray:
+    """f = (I − αS)⁻¹ y on the whole gallery's graph for each query (n × B), y from its seed
+    rows (−1: none), each leave-one-out query on the graph without its own item."""
+    n, B = space.n, len(queries)
+    g = whole_graph(space, p)
+    A = sparse.csr_matrix((g["data"], g["indices"], g["indptr"]), shape=(n, n))
+    Y = np.zeros((n, B))
+    for b in range(B):
+        r = seeds[b][seeds[b] >= 0]
+        s = space.score(queries[b: b + 1], r)[0]
+        Y[r, b] = np.maximum(s.astype(np.float64), 0.0) ** p.gamma
+    deg = np.repeat(g["deg"][:, None], B, 1)
+    keep = np.ones((n, B))
+    parts = []  # the rebuilt entries of each leave-one-out query's graph: (row, column, weight, query)
+    loo = np.flatnonzero(self_ids >= 0)
+    if len(loo):
+        lists, sims = neighbour_lists(space, p.k + 1)
+        rev = _reverse(space, lists, p.k)
+        for j in loo:
+            gone, r, c, w = _without_item(lists, sims, rev, int(self_ids[j]), p.k, p.gamma)
+            keep[gone, j] = 0.0
+            parts.append((r, c, w, np.full(len(r), j)))
+    pr, pc, pw, pb = (np.concatenate([np.zeros(0, dtype=t), *(x[i] for x in parts)])
+                      for i, t in enumerate((np.int64, np.int64, np.float64, np.int64)))
+
+    def product(U: np.ndarray) -> np.ndarray:
+        """A′U: the offline A with the rebuilt rows and columns left out, plus their new entries."""
+        out = (A @ (U * keep)) * keep
+        if len(pr):
+            out += np.bincount(pr * B + pb, weights=pw * U[pc, pb], minlength=n * B).reshape(n, B)
+        return out
+
+    if len(loo):  # the degrees of the gallery without each query's item
+        deg[:, loo] = product(np.ones((n, B)))[:, loo]
+    inv = np.where(deg > 0, 1.0 / np.sqrt(np.maximum(deg, 1e-300)), 0.0)
+    return conjugate_gradient(lambda U: U - p.alpha * inv * product(inv * U), Y, p.tol, p.iterations)
+
+
+def _ranked(f: np.ndarray, s: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The top k of `rows` by f, equal f in the order of s (the plain score), then by row."""
+    order = np.lexsort((rows, -s, -f))[:k]
+    return rows[order], f[order]
+
+
+@RERANKERS.register("diffusion", DiffusionParams, offline=True, depth="kq", pool="truncation",
+                    grid={"k": (5, 10, 30, 50), "alpha": (0.9, 0.99), "gamma": (1.0, 3.0)})
+def diffusion(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: int, *, self_ids: np.ndarray,
+              params: DiffusionParams) -> Hits:
+    """Diffusion on the mutual kNN graph (Iscen et al. CVPR 2017): rank items by f = (I − αS)⁻¹y."""
     p = params
-    lists, sims = neighbour_lists(space, p.k + 1)  # + 1: a leave-one-out row may drop out
-    rows, _ = candidates(first, self_ids, max(p.truncation, k))
+    assert first is not None  # registered with reads_first
     out_r = np.full((len(queries), k), -1, dtype=np.int64)
     out_s = np.full((len(queries), k), -np.inf, dtype=np.float32)
+    if p.truncation >= space.n:
+        seeds, _ = candidates(first, self_ids, p.kq)
+        step = max(1, min(len(queries), BATCH_CELLS // space.n))
+        for a in range(0, len(queries), step):
+            part = slice(a, a + step)
+            F = _diffuse_whole(space, queries[part], seeds[part], self_ids[part], p)
+            for j in range(F.shape[1]):
+                f = F[:, j].copy()
+                me = int(self_ids[a + j])
+                # the top by f: those above the k-th value, and every tie with it
+                cut = np.partition(-f, min(k, space.n - 1))[min(k, space.n - 1)] if k < space.n else np.inf
+                rows = np.flatnonzero(-f <= cut)
+                rows = rows[rows != me]
+                s = space.score(queries[a + j: a + j + 1], rows)[0]
+                r, v = _ranked(f[rows], s, rows, k)
+                out_r[a + j, : len(r)], out_s[a + j, : len(r)] = r, v
+        return space.hits(out_r, out_s)
+    lists, sims = neighbour_lists(space, p.k + 1)  # + 1: a leave-one-out row may drop out
+    if first.k < min(p.truncation + int((self_ids >= 0).any()), space.n):
+        first = space.search(queries, p.truncation, exclude=self_ids)
+    rows, _ = candidates(first, self_ids, max(p.truncation, k))
     place = np.full(space.n, -1, dtype=np.int64)
     for b in range(len(queries)):
         sub = rows[b][rows[b] >= 0]
         if not len(sub):
             continue
-        own = np.full(len(sub), self_ids[b])
-        nr, ns = without(lists[sub], sims[sub], own, min(p.k, space.n))
+        nr, ns = without(lists[sub], sims[sub], np.full(len(sub), self_ids[b]), min(p.k, space.n))
         S = normalised(affinity(sub, nr, ns, p.gamma, place))
         seed = min(p.kq, len(sub))
         y = np.zeros(len(sub))
-        s = space.score(queries[b: b + 1], sub[:seed])[0]  # sub is in first-search order: its top kq
-        y[:seed] = np.maximum(s.astype(np.float64), 0.0) ** p.gamma
+        s = space.score(queries[b: b + 1], sub)[0]  # sub is in first-search order: its top kq seed y
+        y[:seed] = np.maximum(s[:seed].astype(np.float64), 0.0) ** p.gamma
         A = sparse.identity(len(sub), format="csr") - p.alpha * S
         f = conjugate_gradient(A, y, p.tol, p.iterations)
-        order = np.argsort(-f, kind="stable")[:k]
-        out_r[b, : len(order)] = sub[order]
-        out_s[b, : len(order)] = f[order]
+        r, v = _ranked(f, s, sub, k)
+        out_r[b, : len(r)] = r
+        out_s[b, : len(r)] = v
     return space.hits(out_r, out_s)

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from core.errors import UserError
+
 from .space import MetricSpace
 
 BLOCK = 2048        # rows per search call in the list pass
+LIST_BYTES = 4 << 30  # the lists' size at most (rows and similarities, 8 bytes an entry)
 SCAN_CELLS = 1 << 23  # cells per full-scan block in the minima pass (rows × n float32: 32 MB)
 
 
@@ -27,6 +30,9 @@ def neighbour_lists(space: MetricSpace, L: int) -> tuple[np.ndarray, np.ndarray]
     got = space.store.load("knn")
     if got is None or got["rows"].shape[1] < L:
         Ls = stored_length(L, space.n)
+        if space.n * Ls * 8 > LIST_BYTES:
+            raise UserError(f"re-ranking would keep every item's top {Ls} neighbours: "
+                            f"{space.n * Ls * 8 / 2**30:.1f} GiB for {space.n:,} items; ask for fewer neighbours")
         rows = np.empty((space.n, Ls), dtype=np.int32)
         sims = np.empty((space.n, Ls), dtype=np.float32)
         for s in range(0, space.n, BLOCK):

@@ -63,11 +63,22 @@ class RerankerSpec(Spec):
                 raise ValueError(f"{entry.what}: {what}={value!r} is not one of its parameters {sorted(names)}")
 
     def listing_lines(self) -> list[str]:
-        return ["offline part: computed once per index, strategy and mode, cached"] if self.offline else []
+        lines = ["offline part: computed once per index, strategy and mode, cached"] if self.offline else []
+        if self.grid:
+            lines.append("grid (`index evaluate --rerankers` chooses on validation): " + ", ".join(
+                f"{k} ∈ {{{', '.join(f'{v:g}' if isinstance(v, float) else str(v) for v in vs)}}}"
+                for k, vs in self.grid.items()))
+        return lines
 
 
 RERANKERS = Registry("re-ranker", spec=RerankerSpec)
 DEFAULT = "none"
+# the default of a candidate-pool parameter (`RerankerSpec.pool`): every gallery item, as the
+# papers' code ranks them (a pool is clipped to the gallery, like every size)
+WHOLE_GALLERY = 1_000_000_000
+# the size limit a server should hold requests to (`check_size_limit`), the search's own cap on k:
+# above every default and every value of the re-rankers' sweep grids
+SIZE_LIMIT = 200
 
 
 def reranker_params(name: str, given=None):
@@ -82,12 +93,30 @@ def reranker_params(name: str, given=None):
 
 def size_params(name: str) -> list[str]:
     """The re-ranker's parameters that are sizes (declared `param(..., size=True)`): counts of gallery
-    items it reads or holds.  A size above the gallery means the whole gallery."""
+    items it reads or holds for each query or each item, so its work grows with them.  A size
+    above the gallery means the whole gallery (`clipped`)."""
     return [f.name for f in dataclasses.fields(RERANKERS.get(name).params) if f.metadata.get("size")]
 
 
+def gallery_counts(name: str) -> list[str]:
+    """Every parameter that counts gallery items: its sizes and its candidate pool (`RerankerSpec.pool`)."""
+    pool = RERANKERS.get(name).spec.pool
+    return size_params(name) + ([pool] if pool and pool not in size_params(name) else [])
+
+
+def clipped(name: str, params, n: int):
+    """The parameters with every count of gallery items above the gallery size `n` set to `n` (they
+    mean the same there: the whole gallery), so that no re-ranker loops or allocates by a larger
+    number than the gallery holds."""
+    p = reranker_params(name, params)
+    over = {f: max(1, int(n)) for f in gallery_counts(name) if int(getattr(p, f)) > n}
+    return dataclasses.replace(p, **over) if over else p
+
+
 def check_size_limit(name: str, params, limit: int) -> None:
-    """Refuse a size parameter above `limit` (a server's bound on one request's work), naming it."""
+    """Refuse a size parameter above `limit` (a server's bound on one request's work), naming it.
+    A candidate pool (`RerankerSpec.pool`) is not held to it: a pool cuts the ranking to the plain
+    search's top candidates, and no pool costs more than the default, the whole gallery."""
     p = reranker_params(name, params)
     for s in size_params(name):
         v = int(getattr(p, s))
@@ -122,7 +151,7 @@ def rerank(name: str, space: MetricSpace, queries: np.ndarray, k: int = 10, *, p
     if k < 1:
         raise UserError(f"k must be ≥ 1, got {k}")
     entry = RERANKERS.get(name)
-    p = reranker_params(name, params)
+    p = clipped(name, reranker_params(name, params), space.n)
     q = space.prepare(queries)
     ids = as_rows(self_ids, len(q), space.n)
     k = max(1, min(int(k), space.n - int((ids >= 0).any())))

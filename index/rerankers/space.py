@@ -24,6 +24,8 @@ from ..backends.gallery import Hits
 from ..refinements import strategy_key
 from .cache import OfflineStore, cache_root, check_outside, fingerprint, key_hash
 
+GATHER_CELLS = 1 << 24  # keys gathered at once by a per-query score (queries × rows × d float32: 64 MB)
+
 
 @runtime_checkable
 class MetricSpace(Protocol):
@@ -231,8 +233,10 @@ class SearcherSpace:
         rows = np.asarray(rows, dtype=np.int64)
         if rows.ndim == 1:
             return t @ self.gallery_vectors(rows).T
-        X = self.gallery_vectors(np.maximum(rows, 0))
-        s = np.einsum("qd,qmd->qm", t, X)
+        s = np.empty(rows.shape, dtype=np.float32)
+        step = max(1, GATHER_CELLS // max(1, rows.shape[0] * self.dim))  # keys gathered a block of columns at a time
+        for a in range(0, rows.shape[1], step):
+            s[:, a: a + step] = np.einsum("qd,qmd->qm", t, self.gallery_vectors(np.maximum(rows[:, a: a + step], 0)))
         return np.where(rows >= 0, s, -np.inf).astype(np.float32)
 
     def hits(self, rows: np.ndarray, scores: np.ndarray) -> Hits:

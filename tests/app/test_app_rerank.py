@@ -191,9 +191,10 @@ def test_reranker_controls_show_only_the_chosen_ones(svc):
         assert [v for _, v in dd.choices] == RERANKERS.names() and dd.value == "none"
         (group,) = [b for b in demo.blocks.values() if getattr(b, "label", None) == f"{side} re-ranker parameters"]
         assert group.visible is False  # none takes no parameter
-    pools = by_label["pool: the query's first-search candidates that are re-ranked (≥ k1 + 1: the query's own "
-                     "N(p, k1 + 1) is read from them) (kreciprocal; default: 100)"]
-    assert len(pools) == 2 and all(p.visible is False and p.value == 100 for p in pools)
+    pools = by_label["pool: the query's first-search candidates ranked by d*, clipped to the gallery: the default "
+                     "ranks every item, as the official code does; a smaller pool is a variant that leaves the rest "
+                     "out (kreciprocal; default: 1000000000)"]
+    assert len(pools) == 2 and all(p.visible is False and p.value == 1_000_000_000 for p in pools)
 
 
 # ---------------------------------------------------------------- the HTTP APIs

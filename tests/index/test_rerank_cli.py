@@ -70,6 +70,7 @@ def test_list_names_every_reranker_with_its_parameters(capsys):
         assert e.name in out
         for k in e.param_defaults():
             assert f"{k} = " in out
+    assert "k1 ∈ {4, 6, 10, 20, 30}, k2 ∈ {1, 3, 6}, lambda_value ∈ {0.1, 0.3, 0.5}" in out  # the grids too
 
 
 def _direct_map_at_r(searcher, cfg, labels):
@@ -121,7 +122,14 @@ def test_evaluate_writes_the_strategy_by_reranker_matrix(tiny_run, tmp_path, cap
     cell = next(r for r in m["rows"] if r["setting"] == "trained [cosine]")["cells"]["none"]
     assert cell["map@r"] == pytest.approx(trained["map@r"], abs=1e-9)
     assert m["selected"]["rerank"] in ("none", "aqe", "dba")
-    assert "| setting |" in (tmp_path / "e" / "rerank.md").read_text()
+    # each re-ranker's parameters chosen on validation from its (coarse, the default --grid) grid
+    from index.analysis.rerank_eval import reranker_grid
+
+    for row in m["rows"]:
+        for n in ("aqe", "dba"):
+            assert row["cells"][n]["chosen"] in reranker_grid(n, "coarse")
+    text = (tmp_path / "e" / "rerank.md").read_text()
+    assert "| setting |" in text and "Parameters chosen on validation" in text
     with pytest.raises(SystemExit) as e:
         main(["evaluate", "--checkpoint", ck, "--out", str(tmp_path / "z"), "--rerankers", "none,nope"])
     assert e.value.code == 2 and not (tmp_path / "z").exists()
@@ -158,3 +166,80 @@ def test_a_new_reranker_is_one_registration_away_from_the_cli_and_the_sweep(tiny
     finally:
         RERANKERS.unregister("echo_first")
     assert "echo_first" not in RERANKERS
+
+
+@dataclass
+class ShuffleParams:
+    keep: int = 0  # 1: the plain search's ranking; 0: its top k reversed
+
+
+def _shuffle_reranker():
+    @RERANKERS.register("keep_or_reverse", ShuffleParams, doc="a test's re-ranker with a grid", depth="keep",
+                        grid={"keep": (0, 1)})
+    def keep_or_reverse(space, queries, first, k, *, self_ids, params):
+        from index.rerankers import candidates
+
+        rows, scores = candidates(first, self_ids, k)
+        return space.hits(rows, scores) if params.keep else space.hits(rows[:, ::-1], scores[:, ::-1])
+
+
+def test_reranker_grids_are_every_combination_the_coarse_one_keeps_ends_and_defaults():
+    from index.analysis.rerank_eval import reranker_grid
+
+    full = reranker_grid("aqe")
+    assert len(full) == len(RERANKERS.get("aqe").spec.grid["n"]) * len(RERANKERS.get("aqe").spec.grid["alpha"])
+    assert {"n": 2, "alpha": 3.0} in full
+    coarse = reranker_grid("aqe", "coarse")
+    assert {p["n"] for p in coarse} == {1, 2, 3, 10} and {p["alpha"] for p in coarse} == {0.0, 3.0, 5.0}
+    # combinations the re-ranker refuses (k2 > k1 + 1) are not tried
+    kr = reranker_grid("kreciprocal")
+    assert kr and all(p["k2"] <= p["k1"] + 1 for p in kr) and {"k1": 20, "k2": 6, "lambda_value": 0.3} in kr
+    assert reranker_grid("none") == [{}]
+
+
+def test_evaluate_chooses_each_rerankers_parameters_on_validation(tmp_path):
+    """A re-ranker whose grid holds a harmful and a harmless setting: validation picks the harmless
+    one, test reports it, and the rows say what was tried."""
+    rng = np.random.default_rng(1)
+    y = np.repeat(np.arange(12), 5)
+    X = (rng.standard_normal((12, 10))[y] + 0.6 * rng.standard_normal((60, 10))).astype(np.float32)
+    W = rng.standard_normal((5, 10)).astype(np.float32)
+    _shuffle_reranker()
+    try:
+        cfg = SearchConfig.of("identity", {}, "cosine")
+        mat = rerank_matrix({"test": (X, y), "val": (X[::-1].copy(), y[::-1].copy())}, W, [cfg],
+                            ("keep_or_reverse",), progress=False)
+        test = {r["rerank"]: r for r in mat["test"]}
+        cell = test["keep_or_reverse"]
+        assert cell["chosen"] == {"keep": 1} and cell["rerank_params"] == {"keep": 1}
+        assert [t["rerank_params"] for t in cell["tried"]] == [{"keep": 0}, {"keep": 1}]
+        assert cell["tried"][1]["map@r"] > cell["tried"][0]["map@r"]
+        assert cell["map@r"] == pytest.approx(test["none"]["map@r"])  # keep=1 is the plain search
+        s = Searcher(in_memory_index(X, y, W, True))
+        bad = rerank_split(s, SearchConfig.of("identity", {}, "cosine", "keep_or_reverse", {"keep": 0}), y)
+        assert bad["map@r"] < cell["map@r"]
+        # without validation: the defaults (keep = 0), nothing tried
+        alone = {r["rerank"]: r for r in rerank_matrix({"test": (X, y)}, W, [cfg], ("keep_or_reverse",),
+                                                        progress=False)["test"]}
+        assert alone["keep_or_reverse"]["rerank_params"] == {"keep": 0} and alone["keep_or_reverse"]["tried"] == []
+        assert alone["keep_or_reverse"]["map@r"] == pytest.approx(bad["map@r"])
+    finally:
+        RERANKERS.unregister("keep_or_reverse")
+
+
+def test_best_reranker_reports_the_validation_choice_on_test():
+    from index.analysis.rerank_eval import best_reranker
+
+    rng = np.random.default_rng(2)
+    y = np.repeat(np.arange(10), 6)
+    X = (rng.standard_normal((10, 8))[y] + 0.7 * rng.standard_normal((60, 8))).astype(np.float32)
+    W = rng.standard_normal((4, 8)).astype(np.float32)
+    _shuffle_reranker()
+    try:
+        cfg = SearchConfig.of("identity", {}, "cosine")
+        row = best_reranker((X, y), (X, y), W, cfg, ("keep_or_reverse",), val_queries=30)
+        assert row["rerank"] == "keep_or_reverse" and row["rerank_params"] == {"keep": 1}
+        assert row["test"]["map@r"] == pytest.approx(row["test_none"]["map@r"])
+        assert row["val_map@r"]["keep_or_reverse"] == max(t["map@r"] for t in row["tried"]["keep_or_reverse"])
+    finally:
+        RERANKERS.unregister("keep_or_reverse")

@@ -1,7 +1,9 @@
 """Re-rankers (index/rerankers) against direct numpy implementations of their papers' formulas,
 leave-one-out honesty, the offline caches' location and invalidation, and the registry."""
+import dataclasses
 import importlib.util
 import sys
+import typing
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +13,7 @@ from core.errors import UserError
 from index.backends.search import Searcher
 from index.backends.store import Items, read_index, write_index
 from index.refinements import refine
-from index.rerankers import RERANKERS, SearcherSpace, rerank
+from index.rerankers import RERANKERS, SIZE_LIMIT, SearcherSpace, check_size_limit, gallery_counts, rerank, size_params
 from index.rerankers.cache import cache_root
 
 D, K_EMB, N = 16, 6, 150
@@ -242,14 +244,25 @@ def universe_distances(ref, q):
     return np.diag(S)[:, None] - S
 
 
+@pytest.fixture(params=["candidates", "inverted-index"])
+def kr_path(request, monkeypatch):
+    """The two ways k-reciprocal ranks a pool: d* candidate by candidate, or (pools above
+    BRUTE_POOL, here every pool) the inverted index over the gallery's V vectors."""
+    import index.rerankers.kreciprocal as kr
+
+    monkeypatch.setattr(kr, "BRUTE_POOL", 10**9 if request.param == "candidates" else 0)
+    return request.param
+
+
 @pytest.mark.parametrize("strategy,params,mode", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("k1,k2,lam", [(20, 6, 0.3), (9, 3, 0.5), (10, 1, 0.0)])  # ½·9 rounds to 4 (half to even)
-def test_kreciprocal_is_the_official_algorithm_with_the_full_pool(gallery, strategy, params, mode, k1, k2, lam):
+def test_kreciprocal_is_the_official_algorithm_with_the_full_pool(gallery, kr_path, strategy, params, mode, k1, k2,
+                                                                  lam):
     searcher, x, _ = gallery
     ref = Ref(searcher, strategy, params, mode)
     q = np.vstack([queries(x), -x[:2]])  # and two outliers: the farthest item of many rows
     got = rerank("kreciprocal", space_for(searcher, strategy, params, mode), q, 10,
-                 params={"k1": k1, "k2": k2, "lambda_value": lam, "pool": N})
+                 params={"k1": k1, "k2": k2, "lambda_value": lam})  # the default pool: every item
     for i, qi in enumerate(ref.prep(q)):
         final = kreciprocal_reference(universe_distances(ref, qi), k1, k2, lam)
         rows = by_distance(final, ref.s(qi[None], ref.G)[0])[:10]
@@ -257,12 +270,27 @@ def test_kreciprocal_is_the_official_algorithm_with_the_full_pool(gallery, strat
         np.testing.assert_allclose(got.scores[i], 1 - final[rows], rtol=0, atol=1e-5)
 
 
-def test_kreciprocal_pool_limits_what_is_ranked_not_how(gallery):
+@pytest.mark.parametrize("k1", [39, 40, 60])
+def test_kreciprocal_with_k1_as_large_as_the_gallery(tmp_path, kr_path, k1):
+    """Lists as long as the gallery (k1 + 1 ≥ n): every set is the official code's still."""
+    x, lab, W = features(n=40, seed=3)
+    searcher = build(tmp_path / "small", x, lab, W)
+    ref = Ref(searcher, "trained", {}, "cosine")
+    q = np.vstack([queries(x, 3), -x[:1]])
+    got = rerank("kreciprocal", space_for(searcher, "trained", {}, "cosine"), q, 10, params={"k1": k1, "k2": 4})
+    for i, qi in enumerate(ref.prep(q)):
+        final = kreciprocal_reference(universe_distances(ref, qi), min(k1, 40), 4, 0.3)
+        rows = by_distance(final, ref.s(qi[None], ref.G)[0])[:10]
+        np.testing.assert_array_equal(got.rows[i], rows)
+        np.testing.assert_allclose(got.scores[i], 1 - final[rows], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("pool", [25, 12])  # 12 < k1 + 1: the probe's own list still reads k1 + 1 candidates
+def test_kreciprocal_pool_limits_what_is_ranked_not_how(gallery, kr_path, pool):
     """With a pool smaller than the gallery, each candidate's d* is still the full computation's."""
     searcher, x, _ = gallery
     ref = Ref(searcher, "trained", {}, "cosine")
     q = queries(x)
-    pool = 25
     got = rerank("kreciprocal", space_for(searcher, "trained", {}, "cosine"), q, 10, params={"pool": pool})
     for i, qi in enumerate(ref.prep(q)):
         final = kreciprocal_reference(universe_distances(ref, qi), 20, 6, 0.3)
@@ -404,7 +432,8 @@ def test_kreciprocal_sets_when_a_removed_row_lets_an_entry_in(tmp_path):
 
 # ---------------------------------------------------------------- leave-one-out
 LOO = [("aqe", {"n": 3}), ("kreciprocal", {"k1": 10, "k2": 4, "pool": 40}), ("kreciprocal", {}),
-       ("dba", {"n": 3}), ("diffusion", {"k": 8, "kq": 4, "truncation": 60}), ("none", {})]
+       ("dba", {"n": 3}), ("diffusion", {"k": 8, "kq": 4, "truncation": 60}), ("diffusion", {"k": 8, "kq": 4}),
+       ("none", {})]
 
 
 @pytest.mark.parametrize("strategy,params,mode", CASES[:2], ids=CASE_IDS[:2])
@@ -423,6 +452,45 @@ def test_a_gallery_item_as_query_is_reranked_as_if_it_were_not_in_the_gallery(tm
         np.testing.assert_array_equal(got.rows[qi], back)
         np.testing.assert_allclose(got.scores[qi], want.scores[0], rtol=1e-4, atol=1e-5)
         assert i not in got.rows[qi]
+
+
+@pytest.mark.parametrize("rparams", [{"k1": 10, "k2": 4}, {"k1": 10, "k2": 4, "pool": 40}, {"k2": 1}])
+def test_kreciprocal_leave_one_out_through_the_inverted_index(tmp_path, monkeypatch, rparams):
+    """The inverted-index path (every pool here), a gallery item as query: the answer of the
+    gallery without it."""
+    import index.rerankers.kreciprocal as kr
+
+    monkeypatch.setattr(kr, "BRUTE_POOL", 0)
+    x, lab, W = features()
+    full = build(tmp_path / "full", x, lab, W)
+    own = np.array([3, 40, 77, 149])
+    got = rerank("kreciprocal", space_for(full, "trained", {}, "cosine"), x[own], 10, params=rparams, self_ids=own)
+    for qi, i in enumerate(own):
+        keep = np.arange(N) != i
+        alone = build(tmp_path / f"without{i}", x[keep], lab[keep], W)
+        want = rerank("kreciprocal", space_for(alone, "trained", {}, "cosine"), x[i:i + 1], 10, params=rparams)
+        np.testing.assert_array_equal(got.rows[qi], np.nonzero(keep)[0][want.rows[0]])
+        np.testing.assert_allclose(got.scores[qi], want.scores[0], rtol=1e-4, atol=1e-5)
+
+
+def test_kreciprocal_a_sweep_over_lambda_reuses_the_terms(gallery, monkeypatch):
+    """Calls that differ in λ alone rank the kept d_J and d again: the same answer as computed afresh."""
+    import index.rerankers.kreciprocal as kr
+
+    searcher, x, _ = gallery
+    space = space_for(searcher, "trained", {}, "cosine")
+    q, own = x[:20], np.arange(20)
+    first = rerank("kreciprocal", space, q, 10, params={"lambda_value": 0.3}, self_ids=own)
+    calls, terms = [], kr.terms
+    monkeypatch.setattr(kr, "terms", lambda *a: calls.append(1) or terms(*a))
+    again = rerank("kreciprocal", space, q, 10, params={"lambda_value": 0.7}, self_ids=own)
+    assert not calls  # nothing recomputed
+    fresh = rerank("kreciprocal", space_for(searcher, "trained", {}, "cosine"), q, 10,
+                   params={"lambda_value": 0.7}, self_ids=own)
+    assert calls  # a new space computes them
+    np.testing.assert_array_equal(again.rows, fresh.rows)
+    np.testing.assert_array_equal(again.scores, fresh.scores)
+    assert not np.array_equal(first.scores, again.scores)
 
 
 def test_self_ids_accepts_a_first_search_that_holds_the_query(gallery):
@@ -615,8 +683,6 @@ def test_parameters_are_typed_and_checked(gallery):
         rerank("kreciprocal", space, x[:1], 5, params={"k3": 1})
     with pytest.raises(UserError, match="k2 must be in"):
         rerank("kreciprocal", space, x[:1], 5, params=["k2=30"])
-    with pytest.raises(UserError, match="pool must be ≥ k1 \\+ 1 = 21"):
-        rerank("kreciprocal", space, x[:1], 5, params={"pool": 20})
     with pytest.raises(UserError, match="alpha must be in"):
         rerank("diffusion", space, x[:1], 5, params={"alpha": 1.0})
 
@@ -633,13 +699,72 @@ def test_nothing_is_written_into_the_repository(tmp_path):
 
 
 def test_size_parameters_are_declared_and_held_to_a_server_limit():
-    from index.rerankers import check_size_limit, size_params
-
     assert size_params("aqe") == ["n"] and size_params("dba") == ["n"]
-    assert size_params("kreciprocal") == ["k1", "k2", "pool"]
-    assert size_params("diffusion") == ["k", "kq", "truncation"]
+    assert size_params("kreciprocal") == ["k1", "k2"]
+    assert size_params("diffusion") == ["k", "kq"]
+    # the candidate pools count gallery items too (clipped to it), but cost no more than the default
+    assert gallery_counts("kreciprocal") == ["k1", "k2", "pool"]
+    assert gallery_counts("diffusion") == ["k", "kq", "truncation"]
     check_size_limit("aqe", {"n": 200}, 200)
+    check_size_limit("kreciprocal", {"pool": 10**9}, 200)
     with pytest.raises(UserError, match=r"^re-ranker 'aqe': n must be ≤ 200 \(this server's limit\), got 1000000$"):
         check_size_limit("aqe", {"n": 1_000_000}, 200)
+    with pytest.raises(UserError, match=r"^re-ranker 'kreciprocal': k1 must be ≤ 200 \(this server's limit\), got"):
+        check_size_limit("kreciprocal", {"k1": 201}, 200)
     with pytest.raises(UserError, match="re-ranker 'dba': alpha must be a finite number, got inf"):
         check_size_limit("dba", {"alpha": "inf"}, 200)
+
+
+@pytest.mark.parametrize("name", [e.name for e in RERANKERS.entries()])
+def test_every_default_is_within_the_recommended_server_limit(name):
+    check_size_limit(name, {}, SIZE_LIMIT)
+    grid = RERANKERS.get(name).spec.grid  # and every value a sweep tries
+    for param in set(grid) & set(size_params(name)):
+        check_size_limit(name, {param: max(grid[param])}, SIZE_LIMIT)
+
+
+FLOATS = [(e.name, f.name) for e in RERANKERS.entries() for f in dataclasses.fields(e.params)
+          if typing.get_type_hints(e.params)[f.name] is float]
+
+
+@pytest.mark.parametrize("name,param", FLOATS, ids=[f"{n}-{p}" for n, p in FLOATS])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_no_float_parameter_takes_a_non_finite_value(gallery, name, param, value):
+    searcher, x, _ = gallery
+    with pytest.raises(UserError, match=f"^re-ranker '{name}': {param} must be a finite number, got"):
+        rerank(name, space_for(searcher, "trained", {}, "cosine"), x[:1], 5, params={param: value})
+
+
+def test_every_float_parameter_is_checked_for_finiteness():
+    """The battery above covers every re-ranker's float parameters (none declares nonfinite)."""
+    assert {"aqe", "dba", "kreciprocal", "diffusion"} <= {n for n, _ in FLOATS}
+    assert ("dba", "alpha") in FLOATS and ("diffusion", "tol") in FLOATS
+    assert not [f for e in RERANKERS.entries() for f in dataclasses.fields(e.params) if f.metadata.get("nonfinite")]
+
+
+COUNTS = [(e.name, f) for e in RERANKERS.entries() for f in gallery_counts(e.name)]
+
+
+@pytest.mark.parametrize("name,param", COUNTS, ids=[f"{n}-{p}" for n, p in COUNTS])
+def test_a_size_above_the_gallery_is_the_whole_gallery(tmp_path, name, param):
+    """A count of gallery items far above the gallery answers as the gallery size does (and so
+    does the work of that size: every re-ranker is handed the clipped value)."""
+    n = 50
+    x, lab, W = features(n=n, seed=4)
+    space = space_for(build(tmp_path / "small", x, lab, W), "trained", {}, "cosine")
+    q = np.vstack([queries(x, 3), x[[5, 30]]])
+    own = np.array([-1, -1, -1, 5, 30])
+    extra = {"k1": n} if param == "k2" else {}  # k2 ≤ k1 + 1
+    huge = rerank(name, space, q, 10, self_ids=own, params={param: 10**9, **{k: 10**9 for k in extra}})
+    at_n = rerank(name, space, q, 10, self_ids=own, params={param: n, **extra})
+    np.testing.assert_array_equal(huge.rows, at_n.rows)
+    np.testing.assert_array_equal(huge.scores, at_n.scores)
+
+
+def test_neighbour_lists_beyond_the_memory_bound_are_refused(gallery, monkeypatch):
+    import index.rerankers.neighbours as nb
+
+    searcher, x, _ = gallery
+    monkeypatch.setattr(nb, "LIST_BYTES", 100 * 40 * 8)
+    with pytest.raises(UserError, match=r"^re-ranking would keep every item's top 48 neighbours: .* for 150 items"):
+        rerank("dba", space_for(searcher, "trained", {}, "cosine"), x[:1], 5, params={"n": 40})
