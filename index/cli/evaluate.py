@@ -24,8 +24,9 @@ def evaluate_parser(sub) -> None:
     _sweep_args(e)
     RERANKERS.add_argument(e, "--rerankers", many=True, default=("none",), default_help="none",
                            help="re-rankers (comma-separated) applied to one setting per strategy and mode (the "
-                                "one validation chose, else its defaults), each at its defaults: the strategy × "
-                                "re-ranker matrix goes to OUT/rerank.md")
+                                "one validation chose, else its defaults), each with the parameters validation "
+                                "chooses from its grid (--grid): the strategy × re-ranker matrix goes to "
+                                "OUT/rerank.md")
     e.set_defaults(func=cmd_evaluate)
 
 
@@ -104,7 +105,8 @@ def _sweep_args(e) -> None:
                    help="only these strategies (default: every one that needs no file: "
                         f"{', '.join(n for n in REFINEMENTS.names() if not file_params(n))})")
     e.add_argument("--grid", choices=GRIDS, default="coarse",
-                   help="every other value of each strategy's parameter grid, or the whole grid "
+                   help="every other value of each strategy's and re-ranker's parameter grid (both ends and the "
+                        "default kept for re-rankers), or the whole grid "
                         "(`index list`); full with --seeds 3 is the protocol of docs/refinement.md, about 3× "
                         "the time (default: %(default)s)")
     e.add_argument("--seeds", type=at_least(1, "--seeds"), default=1,

@@ -8,7 +8,7 @@ from support import panels
 from app.limits import DEFAULT_MAX_RERANK_SIZE
 from app.service import RetrievalService, Spec, api_params
 from core.errors import UserError
-from index.rerankers import RERANKERS, check_size_limit, size_params
+from index.rerankers import RERANKERS, SIZE_LIMIT, check_size_limit, size_params
 
 # Gradio's /search, as gradio_client calls it positionally.  The first eight are the order before
 # the PSD readings added `psd`; every parameter added since comes after them, in the order added.
@@ -91,7 +91,7 @@ def test_rest_refuses_unknown_fields_naming_the_valid_ones(post):
 
 
 def test_every_rerankers_defaults_pass_the_default_limit(svc):
-    assert DEFAULT_MAX_RERANK_SIZE == svc.max_rerank_size == 10_000
+    assert DEFAULT_MAX_RERANK_SIZE == svc.max_rerank_size == SIZE_LIMIT
     for name in RERANKERS.names():
         check_size_limit(name, {}, DEFAULT_MAX_RERANK_SIZE)
         svc.check(Spec("trained", {}, "cosine", name, {}))
