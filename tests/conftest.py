@@ -1,9 +1,7 @@
+"""The product is imported as installed (`pip install -e .`, what make test sets up)."""
 import os
 import sys
 
-from support import ROOT
-
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("TQDM_DISABLE", "1")
 sys.dont_write_bytecode = True  # no __pycache__ written into the repository by the tests
