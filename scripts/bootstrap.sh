@@ -37,19 +37,31 @@ fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-# the Milvus backend is an optional extra: `make test` (WITH_MILVUS=1) installs it for its tests;
-# the test and lint tools come from requirements-test.txt (WITH_TEST=1)
-files=(requirements.txt)
-[ "${WITH_MILVUS:-0}" = 1 ] && files+=(requirements-milvus.txt)
-[ "${WITH_TEST:-0}" = 1 ] && files+=(requirements-test.txt)
-reqs=()
-for f in "${files[@]}"; do reqs+=(-r "$f"); done
-stamp=.venv/.requirements.sha256
-want=$(cat "${files[@]}" | sha256sum | cut -d' ' -f1)
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+# The project itself, editable (`pip install -e .`: one .pth line, nothing written into the
+# checkout), with the dependencies pyproject.toml reads from requirements.txt and the extras asked
+# for: `test` (requirements-test.txt: pytest, ruff, mypy, playwright) for make test/test-fast/lint,
+# `milvus` (requirements-milvus.txt) for make test.  One stamp per part, so moving between make
+# targets never reinstalls what is already there.
+parts=(base)
+[ "${WITH_TEST:-0}" = 1 ] && parts+=(test)
+[ "${WITH_MILVUS:-0}" = 1 ] && parts+=(milvus)
+stamp_of() {  # what the part was installed from: pyproject.toml and its requirements file
+  case $1 in
+    base) cat pyproject.toml requirements.txt ;;
+    test) cat pyproject.toml requirements.txt requirements-test.txt ;;
+    milvus) cat pyproject.toml requirements.txt requirements-milvus.txt ;;
+  esac | sha256sum | cut -d' ' -f1
+}
+todo=()
+for part in "${parts[@]}"; do
+  [ "$(cat ".venv/.installed-$part" 2>/dev/null)" = "$(stamp_of "$part")" ] || todo+=("$part")
+done
+if [ ${#todo[@]} -gt 0 ]; then
+  extras=$(IFS=,; echo "${parts[*]:1}")
+  echo "bootstrap: pip install -e .${extras:+[$extras]}"
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q "${reqs[@]}"
-  echo "$want" > "$stamp"
+  .venv/bin/python -m pip install -q -e ".${extras:+[$extras]}"
+  for part in "${parts[@]}"; do stamp_of "$part" > ".venv/.installed-$part"; done
 fi
 
 # --- bytecode outside the checkout ------------------------------------------
