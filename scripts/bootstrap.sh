@@ -59,8 +59,9 @@ done
 if [ ${#todo[@]} -gt 0 ]; then
   extras=$(IFS=,; echo "${parts[*]:1}")
   echo "bootstrap: pip install -e .${extras:+[$extras]}"
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".${extras:+[$extras]}"
+  # --no-compile: with the bytecode prefix below, Python never reads the .pyc files pip would write
+  # beside the sources; each module is compiled into the prefix on its first import instead
+  .venv/bin/python -m pip install -q --no-compile -e ".${extras:+[$extras]}"
   for part in "${parts[@]}"; do stamp_of "$part" > ".venv/.installed-$part"; done
 fi
 

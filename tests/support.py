@@ -21,12 +21,16 @@ PRODUCT = Path(core.__file__).resolve().parents[1]
 MAINS = {"training": "training.cli", "index": "index.cli", "app": "app.cli", "demo": "demo.pipeline"}
 
 
+# bytecode as in this process (tests/conftest.py): only into the venv's pycache prefix, outside the checkout
+BYTECODE = {"PYTHONPYCACHEPREFIX": sys.pycache_prefix} if sys.pycache_prefix else {"PYTHONDONTWRITEBYTECODE": "1"}
+
+
 def run_module(module: str, *args, cwd, check: bool = False, env: dict | None = None):
     """`python -m module args…` in a process of its own, in `cwd` (a tmp folder, never the
-    repository), writing no bytecode.  Returns the CompletedProcess."""
+    repository), writing no bytecode into the repository.  Returns the CompletedProcess."""
     e = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "TQDM_DISABLE": "1", "HOME": str(cwd),
-         "PYTHONPATH": str(PRODUCT), "PYTHONDONTWRITEBYTECODE": "1", "GRADIO_ANALYTICS_ENABLED": "False",
-         "NO_PROXY": "127.0.0.1,localhost", "KANJI_FONT_DIRS": os.environ.get("KANJI_FONT_DIRS", "/usr/share/fonts")}
+         "PYTHONPATH": str(PRODUCT), "GRADIO_ANALYTICS_ENABLED": "False", "NO_PROXY": "127.0.0.1,localhost",
+         "KANJI_FONT_DIRS": os.environ.get("KANJI_FONT_DIRS", "/usr/share/fonts")} | BYTECODE
     e.update(env or {})
     r = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=str(cwd), capture_output=True,
                        text=True, env=e)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from app_helpers import chromium_path, free_port, needs_chromium
-from support import PRODUCT, ROOT, run_command, run_module
+from support import BYTECODE, PRODUCT, ROOT, run_command, run_module
 
 from index.backends.gallery import RESULT_FIELDS
 
@@ -271,7 +271,7 @@ def test_starting_the_app_writes_nothing_into_the_source_tree(tiny_index, tmp_pa
     import subprocess
     import sys
     env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(PRODUCT), "HOME": str(tmp_path),
-           "GRADIO_ANALYTICS_ENABLED": "False", "NO_PROXY": "127.0.0.1,localhost"}
+           "GRADIO_ANALYTICS_ENABLED": "False", "NO_PROXY": "127.0.0.1,localhost"} | BYTECODE
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from support import PRODUCT, run_command
+from support import BYTECODE, PRODUCT, run_command
 
 from core.atomic import cleanup_stale
 from core.locks import exclusive_lock
@@ -33,7 +33,7 @@ write_index(path, rng.normal(size=(n, 6)), items, rng.normal(size=(2, 6)), norma
 
 def python(*args, cwd, fault: str | None = None, **kw):
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(PRODUCT), "HOME": str(cwd),
-           "PYTHONDONTWRITEBYTECODE": "1", "TQDM_DISABLE": "1"} | ({"DML_FAULT": fault} if fault else {})
+           "TQDM_DISABLE": "1"} | BYTECODE | ({"DML_FAULT": fault} if fault else {})
     return subprocess.Popen([sys.executable, *map(str, args)], cwd=cwd, env=env, text=True, **kw)
 
 
