@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh Debian machine that has only Python 3.11:
-# a virtual environment with the pinned requirements, and the Debian font
-# packages the kanji data set is rendered from.  Re-running is cheap: each
-# step is skipped when its stamp/package is already in place.
+# a virtual environment with the project installed editable (its pinned
+# requirements, and the extras asked for), and the Debian font packages the
+# kanji data set is rendered from.  Re-running is cheap: each step is skipped
+# when its stamp/package is already in place.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
