@@ -5,11 +5,17 @@ TEST_ARGS ?=
 # what `make test-fast` leaves out: a real browser, Milvus Lite, and tests that start several processes
 SLOW_MARKERS := not browser and not milvus and not multiprocess
 
-.PHONY: setup setup-test demo test test-fast lint clean
+.PHONY: setup setup-dev setup-test demo test test-fast lint clean
 
+# the project (pip install -e .) with its runtime dependencies, and the fonts kanji is rendered from
 setup:
 	bash scripts/bootstrap.sh
 
+# + the test and lint tools (the `test` extra); no browser, no Milvus
+setup-dev:
+	WITH_TEST=1 bash scripts/bootstrap.sh
+
+# + Debian's chromium for the browser tests and the `milvus` extra for Milvus Lite's
 setup-test:
 	WITH_BROWSER=1 WITH_MILVUS=1 WITH_TEST=1 bash scripts/bootstrap.sh
 
@@ -17,7 +23,7 @@ demo: setup
 	$(PY) -m demo $(DEMO_ARGS)
 
 # ruff (pyproject.toml [tool.ruff]) over everything, mypy over core/, index/ and model/
-lint: setup-test
+lint: setup-dev
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
@@ -26,7 +32,7 @@ test: setup-test
 	$(PY) -m pytest -q $(TEST_ARGS)
 
 # the suite without the browser, Milvus and multi-process tests: for a quick check while working
-test-fast: setup-test
+test-fast: setup-dev
 	$(PY) -m pytest -q -m "$(SLOW_MARKERS)" $(TEST_ARGS)
 
 clean:

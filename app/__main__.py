@@ -1,7 +1,14 @@
+"""`python -m app` and the `dml-app` console script."""
 import sys
 
 from core.cli import run_cli
 
 from .cli import main
 
-sys.exit(run_cli(main))
+
+def console() -> int:
+    return run_cli(main)
+
+
+if __name__ == "__main__":
+    sys.exit(console())

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,9 +24,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import ROOT, free_port
 
 from core.atomic import write_json
 
@@ -125,9 +122,7 @@ def main():
     args = ap.parse_args()
     from index.backends.store import read_index
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # the app in its own process, as users run it: the clients' HTTP work does not share its GIL
     server = subprocess.Popen([sys.executable, "-m", "app", "--index", args.index, "--port", str(port),
                                "--concurrency", str(args.concurrency),

@@ -19,13 +19,10 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import ROOT, timed
 
 from core.atomic import write_json, write_text
 
@@ -40,12 +37,6 @@ def panels(right: str, mode: str, params: dict | None = None) -> dict:
     for side, given in (("left", {}), ("right", params or {})):
         out |= {f"{side}_{k}": v for k, v in (CONTROLS | given).items()}
     return out
-
-
-def timed(fn):
-    t = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t
 
 
 def compare_tab(index: str) -> dict:

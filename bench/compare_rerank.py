@@ -18,9 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import timed
 
 from core.atomic import write_json, write_text
 from core.flags import apply_threads
@@ -39,11 +37,11 @@ def synthetic(n: int, dim: int, classes: int, embed: int, seed: int = 0):
     return in_memory_index(X.astype(np.float32), y, W.astype(np.float32), normalize=True)
 
 
-def timed(data, left: SearchConfig, right: SearchConfig) -> tuple[float, float]:
+def compare_seconds(data, left: SearchConfig, right: SearchConfig) -> tuple[float, float]:
+    """(seconds of one whole-set comparison, the right side's mean AP)."""
     c = Comparer(data)
-    t0 = time.perf_counter()
-    cmp = c.compare(left, right)
-    return time.perf_counter() - t0, float(np.mean(cmp.ap_b))
+    cmp, s = timed(lambda: c.compare(left, right))
+    return s, float(np.mean(cmp.ap_b))
 
 
 def main():
@@ -63,11 +61,11 @@ def main():
     for t in [int(x) for x in args.threads.split(",")]:
         apply_threads(t)
         with threadpool_limits(limits=t, user_api="blas"):
-            plain_s, plain_ap = timed(data, base, SearchConfig.of("identity"))
+            plain_s, plain_ap = compare_seconds(data, base, SearchConfig.of("identity"))
             rows.append({"threads": t, "reranker": "none (identity · cosine)", "seconds": plain_s, "map@r": plain_ap})
             print(f"threads {t}: plain {plain_s:.2f} s", flush=True)
             for name in [n for n in RERANKERS.names() if n != NO_RERANK]:
-                s, m = timed(data, base, SearchConfig.of("trained", rerank=name))
+                s, m = compare_seconds(data, base, SearchConfig.of("trained", rerank=name))
                 rows.append({"threads": t, "reranker": name, "seconds": s, "map@r": m, "x_plain": s / plain_s})
                 print(f"threads {t}: {name} {s:.2f} s ({s / plain_s:.1f}× plain)", flush=True)
     out = Path(args.out)

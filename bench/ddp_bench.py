@@ -16,16 +16,13 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import ROOT, free_port
 
 CLASSES, EMBED = 100, 128
 
@@ -120,9 +117,7 @@ def main() -> None:
     t0 = time.time()
     torch.set_num_threads(2)
     one = {w: timed(w, args.batch, args.size, args.steps, args.warmup, args.repeats) for w in args.workloads}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.pt")
         mp.spawn(_worker, args=(2, port, args, out), nprocs=2, join=True)

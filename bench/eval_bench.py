@@ -15,10 +15,8 @@ import os
 import resource
 import subprocess
 import sys
-import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from common import timed
 
 
 def make_data(n: int, dim: int, classes: int, seed: int = 0):
@@ -40,16 +38,12 @@ def make_data(n: int, dim: int, classes: int, seed: int = 0):
 
 
 def child(which: str, n: int, dim: int, classes: int, clustering: bool) -> dict:
-    sys.path.insert(0, str(ROOT))
-
     x, y = make_data(n, dim, classes)
     if which == "ours":
         from evaluation import evaluate
 
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        t = time.perf_counter()
-        res = evaluate(x, y, ks=(1,), clustering=clustering)
-        wall = time.perf_counter() - t
+        res, wall = timed(lambda: evaluate(x, y, ks=(1,), clustering=clustering))
         out = {k: res[k] for k in ("map@r", "r_precision", "precision@1") + (("nmi",) if clustering else ())}
     else:
         import torch
@@ -59,9 +53,7 @@ def child(which: str, n: int, dim: int, classes: int, clustering: bool) -> dict:
         calc = AccuracyCalculator(include=tuple(include), k="max_bin_count", device=torch.device("cpu"))
         xt, yt = torch.from_numpy(x), torch.from_numpy(y)
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        t = time.perf_counter()
-        res = calc.get_accuracy(xt, yt, xt, yt, ref_includes_query=True)
-        wall = time.perf_counter() - t
+        res, wall = timed(lambda: calc.get_accuracy(xt, yt, xt, yt, ref_includes_query=True))
         out = {"map@r": res["mean_average_precision_at_r"], "r_precision": res["r_precision"],
                "precision@1": res["precision_at_1"]} | ({"nmi": res["NMI"]} if clustering else {})
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -107,7 +99,6 @@ def main():
         print(f"| {tag} | {r['ours']['wall_s']:.1f} | {r['pml']['wall_s']:.1f} | {r['speedup']:.2f}× | "
               f"{r['ours']['peak_rss_mb']:.0f} | {r['pml']['peak_rss_mb']:.0f} |")
     if args.json:
-        sys.path.insert(0, str(ROOT))
         from core.atomic import write_json
         write_json(args.json, results | {"config": vars(args)})
 

@@ -21,14 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 import faiss
+import numpy as np
+from common import ROOT, write_table
 
-from core.atomic import write_json, write_text
+from core.atomic import write_json
 from index.backends.search import Searcher
 from index.backends.store import IndexData, Items, make_faiss_index
 
@@ -223,8 +220,7 @@ def main():
     for r in ann:
         md += (f"| {r['factory']} | {r['N']:,} | {r['strategy']} | {r['mode']} | {r['recall@10']:.3f} | "
                f"{r['ann_ms']:.3f} | {r['exact_ms']:.3f} |\n")
-    write_text(out / "results.md", md)
-    print(md)
+    write_table(out / "results.md", md)
 
 
 if __name__ == "__main__":

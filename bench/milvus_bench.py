@@ -14,16 +14,12 @@ Milvus top-10 equals FAISS's, up to ties (equal scores).
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
+from common import timed
 from ondisk_bench import STRATEGIES, K, draw, label, model
 
 from core.atomic import write_json, write_text
@@ -47,9 +43,7 @@ def run(n: int, n_queries: int, wd: Path) -> dict:
     Q = draw(centres, n_queries, np.random.default_rng(10**9))
     items = Items(np.arange(n, dtype=np.int64), np.zeros(n, np.int64), [f"{i}.jpg" for i in range(n)], ["g"] * n)
     idx = write_index(wd / "idx", X, items, W, normalize=True, info={}, factory="Flat")
-    t = time.perf_counter()
-    export_index(idx, str(wd / "gallery.db"), "bench")
-    export_s = time.perf_counter() - t
+    _, export_s = timed(lambda: export_index(idx, str(wd / "gallery.db"), "bench"))
     s = Searcher(read_index(idx))
     g = MilvusGallery(str(wd / "gallery.db"), "bench")
     serving_threads(1)

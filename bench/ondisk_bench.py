@@ -31,12 +31,8 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 import faiss
+import numpy as np
 
 from core.atomic import write_json, write_text
 from index.backends.ondisk import OnDiskIVF, build_ondisk_ivf, default_nlist

@@ -40,9 +40,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import ROOT, pm
 
 from core.atomic import atomic_dir, write_json, write_text
 from core.logs import setup_logging
@@ -282,9 +280,8 @@ def main():
             print(key, s, {k: round(r[k][-1] * 100, 2) for k in KEYS}, flush=True)
         rows.append(r)
 
-    def fmt(v):
-        v = np.asarray(v) * 100
-        return "—" if not len(v) else (f"{v.mean():.2f}" if len(v) == 1 else f"{v.mean():.2f} ± {v.std():.2f}")
+    def fmt(v):  # one seed: its value alone
+        return f"{v[0] * 100:.2f}" if len(v) == 1 else pm(v)
 
     import datetime
     import os

@@ -20,16 +20,13 @@ Plain bases reuse bench/train_bench.py's runs (same folders, same configs).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
+from common import pm, write_table
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from core.atomic import write_json, write_text
+from core.atomic import write_json
 from core.logs import setup_logging
 from training.config import TrainConfig
 from training.trainer import train_or_reuse
@@ -111,11 +108,6 @@ def run(loss, reg, weight, seed, runs, setting: dict | None = None) -> tuple[dic
     return m, out
 
 
-def fmt(v, scale=100.0, digits=2):
-    v = np.array(v, dtype=float) * scale
-    return f"{v.mean():.{digits}f} ± {v.std():.{digits}f}"
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="0,1,2")
@@ -161,7 +153,7 @@ def main():
                      **{k: vals[k] for k in (*KEYS, "seconds")}})
         # partial results after every row: a long run that is stopped still leaves them
         write_json(Path(args.out) / "results.json", {"seeds": seeds, "setting": setting, "rows": rows})
-        print(rows[-1]["base"], rows[-1]["regularizer"], chosen, fmt(vals["map@r"]), flush=True)
+        print(rows[-1]["base"], rows[-1]["regularizer"], chosen, pm(vals["map@r"]), flush=True)
     if args.only:
         return
     lines = ["| base | regularizer | weight (val-chosen) | MAP@R | R@1 | NMI | uniformity | ρ | s/run |",
@@ -173,13 +165,12 @@ def main():
         w = "—" if w is None else w
         lines.append(
             f"| {r['base']} | {r['regularizer']} | {w} | "
-            f"{fmt(r['map@r'])} | {fmt(r['recall@1'])} | {fmt(r['nmi'])} | "
-            f"{fmt(r['uniformity'], 1, 3)} | {fmt(r['spectral_decay'], 1, 3)} | "
+            f"{pm(r['map@r'])} | {pm(r['recall@1'])} | {pm(r['nmi'])} | "
+            f"{pm(r['uniformity'], 1, 3)} | {pm(r['spectral_decay'], 1, 3)} | "
             f"{np.mean(r['seconds']):.0f} |"
         )
     md = "\n".join(lines) + "\n"
-    write_text(Path(args.out) / "results.md", md)
-    print(md)
+    write_table(Path(args.out) / "results.md", md)
 
 
 if __name__ == "__main__":

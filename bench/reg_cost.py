@@ -14,17 +14,13 @@ hits both alike; the median step time is compared.  Two settings:
 from __future__ import annotations
 
 import argparse
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from common import timed, write_table
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from core.atomic import write_json, write_text
+from core.atomic import write_json
 from training.config import TrainConfig
 from training.samplers import epoch_batches
 from training.trainer import Run
@@ -57,9 +53,7 @@ def batch_for(r: Run, mode: str, rng):
 
 
 def step_time(r: Run, x, y, mode) -> float:
-    t = time.perf_counter()
-    r.step(r.source.encode, x, y, torch.Generator())
-    return time.perf_counter() - t
+    return timed(lambda: r.step(r.source.encode, x, y, torch.Generator()))[1]
 
 
 def main():
@@ -104,8 +98,7 @@ def main():
         lines.append(f"| {r['mode']} | {r['base']} | {r['regularizer']} | {r['base_ms']:.1f} | {r['reg_ms']:.1f} | "
                      f"{r['ratio']:.2f}× | {tgt} |")
     md = "\n".join(lines) + "\n"
-    write_text(Path(args.out) / "results.md", md)
-    print(md)
+    write_table(Path(args.out) / "results.md", md)
 
 
 if __name__ == "__main__":

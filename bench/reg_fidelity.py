@@ -35,9 +35,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import pm
 
 from core.atomic import write_json, write_text
 from core.locks import exclusive_lock
@@ -167,11 +165,6 @@ def last_epoch_parts(run: Path) -> dict:
     log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     last = [r for r in log if r.get("epoch", 0) > 0][-1]
     return {k[len("train_"):]: v for k, v in last.items() if k.startswith("train_")}
-
-
-def pm(v, scale=100.0, digits=2) -> str:
-    v = np.asarray(v, dtype=float) * scale
-    return f"{v.mean():.{digits}f} ± {v.std():.{digits}f}"
 
 
 def main():

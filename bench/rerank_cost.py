@@ -28,9 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import timed
 
 D, K_EMB, PER_CLASS, K = 128, 64, 30, 10
 TARGETS = {"aqe": 3.0, "kreciprocal": 3.0}  # at N = 10⁵
@@ -47,12 +45,6 @@ def synthetic(n: int, n_queries: int, seed: int = 0):
     q, _ = draw(n_queries)
     W = (rng.standard_normal((K_EMB, D)) / np.sqrt(D)).astype(np.float32)
     return x, y, q, W
-
-
-def timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def cpu_timed(fn) -> tuple[float, float]:
@@ -72,17 +64,17 @@ def offline(space) -> dict[str, float]:
     from index.rerankers.neighbours import neighbour_lists, row_extremes
 
     dp, kp, bp = (reranker_params(n) for n in ("diffusion", "kreciprocal", "dba"))
-    out = {"neighbour lists": timed(lambda: neighbour_lists(space, max(dp.k + 1, kp.k1 + 2, bp.n + 2))),
-           "row extremes": timed(lambda: row_extremes(space))}
+    out = {"neighbour lists": timed(lambda: neighbour_lists(space, max(dp.k + 1, kp.k1 + 2, bp.n + 2)))[1],
+           "row extremes": timed(lambda: row_extremes(space))[1]}
     lists = neighbour_lists(space, kp.k1 + 2)
     if space.n * space.n <= PAIR_CELLS:  # kept in RAM only where it fits (the sets below read it)
-        out["k-reciprocal pair similarities (RAM)"] = timed(lambda: gallery_similarities(space))
-    out["k-reciprocal gallery sets"] = timed(lambda: gallery_sets(space, lists, row_extremes(space), kp.k1))
+        out["k-reciprocal pair similarities (RAM)"] = timed(lambda: gallery_similarities(space))[1]
+    out["k-reciprocal gallery sets"] = timed(lambda: gallery_sets(space, lists, row_extremes(space), kp.k1))[1]
     sets = gallery_sets(space, lists, row_extremes(space), kp.k1)
     out["k-reciprocal inverted index"] = timed(lambda: support_index(space, lists[0], row_extremes(space), sets,
-                                                                     kp.k1, kp.k2))
-    out["diffusion graph"] = timed(lambda: whole_graph(space, dp))
-    out["dba augmented gallery"] = timed(lambda: augmented(space, bp))
+                                                                     kp.k1, kp.k2))[1]
+    out["diffusion graph"] = timed(lambda: whole_graph(space, dp))[1]
+    out["dba augmented gallery"] = timed(lambda: augmented(space, bp))[1]
     return out
 
 

@@ -21,9 +21,6 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 
 def describe(y: np.ndarray) -> str:
     counts = np.bincount(np.unique(y, return_inverse=True)[1])

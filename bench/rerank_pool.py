@@ -28,9 +28,6 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 BATCH = 256  # queries per rerank call
 SETTINGS = [("none", {}), ("kreciprocal", {"pool": 100}), ("kreciprocal", {"pool": 200}),
             ("kreciprocal", {"pool": 500}), ("kreciprocal", {}), ("diffusion", {"truncation": 100}),
@@ -48,8 +45,7 @@ def demo_split():
 
 
 def synthetic_split(n: int):
-    sys.path.insert(0, str(ROOT / "bench"))
-    from rerank_cost import synthetic
+    from rerank_cost import synthetic  # a sibling script: bench/ is first on sys.path
 
     x, y, _, W = synthetic(n, 1)
     return x, y, W

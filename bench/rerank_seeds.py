@@ -19,9 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import pm
 
 from core.atomic import write_json, write_text
 from core.flags import apply_threads
@@ -37,11 +35,6 @@ from training.trainer import train_or_reuse
 CELLS = [("trained", {}, "trained [cosine]"),
          ("diagonal-psd", {"r": 1.0, "seed": 0, "psd": "clip"}, "diagonal-psd(r=1, clip) [cosine]")]
 RERANK = ("none", "kreciprocal")
-
-
-def pm(v) -> str:
-    v = 100 * np.asarray(v, dtype=float)
-    return f"{v.mean():.2f} ± {v.std():.2f}"
 
 
 def main():

@@ -9,12 +9,9 @@ The third: the Search tab with a result's "why" panel open, identity (left) agai
 from __future__ import annotations
 
 import argparse
-import socket
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import free_port
 
 
 def main():
@@ -30,9 +27,7 @@ def main():
 
     from app.cli import build_parser, launch
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     demo, svc = launch(build_parser().parse_args(["--index", args.index, "--port", str(port)]), block=False)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:

@@ -25,41 +25,14 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
-import sys
 import time
 import tracemalloc
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import interleaved_ms, median_ms
 
 from core.atomic import write_json
-
-
-def median_ms(f, repeat: int) -> float:
-    f()  # warm
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
-
-
-def interleaved_ms(fs: dict, repeat: int) -> dict:
-    """Median ms of each callable, called in turn `repeat` times (the same noise for each)."""
-    for f in fs.values():
-        f()
-    times = {k: [] for k in fs}
-    for _ in range(repeat):
-        for k, f in fs.items():
-            t = time.perf_counter()
-            f()
-            times[k].append(time.perf_counter() - t)
-    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 
 def previous_random(M, r: float, seed: int):

@@ -36,9 +36,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import ROOT, pm, write_table
 
 from core.atomic import write_json, write_text
 from core.flags import apply_threads
@@ -49,13 +47,23 @@ from training.trainer import train_or_reuse
 NAMES = {"arcface": "ArcFace", "proxy_nca": "ProxyNCA", "triplet": "Triplet"}
 METRICS = (("map@r", "MAP@R"), ("precision@1", "P@1"))
 VAL_ROW = "validation-selected (honest)"
-# frozen-neck numbers (docs/training.md, "Losses on kanji"), for reference only
-FROZEN = {"proxy_nca": (34.48, 0.04, 77.34, 0.29), "triplet": (34.67, 0.05, 76.72, 0.19)}
+FROZEN_RESULTS = ROOT / "bench" / "results" / "train" / "results.json"  # train_bench.py's, docs/training.md's
 
 
-def pm(vals, scale=100.0) -> str:
-    v = np.asarray(vals, dtype=float) * scale
-    return f"{v.mean():.2f} ± {v.std():.2f}"
+def frozen_neck(path: Path = FROZEN_RESULTS) -> dict[str, tuple[float, float]]:
+    """Each loss's frozen-neck test MAP@R, (mean, std) over seeds in %, as train_bench.py stored it
+    (for reference beside the trained trunks); {} where it was not run."""
+    from train_bench import FROZEN_SETUPS, frozen_model
+
+    if not path.is_file():
+        return {}
+    rows = {r["model"]: r for r in json.loads(path.read_text())["rows"]}
+    out = {}
+    for name, kw in FROZEN_SETUPS:
+        if frozen_model(name) in rows:
+            v = np.asarray(rows[frozen_model(name)]["map@r"], dtype=float) * 100
+            out[kw["loss"]] = (float(v.mean()), float(v.std()))
+    return out
 
 
 def rs_text(rs) -> str:
@@ -218,7 +226,8 @@ def plot_sweeps(losses, per_loss, out: Path, trunk: str = "trained tail") -> Non
     plt.close(fig)
 
 
-def verdicts(losses, per_loss, trunk: str = "trained tail") -> list[str]:
+def verdicts(losses, per_loss, trunk: str = "trained tail", frozen: dict | None = None) -> list[str]:
+    frozen = frozen or {}
     lines = []
     for loss in losses:
         runs = per_loss[loss]
@@ -259,12 +268,12 @@ def verdicts(losses, per_loss, trunk: str = "trained tail") -> list[str]:
             f"{ic.mean():.2f} ({ic.mean() - tb.mean():+.2f}), best random {br.mean():.2f} "
             f"({br.mean() - tb.mean():+.2f}), best diagonal {bd.mean():.2f} ({bd.mean() - tb.mean():+.2f})."
             + (f" {trunk.capitalize()} vs the frozen neck (30 epochs, docs/training.md): "
-               f"{tc.mean():.2f} vs {FROZEN[loss][0]:.2f} "
-               f"test MAP@R ({tc.mean() - FROZEN[loss][0]:+.2f})." if loss in FROZEN else ""))
+               f"{tc.mean():.2f} vs {frozen[loss][0]:.2f} "
+               f"test MAP@R ({tc.mean() - frozen[loss][0]:+.2f})." if loss in frozen else ""))
     return lines
 
 
-def main():
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--losses", default="arcface,proxy_nca,triplet", help="metric losses (default: %(default)s)")
     ap.add_argument("--seeds", default="0,1,2", help="training seeds (default: %(default)s)")
@@ -289,42 +298,49 @@ def main():
     ap.add_argument("--threads", type=int, default=2,
                     help="torch, faiss and BLAS threads, training included (default: %(default)s; on 2 cores "
                          "shared with other jobs 1 was ~4× faster)")
-    args = ap.parse_args()
-    setup_logging()
-    apply_threads(args.threads)
-    # numpy's OpenBLAS too (apply_threads sets torch and faiss only): with 2 BLAS threads on 2 busy
-    # cores, each 1280 × 1280 eigvalsh of the matrix reports took ~6–12 s instead of ~0.5 s
-    from threadpoolctl import threadpool_limits
+    return ap.parse_args(argv)
 
-    threadpool_limits(limits=args.threads, user_api="blas")
-    t_start = time.time()
-    losses = args.losses.split(",")
-    seeds = [int(s) for s in args.seeds.split(",")]
-    cache = args.features_cache or f"{args.runs}/features"
-    out = Path(args.out)
-    n = args.train_blocks
 
-    trunk = "fine-tuned trunk" if args.finetune else "trained tail"
-    if args.paper_regime:
-        trunk += ", neck at its initialisation"
+class Plan:
+    """What one invocation trains and evaluates, from its flags: losses, seeds, run folders, caches."""
 
-    def run_dir(loss: str, seed: int) -> str:
-        return (f"{args.runs}/t1-{loss}-{'finetune' if args.finetune else f'n{n}'}"
-                f"{'-paper' if args.paper_regime else ''}-s{seed}")
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.losses = args.losses.split(",")
+        self.seeds = [int(s) for s in args.seeds.split(",")]
+        self.cache = args.features_cache or f"{args.runs}/features"
+        self.out = Path(args.out)
+        self.n = args.train_blocks
+        self.trunk = "fine-tuned trunk" if args.finetune else "trained tail"
+        if args.paper_regime:
+            self.trunk += ", neck at its initialisation"
 
-    per_loss: dict[str, list[dict]] = {loss: [] for loss in losses}
+    def run_dir(self, loss: str, seed: int) -> str:
+        a = self.args
+        return (f"{a.runs}/t1-{loss}-{'finetune' if a.finetune else f'n{self.n}'}"
+                f"{'-paper' if a.paper_regime else ''}-s{seed}")
+
+    def train_config(self, loss: str, seed: int) -> TrainConfig:
+        a = self.args
+        trunk_kw = dict(mode="finetune") if a.finetune else dict(train_blocks=self.n)
+        if a.paper_regime:
+            trunk_kw |= dict(neck_lr_mult=0.0, neck_init="pytorch")
+        return TrainConfig(loss=loss, seed=seed, epochs=a.epochs, out=self.run_dir(loss, seed), progress=False,
+                           device="cpu", threads=a.threads, **trunk_kw)
+
+
+def train_and_evaluate(plan: Plan, t_start: float) -> tuple[dict[str, list[dict]], list[str]]:
+    """Every (seed, loss) run trained (or reused) and its strategy evaluation summarised:
+    ({loss: [summary per seed]}, anomalies)."""
+    args = plan.args
+    per_loss: dict[str, list[dict]] = {loss: [] for loss in plan.losses}
     anomalies = []
-    for s in seeds:  # seed-major: every method has a first seed early
-        for loss in losses:
-            run = run_dir(loss, s)
-            trunk_kw = dict(mode="finetune") if args.finetune else dict(train_blocks=n)
-            if args.paper_regime:
-                trunk_kw |= dict(neck_lr_mult=0.0, neck_init="pytorch")
-            cfg = TrainConfig(loss=loss, seed=s, epochs=args.epochs, out=run, progress=False,
-                              device="cpu", threads=args.threads, **trunk_kw)
+    for s in plan.seeds:  # seed-major: every method has a first seed early
+        for loss in plan.losses:
+            run = plan.run_dir(loss, s)
             t0 = time.time()
             print(f"[{time.time() - t_start:6.0f} s] train {loss} seed {s} -> {run}", flush=True)
-            m, reused = train_or_reuse(cfg)
+            m, reused = train_or_reuse(plan.train_config(loss, s))
             apply_threads(args.threads)
             print(f"[{time.time() - t_start:6.0f} s]   {'reused' if reused else 'trained'} "
                   f"in {time.time() - t0:.0f} s: "
@@ -332,7 +348,7 @@ def main():
                   f"test MAP@R {m['test']['map@r'] * 100:.2f}", flush=True)
             t1 = time.time()
             res, eval_s, eval_reused = strategy_eval(Path(run) / "best.pt", Path(run) / f"strategies-{args.grid}",
-                                                     cache, args.grid, args.restraint_seeds)
+                                                     plan.cache, args.grid, args.restraint_seeds)
             summ = summarize_run(res)
             summ.update(metric_norms(Path(run) / "best.pt"))
             summ.update(seed=s, run=run, selected_epoch=m["selected_epoch"], epochs=m["epochs"],
@@ -354,53 +370,59 @@ def main():
                   f"best random {summ['best_random']['map@r'] * 100:.2f} (r={summ['best_random']['r']:g}), "
                   f"val-selected {summ['val_selected']['choice']} -> {summ['val_selected']['map@r'] * 100:.2f}",
                   flush=True)
+    return per_loss, anomalies
 
-    print(f"[{time.time() - t_start:6.0f} s] indefinite M′ analysis (seed {seeds[0]})", flush=True)
+
+def indefinite_analysis(plan: Plan, t_start: float) -> dict[str, list[dict]]:
+    """indefinite_table() of each loss's first-seed run, reused while its checkpoint and r grid are unchanged."""
+    from core.hashing import sha256_file
     from index.refinements import coarse, grid
 
-    r_values = grid("diagonal")["r"] if args.grid == "full" else coarse(grid("diagonal")["r"])
+    print(f"[{time.time() - t_start:6.0f} s] indefinite M′ analysis (seed {plan.seeds[0]})", flush=True)
+    r_values = grid("diagonal")["r"] if plan.args.grid == "full" else coarse(grid("diagonal")["r"])
     indef = {}
-    for loss in losses:
-        ck = Path(run_dir(loss, seeds[0])) / "best.pt"
-        from core.hashing import sha256_file
-
+    for loss in plan.losses:
+        ck = Path(plan.run_dir(loss, plan.seeds[0])) / "best.pt"
         stamp = {"sha": sha256_file(ck), "r": list(r_values), "v": 3}
         keep = ck.parent / "indefinite.json"
         old = json.loads(keep.read_text()) if keep.is_file() else {}
         if old.get("stamp") == stamp:
             indef[loss] = old["rows"]
         else:
-            indef[loss] = indefinite_table(ck, cache, r_values)
+            indef[loss] = indefinite_table(ck, plan.cache, r_values)
             write_json(keep, {"stamp": stamp, "rows": indef[loss]})
         print(f"[{time.time() - t_start:6.0f} s]   {loss} done", flush=True)
+    return indef
 
-    plot_sweeps(losses, per_loss, out, trunk)
-    wall = time.time() - t_start
 
-    # ---------------------------------------------------------------- results.md
-    all_runs = [r for loss in losses for r in per_loss[loss]]
-    cmd = "python " + " ".join(["bench/table1_trained.py"] + sys.argv[1:])
+# ------------------------------------------------------------------ results.md, section by section
+def md_header(plan: Plan, all_runs: list[dict], wall: float, cmd: str) -> list[str]:
+    args, n = plan.args, plan.n
     ev = [r["eval_seconds"] for r in all_runs if r["eval_seconds"] is not None]
-    L = ["# Paper 004, Table 1, on trained trunks (kanji test classes)", "",
-         f"`{cmd}`: efficientnet_lite0 (ImageNet), "
-         + ("every stage fine-tuned on augmented images after a 30-epoch probe" if args.finetune
-            else f"last {n} stages trained")
-         + (", the neck W left at nn.Linear's initialisation (paper 004's regime: --neck-lr-mult 0 --neck-init "
-            "pytorch)" if args.paper_regime else " with the neck") +
-         f" ({args.epochs} epochs, BatchNorm statistics frozen, selected on "
-         f"validation MAP@R), seeds {', '.join(map(str, seeds))}; strategy evaluation as "
-         f"`python -m index evaluate --checkpoint CK --grid {args.grid}` (test and validation classes; random "
-         f"restraint averaged over {args.restraint_seeds} restraint seeds). Mean ± std over training seeds. "
-         f"Query = gallery, leave-one-out; trunk features L2-normalised. {args.threads} thread(s) for torch, "
-         f"faiss and BLAS, on 2 CPU cores shared with other jobs. Recorded time: training "
-         f"{sum(sum(r['epoch_seconds']) for r in all_runs) / 60:.1f} min (epochs of all {len(all_runs)} runs), "
-         f"strategy evaluations {sum(ev) / 60:.1f} min ({len(ev)} of {len(all_runs)} recorded); this invocation "
-         f"{wall / 60:.1f} min, reusing {sum(r['run_reused'] for r in all_runs)} trained runs and "
-         f"{sum(r['eval_reused'] for r in all_runs)} strategy evaluations.", "",
-         "Diagonal and random restraint are bilinear-only (`index list`): their M′ is indefinite in general. "
-         "\"best diagonal/random\" is the best r > 0 **on test** per run (the paper's † oracle, not an honest "
-         "number); the r of each seed is given. \"validation-selected\" chooses strategy, parameter and mode on "
-         "validation classes and reports test.", ""]
+    return ["# Paper 004, Table 1, on trained trunks (kanji test classes)", "",
+            f"`{cmd}`: efficientnet_lite0 (ImageNet), "
+            + ("every stage fine-tuned on augmented images after a 30-epoch probe" if args.finetune
+               else f"last {n} stages trained")
+            + (", the neck W left at nn.Linear's initialisation (paper 004's regime: --neck-lr-mult 0 --neck-init "
+               "pytorch)" if args.paper_regime else " with the neck") +
+            f" ({args.epochs} epochs, BatchNorm statistics frozen, selected on "
+            f"validation MAP@R), seeds {', '.join(map(str, plan.seeds))}; strategy evaluation as "
+            f"`python -m index evaluate --checkpoint CK --grid {args.grid}` (test and validation classes; random "
+            f"restraint averaged over {args.restraint_seeds} restraint seeds). Mean ± std over training seeds. "
+            f"Query = gallery, leave-one-out; trunk features L2-normalised. {args.threads} thread(s) for torch, "
+            f"faiss and BLAS, on 2 CPU cores shared with other jobs. Recorded time: training "
+            f"{sum(sum(r['epoch_seconds']) for r in all_runs) / 60:.1f} min (epochs of all {len(all_runs)} runs), "
+            f"strategy evaluations {sum(ev) / 60:.1f} min ({len(ev)} of {len(all_runs)} recorded); this invocation "
+            f"{wall / 60:.1f} min, reusing {sum(r['run_reused'] for r in all_runs)} trained runs and "
+            f"{sum(r['eval_reused'] for r in all_runs)} strategy evaluations.", "",
+            "Diagonal and random restraint are bilinear-only (`index list`): their M′ is indefinite in general. "
+            "\"best diagonal/random\" is the best r > 0 **on test** per run (the paper's † oracle, not an honest "
+            "number); the r of each seed is given. \"validation-selected\" chooses strategy, parameter and mode on "
+            "validation classes and reports test.", ""]
+
+
+def md_metric_tables(losses: list[str], per_loss: dict) -> list[str]:
+    L = []
     for m, title in METRICS:
         L += [f"## {title}", "",
               "| method | trained [cosine] | trained [bilinear] | identity [cosine] | identity [bilinear] | "
@@ -421,10 +443,14 @@ def main():
                      f"{col('best_random')} (r = {rs_text([r['best_random']['r'] for r in runs])}) | "
                      f"{col('val_selected')} |")
         L.append("")
+    return L
+
+
+def md_choices(losses: list[str], per_loss: dict, all_runs: list[dict]) -> list[str]:
     same = all(r["identity_cos"] == r["identity_bil"] for r in all_runs)
-    L += [f"identity [bilinear] {'equals' if same else 'differs from'} identity [cosine] in every run"
-          f"{' (φ is L2-normalised, so the two rank alike)' if same else ''}.", "",
-          "Validation-selected choices per seed:", ""]
+    L = [f"identity [bilinear] {'equals' if same else 'differs from'} identity [cosine] in every run"
+         f"{' (φ is L2-normalised, so the two rank alike)' if same else ''}.", "",
+         "Validation-selected choices per seed:", ""]
     for loss in losses:
         L.append(f"- {NAMES.get(loss, loss)}: " + "; ".join(
             f"seed {r['seed']}: {r['val_selected']['choice']} → test MAP@R {r['val_selected']['map@r'] * 100:.2f}"
@@ -434,14 +460,18 @@ def main():
         L.append(f"- {NAMES.get(loss, loss)}: " + "; ".join(
             f"{r['best_refined_any']['choice']} {r['best_refined_any']['map@r'] * 100:.2f}"
             for r in per_loss[loss] if "best_refined_any" in r))
-    L += ["", "Training runs (times from each run's log.jsonl, so a resumed run counts every epoch; strategy "
-          "evaluation = test and validation features plus the sweep, where recorded):", "",
-          "| method | selected epoch | val MAP@R | test MAP@R (trainer) | median epoch s | training s/run | "
-          "strategy eval s/run | tr(M*) | ‖M*‖²_F | frozen-neck test MAP@R |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
+    return L
+
+
+def md_runs_table(losses: list[str], per_loss: dict, frozen: dict) -> list[str]:
+    L = ["", "Training runs (times from each run's log.jsonl, so a resumed run counts every epoch; strategy "
+         "evaluation = test and validation features plus the sweep, where recorded):", "",
+         "| method | selected epoch | val MAP@R | test MAP@R (trainer) | median epoch s | training s/run | "
+         "strategy eval s/run | tr(M*) | ‖M*‖²_F | frozen-neck test MAP@R |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
     for loss in losses:
         runs = per_loss[loss]
-        fr = FROZEN.get(loss)
+        fr = frozen.get(loss)
         ev = [r["eval_seconds"] for r in runs if r["eval_seconds"] is not None]
         L.append(f"| {NAMES.get(loss, loss)} | {rs_text([r['selected_epoch'] for r in runs])} of {runs[0]['epochs']} | "
                  f"{pm([r['val_map_r'] for r in runs])} | {pm([r['trainer_test']['map@r'] for r in runs])} | "
@@ -451,12 +481,16 @@ def main():
                  f"{f' ({len(ev)} of {len(runs)} recorded)' if ev and len(ev) < len(runs) else ''} | "
                  f"{pm([r['trace_M'] for r in runs], 1.0)} | {pm([r['fro2_M'] for r in runs], 1.0)} | "
                  f"{f'{fr[0]:.2f} ± {fr[1]:.2f}' if fr else 'not measured'} |")
-    L += ["", "![MAP@R vs restraint degree](restraint_sweep.png)", "",
-          f"## Indefinite M′ under diagonal restraint (seed {seeds[0]}, restraint seed 0, test features)", "",
-          "Fractions over the test split's pairs i ≠ j and items i; tr ratio = tr(M′)/tr(M*). \"cosine\" is "
-          "φᵢᵀM′φⱼ/(‖φᵢ‖_M′‖φⱼ‖_M′) with ‖φ‖_M′ = √max(φᵀM′φ, 0), the sweep's and search path's cosine "
-          "forced onto an indefinite M′: items with φᵀM′φ < 0 get a zero norm and score 0 as gallery items "
-          "(`index evaluate` skips cosine for such M′; `index search` falls back to bilinear).", ""]
+    return L
+
+
+def md_indefinite(losses: list[str], indef: dict, seed: int) -> list[str]:
+    L = ["", "![MAP@R vs restraint degree](restraint_sweep.png)", "",
+         f"## Indefinite M′ under diagonal restraint (seed {seed}, restraint seed 0, test features)", "",
+         "Fractions over the test split's pairs i ≠ j and items i; tr ratio = tr(M′)/tr(M*). \"cosine\" is "
+         "φᵢᵀM′φⱼ/(‖φᵢ‖_M′‖φⱼ‖_M′) with ‖φ‖_M′ = √max(φᵀM′φ, 0), the sweep's and search path's cosine "
+         "forced onto an indefinite M′: items with φᵀM′φ < 0 get a zero norm and score 0 as gallery items "
+         "(`index evaluate` skips cosine for such M′; `index search` falls back to bilinear).", ""]
     for loss in losses:
         L += [f"**{NAMES.get(loss, loss)}**", "",
               "| r | tr ratio | PSD | min eigenvalue | pairs φᵢᵀM′φⱼ < 0 | items φᵢᵀM′φᵢ < 0 | MAP@R bilinear | "
@@ -475,21 +509,49 @@ def main():
           "column counts the queries whose top-1 item, under the forced cosine, is the single most frequent "
           "one: once a few items have φᵀM′φ just above 0, their tiny M′-norm inflates every score they take "
           "part in, and they become everybody's nearest neighbour.", ""]
+    return L
+
+
+def results_markdown(plan: Plan, per_loss: dict, indef: dict, anomalies: list[str], wall: float, cmd: str,
+                     frozen: dict) -> str:
+    losses = plan.losses
+    all_runs = [r for loss in losses for r in per_loss[loss]]
+    L = md_header(plan, all_runs, wall, cmd) + md_metric_tables(losses, per_loss)
+    L += md_choices(losses, per_loss, all_runs) + md_runs_table(losses, per_loss, frozen)
+    L += md_indefinite(losses, indef, plan.seeds[0])
     L += ["## Verdict", "",
           "Claim: identity or a refined M′ ≥ trained [cosine] on unseen classes (computed from the mean "
           "MAP@R rows above; the refined rows are test oracles). And: does diagonal restraint improve up to "
           "r = 1 as the paper reports (on the frozen trunk it fell monotonically, docs/refinement.md)?", ""]
-    L += verdicts(losses, per_loss, trunk)
+    L += verdicts(losses, per_loss, plan.trunk, frozen)
     if anomalies:
         L += ["", "Anomalies:", ""] + [f"- {a}" for a in anomalies]
-    md = "\n".join(L) + "\n"
-    write_json(out / "results.json", {"losses": losses, "seeds": seeds, "epochs": args.epochs, "train_blocks": n,
-                                      "finetune": args.finetune,
-                                      "grid": args.grid, "restraint_seeds": args.restraint_seeds,
-                                      "wall_seconds": round(wall, 1), "runs": per_loss, "indefinite": indef,
-                                      "anomalies": anomalies})
-    write_text(out / "results.md", md)
-    print(md)
+    return "\n".join(L) + "\n"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    setup_logging()
+    apply_threads(args.threads)
+    # numpy's OpenBLAS too (apply_threads sets torch and faiss only): with 2 BLAS threads on 2 busy
+    # cores, each 1280 × 1280 eigvalsh of the matrix reports took ~6–12 s instead of ~0.5 s
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=args.threads, user_api="blas")
+    t_start = time.time()
+    plan = Plan(args)
+    per_loss, anomalies = train_and_evaluate(plan, t_start)
+    indef = indefinite_analysis(plan, t_start)
+    plot_sweeps(plan.losses, per_loss, plan.out, plan.trunk)
+    wall = time.time() - t_start
+    cmd = "python " + " ".join(["bench/table1_trained.py"] + sys.argv[1:])
+    md = results_markdown(plan, per_loss, indef, anomalies, wall, cmd, frozen_neck())
+    write_json(plan.out / "results.json", {"losses": plan.losses, "seeds": plan.seeds, "epochs": args.epochs,
+                                           "train_blocks": plan.n, "finetune": args.finetune,
+                                           "grid": args.grid, "restraint_seeds": args.restraint_seeds,
+                                           "wall_seconds": round(wall, 1), "runs": per_loss, "indefinite": indef,
+                                           "anomalies": anomalies})
+    write_table(plan.out / "results.md", md)
 
 
 if __name__ == "__main__":

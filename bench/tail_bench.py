@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
+from common import pm, timed, write_table
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from core.atomic import write_json, write_text
+from core.atomic import write_json
 from core.logs import setup_logging
 from training.config import TrainConfig
 from training.trainer import train_or_reuse
@@ -34,11 +31,6 @@ ROWS = [("frozen neck", "frozen", dict(), 30),
         ("trained tail, N = 2 (+ blocks6)", "tail2", dict(train_blocks=2), 20),
         ("trained tail, N = 3 (+ blocks5)", "tail3", dict(train_blocks=3), 10),
         ("full fine-tune (augmented; 30-epoch probe first)", "finetune", dict(mode="finetune"), 3)]
-
-
-def fmt(vals):
-    v = np.array(vals) * 100
-    return f"{v.mean():.2f} ± {v.std():.2f}"
 
 
 def main():
@@ -76,7 +68,7 @@ def main():
     out = Path(args.out)
     lines = ["| model | epochs | val MAP@R | test MAP@R | test R@1 | train s/run |", "|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['epochs']} | {fmt(r['val'])} | {fmt(r['map@r'])} | {fmt(r['recall@1'])} | "
+        lines.append(f"| {r['model']} | {r['epochs']} | {pm(r['val'])} | {pm(r['map@r'])} | {pm(r['recall@1'])} | "
                      f"{np.mean(r['seconds']):.0f} |")
     ratio = None
     if "tail2" in epoch_s and "finetune" in epoch_s:
@@ -88,14 +80,12 @@ def main():
     stem = "results" if set(wanted) >= {r[1] for r in ROWS} else "results_" + "_".join(wanted)
     write_json(out / f"{stem}.json", {"seeds": seeds, "rows": rows, "epoch_ratio": ratio})
     md = "\n".join(lines) + "\n"
-    write_text(out / f"{stem}.md", md)
-    print(md)
+    write_table(out / f"{stem}.md", md)
 
 
 def epoch_ratio(out: Path) -> None:
     """One training epoch (no validation) of each, twice, alternating so machine load hits both alike."""
     import tempfile
-    import time
 
     from training.tensorboard import RunBoard
     from training.trainer import Run
@@ -111,9 +101,7 @@ def epoch_ratio(out: Path) -> None:
         times = {k: [] for k in runs}
         for rep in range(2):
             for k, r in runs.items():
-                t = time.perf_counter()
-                r.train_epoch(rep)
-                times[k].append(time.perf_counter() - t)
+                times[k].append(timed(lambda r=r, rep=rep: r.train_epoch(rep))[1])
                 print(k, rep, round(times[k][-1], 1), flush=True)
     t, f = float(np.median(times["tail2"])), float(np.median(times["finetune"]))
     res = {"tail2_epoch_s": times["tail2"], "finetune_epoch_s": times["finetune"], "ratio": t / f}
@@ -121,8 +109,7 @@ def epoch_ratio(out: Path) -> None:
     md = (f"One training epoch (4,600 images, batch 120, ProxyAnchor), median of 2, alternating: tail N = 2 "
           f"{t:.1f} s, full fine-tune {f:.1f} s: the tail epoch takes **{t / f:.2f}×** the fine-tune epoch "
           f"({f / t:.1f}× faster).\n")
-    write_text(out / "epoch_ratio.md", md)
-    print(md)
+    write_table(out / "epoch_ratio.md", md)
 
 
 if __name__ == "__main__":

@@ -11,26 +11,27 @@ reused when their folder already holds a finished run of the same config.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from common import pm, write_table
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from core.atomic import write_json, write_text
+from core.atomic import write_json
 from core.logs import setup_logging
 from training.config import TrainConfig
 from training.trainer import train_or_reuse
 
 KEYS = ("map@r", "recall@1", "nmi")
+# the losses on frozen efficientnet_lite0 features: (row name, TrainConfig settings)
+FROZEN_SETUPS = [("ProxyAnchor", dict(loss="proxy_anchor")), ("ProxyNCA", dict(loss="proxy_nca")),
+                 ("Multi-Similarity", dict(loss="multi_similarity")), ("Triplet (semi-hard)", dict(loss="triplet")),
+                 ("Binomial deviance", dict(loss="binomial"))]
 
 
-def fmt(vals):
-    v = np.array(vals) * 100
-    return f"{v.mean():.2f} ± {v.std():.2f}"
+def frozen_model(name: str) -> str:
+    """The results row of a FROZEN_SETUPS entry (its "model")."""
+    return f"{name} on efficientnet_lite0"
 
 
 def main():
@@ -53,11 +54,8 @@ def main():
     rows.append({"model": "raw efficientnet_lite0 trunk", "mode": "no training",
                  **{k: [raw[k]] for k in KEYS}, "seconds": [0.0]})
 
-    setups = [("ProxyAnchor", dict(loss="proxy_anchor")), ("ProxyNCA", dict(loss="proxy_nca")),
-              ("Multi-Similarity", dict(loss="multi_similarity")), ("Triplet (semi-hard)", dict(loss="triplet")),
-              ("Binomial deviance", dict(loss="binomial"))]
-    for name, kw in setups:
-        r = {"model": f"{name} on efficientnet_lite0", "mode": "frozen-backbone", **{k: [] for k in KEYS},
+    for name, kw in FROZEN_SETUPS:
+        r = {"model": frozen_model(name), "mode": "frozen-backbone", **{k: [] for k in KEYS},
              "seconds": []}
         for s in seeds:
             cfg = TrainConfig(out=f"{args.runs}/{kw['loss']}-s{s}", seed=s, progress=False, **kw)
@@ -84,11 +82,10 @@ def main():
     write_json(out / "results.json", {"seeds": seeds, "rows": rows})
     lines = ["| model | mode | MAP@R | R@1 | NMI | train s/run |", "|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['mode']} | {fmt(r['map@r'])} | {fmt(r['recall@1'])} | "
-                     f"{fmt(r['nmi'])} | {np.mean(r['seconds']):.0f} |")
+        lines.append(f"| {r['model']} | {r['mode']} | {pm(r['map@r'])} | {pm(r['recall@1'])} | "
+                     f"{pm(r['nmi'])} | {np.mean(r['seconds']):.0f} |")
     md = "\n".join(lines) + "\n"
-    write_text(out / "results.md", md)
-    print(md)
+    write_table(out / "results.md", md)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh Debian machine that has only Python 3.11:
-# a virtual environment with the pinned requirements, and the Debian font
-# packages the kanji data set is rendered from.  Re-running is cheap: each
-# step is skipped when its stamp/package is already in place.
+# a virtual environment with the project installed editable (its pinned
+# requirements, and the extras asked for), and the Debian font packages the
+# kanji data set is rendered from.  Re-running is cheap: each step is skipped
+# when its stamp/package is already in place.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,19 +38,32 @@ fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-# the Milvus backend is an optional extra: `make test` (WITH_MILVUS=1) installs it for its tests;
-# the test and lint tools come from requirements-test.txt (WITH_TEST=1)
-files=(requirements.txt)
-[ "${WITH_MILVUS:-0}" = 1 ] && files+=(requirements-milvus.txt)
-[ "${WITH_TEST:-0}" = 1 ] && files+=(requirements-test.txt)
-reqs=()
-for f in "${files[@]}"; do reqs+=(-r "$f"); done
-stamp=.venv/.requirements.sha256
-want=$(cat "${files[@]}" | sha256sum | cut -d' ' -f1)
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q "${reqs[@]}"
-  echo "$want" > "$stamp"
+# The project itself, editable (`pip install -e .`: one .pth line, nothing written into the
+# checkout), with the dependencies pyproject.toml reads from requirements.txt and the extras asked
+# for: `test` (requirements-test.txt: pytest, ruff, mypy, playwright) for make test/test-fast/lint,
+# `milvus` (requirements-milvus.txt) for make test.  One stamp per part, so moving between make
+# targets never reinstalls what is already there.
+parts=(base)
+[ "${WITH_TEST:-0}" = 1 ] && parts+=(test)
+[ "${WITH_MILVUS:-0}" = 1 ] && parts+=(milvus)
+stamp_of() {  # what the part was installed from: pyproject.toml and its requirements file
+  case $1 in
+    base) cat pyproject.toml requirements.txt ;;
+    test) cat pyproject.toml requirements.txt requirements-test.txt ;;
+    milvus) cat pyproject.toml requirements.txt requirements-milvus.txt ;;
+  esac | sha256sum | cut -d' ' -f1
+}
+todo=()
+for part in "${parts[@]}"; do
+  [ "$(cat ".venv/.installed-$part" 2>/dev/null)" = "$(stamp_of "$part")" ] || todo+=("$part")
+done
+if [ ${#todo[@]} -gt 0 ]; then
+  extras=$(IFS=,; echo "${parts[*]:1}")
+  echo "bootstrap: pip install -e .${extras:+[$extras]}"
+  # --no-compile: with the bytecode prefix below, Python never reads the .pyc files pip would write
+  # beside the sources; each module is compiled into the prefix on its first import instead
+  .venv/bin/python -m pip install -q --no-compile -e ".${extras:+[$extras]}"
+  for part in "${parts[@]}"; do stamp_of "$part" > ".venv/.installed-$part"; done
 fi
 
 # --- bytecode outside the checkout ------------------------------------------

@@ -6,7 +6,7 @@ import urllib.parse
 
 import numpy as np
 import pytest
-from support import panels, run_module
+from support import panels, run_command
 
 from app.compare_view import parse_state, state_query, tick_label, write_exports
 from app.service import RetrievalService, Spec
@@ -285,8 +285,8 @@ def test_export_equals_cli_search(svc, tmp_path):
     for side, args in (("left", ["--strategy", "trained"]), ("right", ["--strategy", "random", "--r", "0.4",
                                                                      "--seed", "2"])):
         out = tmp_path / f"{side}.json"
-        r = run_module("index", "search", "--index", str(svc.index_dir), "--image", str(img), "--k", "6",
-                       "--mode", "bilinear", "--json", str(out), *args, cwd=tmp_path)
+        r = run_command("index", "search", "--index", str(svc.index_dir), "--image", str(img), "--k", "6",
+                        "--mode", "bilinear", "--json", str(out), *args, cwd=tmp_path)
         assert r.returncode == 0, r.stderr
         cli = json.loads(out.read_text())["queries"][0]["results"]
         panel = next(p for p in exported["panels"] if p["side"] == side)

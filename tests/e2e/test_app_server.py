@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from app_helpers import chromium_path, free_port, needs_chromium
-from support import ROOT, run_module
+from support import BYTECODE, PRODUCT, ROOT, run_command, run_module
 
 from index.backends.gallery import RESULT_FIELDS
 
@@ -40,7 +40,7 @@ def test_threads_default_to_a_share_of_the_cores(tmp_path):
     assert build_parser().parse_args(["--threads", "3"]).threads == 3
     assert serving_thread_count(1) == len(os.sched_getaffinity(0))
     assert serving_thread_count(len(os.sched_getaffinity(0)) + 1) == 1  # never 0 (= the libraries' own setting)
-    r = run_module("app", "--concurrency", "0", cwd=tmp_path)
+    r = run_command("app", "--concurrency", "0", cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith("--concurrency must be ≥ 1, got 0")
 
 
@@ -100,9 +100,9 @@ def test_api_search_matches_cli(server, tmp_path, monkeypatch):
     # a script written before `psd` existed: image, strategy, r, seed, alpha, p, mode, k
     res = client.predict(handle_file(str(img)), "random", 0.4, 2, 0.5, 0.5, "bilinear", 6, api_name="/search")
     out = tmp_path / "cli.json"
-    r = run_module("index", "search", "--index", str(svc.index_dir), "--image",
-                   str(img), "--strategy", "random", "--r", "0.4", "--seed", "2", "--k", "6", "--mode", "bilinear",
-                   "--json", str(out), cwd=tmp_path)
+    r = run_command("index", "search", "--index", str(svc.index_dir), "--image",
+                    str(img), "--strategy", "random", "--r", "0.4", "--seed", "2", "--k", "6", "--mode", "bilinear",
+                    "--json", str(out), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     cli = json.loads(out.read_text())["queries"][0]["results"]
     assert_same_results(res["results"], cli)
@@ -111,8 +111,8 @@ def test_api_search_matches_cli(server, tmp_path, monkeypatch):
     assert by_name == res
     # the defaults agree too: the trained metric, as evaluated everywhere (cosine)
     res = client.predict(handle_file(str(img)), api_name="/search")
-    r = run_module("index", "search", "--index", str(svc.index_dir), "--image", str(img), "--json", str(out),
-                   cwd=tmp_path)
+    r = run_command("index", "search", "--index", str(svc.index_dir), "--image", str(img), "--json", str(out),
+                    cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     cli = json.loads(out.read_text())
     assert cli["strategy"] == "trained" and cli["mode"] == "cosine" and res["metric"].endswith("cosine")
@@ -138,8 +138,8 @@ def test_rest_search_matches_cli_and_refuses_bad_input(server, tmp_path):
     r = httpx.post(api, files={"image": img.read_bytes()}, data=fields, timeout=60)
     assert r.status_code == 200, r.text
     out = tmp_path / "cli.json"
-    c = run_module("index", "search", "--index", str(svc.index_dir), "--image", str(img), "--strategy", "random",
-                   "--r", "0.4", "--seed", "2", "--k", "6", "--mode", "bilinear", "--json", str(out), cwd=tmp_path)
+    c = run_command("index", "search", "--index", str(svc.index_dir), "--image", str(img), "--strategy", "random",
+                    "--r", "0.4", "--seed", "2", "--k", "6", "--mode", "bilinear", "--json", str(out), cwd=tmp_path)
     assert c.returncode == 0, c.stderr
     assert_same_results(r.json()["results"], json.loads(out.read_text())["queries"][0]["results"])
     assert r.json()["metric"] == "random(r=0.4, seed=2) · bilinear"
@@ -279,8 +279,8 @@ def test_starting_the_app_writes_nothing_into_the_source_tree(tiny_index, tmp_pa
     assert r.returncode == 0
     import subprocess
     import sys
-    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT), "HOME": str(tmp_path),
-           "GRADIO_ANALYTICS_ENABLED": "False", "NO_PROXY": "127.0.0.1,localhost"}
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(PRODUCT), "HOME": str(tmp_path),
+           "GRADIO_ANALYTICS_ENABLED": "False", "NO_PROXY": "127.0.0.1,localhost"} | BYTECODE
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from support import ROOT, run_module
+from support import run_module
 
 pytestmark = pytest.mark.multiprocess  # torchrun, two ranks
 
@@ -16,7 +16,6 @@ FONTS = "ipag,ipam,seto,kouzan-sousyo,ume-gothic,ukai"
 # so mid-epoch 2, after epoch 1's latest.pt
 KILLER = """
 import os, sys
-sys.path.insert(0, {root!r})
 from training import step as S
 calls = [0]
 orig = S.Step.__call__
@@ -59,7 +58,7 @@ def test_killed_mid_epoch_resumes_under_torchrun_to_the_uninterrupted_result(com
         "best.pt", "config.toml", "curve.png", "latest.pt", "log.jsonl", "metrics.json"]
 
     script = t / "killer.py"
-    script.write_text(KILLER.format(root=str(ROOT)))
+    script.write_text(KILLER)
     killed = torchrun(script, "train", *args, "--out", t / "cut", cwd=t)
     assert killed.returncode != 0
     assert not (t / "cut" / "metrics.json").exists()

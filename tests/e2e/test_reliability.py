@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from support import ROOT, run_module
+from support import BYTECODE, PRODUCT, run_command
 
 from core.atomic import cleanup_stale
 from core.locks import exclusive_lock
@@ -32,8 +32,8 @@ write_index(path, rng.normal(size=(n, 6)), items, rng.normal(size=(2, 6)), norma
 
 
 def python(*args, cwd, fault: str | None = None, **kw):
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT), "HOME": str(cwd),
-           "PYTHONDONTWRITEBYTECODE": "1", "TQDM_DISABLE": "1"} | ({"DML_FAULT": fault} if fault else {})
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(PRODUCT), "HOME": str(cwd),
+           "TQDM_DISABLE": "1"} | BYTECODE | ({"DML_FAULT": fault} if fault else {})
     return subprocess.Popen([sys.executable, *map(str, args)], cwd=cwd, env=env, text=True, **kw)
 
 
@@ -87,7 +87,7 @@ def test_concurrent_index_add_refuses_the_second_and_loses_no_rows(tmp_path):
     while not lines or lines[-1] not in ("", "DML_FAULT: paused at pause-in-lock\n"):
         lines.append(first.stderr.readline())  # the first writer now holds the lock, mid-change
     assert lines[-1] == "DML_FAULT: paused at pause-in-lock\n", "".join(lines)
-    second = run_module("index", "add", "--index", idx, "--features", "B.npy", "--label", 2, cwd=tmp_path)
+    second = run_command("index", "add", "--index", idx, "--features", "B.npy", "--label", 2, cwd=tmp_path)
     assert second.returncode == 2 and second.stderr == \
         f"error: index {idx} is being modified by PID {first.pid}; try again when it finishes\n"
     out, err = first.communicate("\n")

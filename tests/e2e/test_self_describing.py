@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 from PIL import Image
-from support import run_module
+from support import run_command
 
 SIZE = 40  # a non-default size (the images are 56 px, the backbone default 224)
 
@@ -21,17 +21,17 @@ def trained(tmp_path_factory):
         for i in range(4):
             px = np.clip(base + rng.normal(0, 20, size=base.shape), 0, 255).astype(np.uint8)
             Image.fromarray(px).save(t / "images" / f"class{c}" / f"{i}.png")
-    r = run_module("training", "train", "--dataset", "imagefolder", "--data-root", t / "images",
-                   "--image-size", SIZE, "--backbone", "small_cnn", "--weights", "none", "--embed-dim", 8,
-                   "--epochs", 1, "--batch-size", 8, "--m-per-class", 4, "--out", t / "run",
-                   "--cache-dir", t / "cache", "--no-progress", cwd=t)
+    r = run_command("training", "train", "--dataset", "imagefolder", "--data-root", t / "images",
+                    "--image-size", SIZE, "--backbone", "small_cnn", "--weights", "none", "--embed-dim", 8,
+                    "--epochs", 1, "--batch-size", 8, "--m-per-class", 4, "--out", t / "run",
+                    "--cache-dir", t / "cache", "--no-progress", cwd=t)
     assert r.returncode == 0, r.stderr
     return t
 
 
 def build(t, out, *flags):
-    r = run_module("index", "build", "--checkpoint", t / "run" / "best.pt", "--out", t / out,
-                   "--cache-dir", "", "--no-progress", *flags, cwd=t)
+    r = run_command("index", "build", "--checkpoint", t / "run" / "best.pt", "--out", t / out,
+                    "--cache-dir", "", "--no-progress", *flags, cwd=t)
     assert r.returncode == 0, r.stderr
     return json.loads((t / out / "manifest.json").read_text()), r.stderr
 
@@ -52,8 +52,8 @@ def test_build_takes_the_data_settings_from_the_checkpoint(trained):
     assert (np.load(t / "idx" / "features.npy") == np.load(t / "idx_explicit" / "features.npy")).all()
     res = []
     for idx in ("idx", "idx_explicit"):
-        r = run_module("index", "search", "--index", t / idx, "--image", t / "images" / "class1" / "0.png",
-                       "--k", 5, cwd=t)
+        r = run_command("index", "search", "--index", t / idx, "--image", t / "images" / "class1" / "0.png",
+                        "--k", 5, cwd=t)
         assert r.returncode == 0, r.stderr
         res.append(json.loads(r.stdout)["queries"][0]["results"])
     assert res[0] == res[1] and len(res[0]) == 5
@@ -69,8 +69,8 @@ def test_a_moved_data_root_is_named_with_the_flag_that_overrides_it(trained):
     t = trained
     (t / "images").rename(t / "moved")
     try:
-        r = run_module("index", "build", "--checkpoint", t / "run" / "best.pt", "--out", t / "idx_moved",
-                       "--cache-dir", "", "--no-progress", cwd=t)
+        r = run_command("index", "build", "--checkpoint", t / "run" / "best.pt", "--out", t / "idx_moved",
+                        "--cache-dir", "", "--no-progress", cwd=t)
         assert r.returncode == 2
         assert str((t / "images").resolve()) in r.stderr and "--data-root" in r.stderr
         assert r.stderr.startswith("error: ") and "Traceback" not in r.stderr

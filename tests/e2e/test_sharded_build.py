@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support import run_module
+from support import run_command, run_module
 
 from index.backends.search import Searcher
 from index.backends.store import read_index
@@ -27,8 +27,8 @@ def shards(tiny_run, tmp_path_factory):
     t = tmp_path_factory.mktemp("shards")
     ck = Path(cfg.out) / "best.pt"
     for i in range(2):
-        r = run_module("index", "build", "--checkpoint", ck, "--shard", f"{i}/2", "--out", t / f"s{i}",
-                       "--cache-dir", "", "--no-progress", cwd=t)
+        r = run_command("index", "build", "--checkpoint", ck, "--shard", f"{i}/2", "--out", t / f"s{i}",
+                        "--cache-dir", "", "--no-progress", cwd=t)
         assert r.returncode == 0, r.stderr
     return t, ck
 
@@ -36,16 +36,16 @@ def shards(tiny_run, tmp_path_factory):
 def test_shards_merged_equal_one_build(tiny_index, shards):
     t, _ = shards
     assert 0 < read_index(t / "s0").manifest["count"] < read_index(tiny_index).manifest["count"]
-    r = run_module("index", "merge", t / "s1", t / "s0", "--out", t / "merged", cwd=t)
+    r = run_command("index", "merge", t / "s1", t / "s0", "--out", t / "merged", cwd=t)
     assert r.returncode == 0, r.stderr
     same_index(tiny_index, t / "merged")
 
 
 def test_merge_refuses_shards_that_do_not_belong_together(tiny_index, shards):
     t, _ = shards
-    r = run_module("index", "merge", t / "s0", t / "s0", "--out", t / "bad", cwd=t)
+    r = run_command("index", "merge", t / "s0", t / "s0", "--out", t / "bad", cwd=t)
     assert r.returncode == 2 and "exactly once" in r.stderr and not (t / "bad").exists()
-    r = run_module("index", "merge", t / "s0", tiny_index, "--out", t / "bad", cwd=t)
+    r = run_command("index", "merge", t / "s0", tiny_index, "--out", t / "bad", cwd=t)
     assert r.returncode == 2 and "is not a shard" in r.stderr and not (t / "bad").exists()
 
 

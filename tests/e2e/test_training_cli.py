@@ -1,11 +1,12 @@
-"""`python -m training evaluate` end to end, and its refusals."""
+"""`python -m training evaluate` and `train` end to end, and their refusals: through the command's
+main(argv) in this process, and once in a process of its own (python -m training)."""
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
-from support import run_module
+from support import run_command, run_module
 
 
 @pytest.fixture(autouse=True)
@@ -14,7 +15,7 @@ def _cwd(tmp_path, monkeypatch):
 
 
 def run(*args, check=True):
-    return run_module("training", *args, cwd=Path.cwd(), check=check)
+    return run_command("training", *args, cwd=Path.cwd(), check=check)
 
 
 def test_embeddings_to_flat_json(tmp_path):
@@ -24,8 +25,10 @@ def test_embeddings_to_flat_json(tmp_path):
     np.save(tmp_path / "E.npy", x.astype(np.float32))
     np.save(tmp_path / "L.npy", y)
     out = tmp_path / "out.json"
-    run("evaluate", "--embeddings", str(tmp_path / "E.npy"), "--labels", str(tmp_path / "L.npy"),
-        "--ks", "1,4", "--json", str(out))
+    # the one run of `python -m training` in a process of its own
+    r = run_module("training", "evaluate", "--embeddings", tmp_path / "E.npy", "--labels", tmp_path / "L.npy",
+                   "--ks", "1,4", "--json", out, cwd=tmp_path, check=True)
+    assert json.loads(r.stdout) == json.loads(out.read_text()) and "MAP@R" in r.stderr
     res = json.loads(out.read_text())
     assert set(res) == {"recall@1", "recall@4", "map@r", "r_precision", "precision@1", "nmi", "f1",
                         "n_classes", "n_queries", "n_skipped_queries"}

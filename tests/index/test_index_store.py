@@ -4,7 +4,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support import run_module
+from support import run_command, run_module
 
 from core.errors import UserError
 from index.backends.search import Searcher
@@ -120,14 +120,14 @@ def test_build_search_cli_matches_api_and_refuses_other_model(tiny_run, tmp_path
     data = read_index(idx)
     assert data.manifest["split"] == "test" and data.manifest["count"] == 6 * 4
     img = Path(data.root) / data.items.paths[3]
-    def cli_search(*extra):
+    def cli_search(*extra, run=run_command):
         out = tmp_path / "r.json"
-        r = run_module("index", "search", "--index", str(idx), "--image", str(img),
-                            "--k", "5", "--json", str(out), *extra, cwd=tmp_path)
+        r = run("index", "search", "--index", str(idx), "--image", str(img), "--k", "5", "--json", str(out),
+                *extra, cwd=tmp_path)
         assert r.returncode == 0, r.stderr
         return json.loads(out.read_text())["queries"][0]["results"]
 
-    res = cli_search("--strategy", "trained", "--mode", "cosine")
+    res = cli_search("--strategy", "trained", "--mode", "cosine", run=run_module)  # in a process of its own
     assert len(res) == 5 and res[0]["id"] == int(data.items.ids[3])  # cosine: the image finds itself first
     assert res[0]["score"] == pytest.approx(1.0, abs=1e-4)
     res = cli_search("--strategy", "random", "--r", "0.5", "--seed", "1")
@@ -140,20 +140,20 @@ def test_build_search_cli_matches_api_and_refuses_other_model(tiny_run, tmp_path
     other = tmp_path / "other.pt"
     ckd = read_checkpoint(ck)
     save_checkpoint(other, model_from_checkpoint(ckd), config=ckd["config"], metrics={"x": 1})
-    r = run_module("index", "search", "--index", str(idx), "--image", str(img),
-                        "--checkpoint", str(other), cwd=tmp_path)
+    r = run_command("index", "search", "--index", str(idx), "--image", str(img),
+                    "--checkpoint", str(other), cwd=tmp_path)
     assert r.returncode == 2 and "not the model this index was built with" in r.stderr
     # a query of the wrong dimension is refused
     np.save(tmp_path / "q.npy", np.ones((1, 7), np.float32))
-    r = run_module("index", "search", "--index", str(idx), "--features",
-                        str(tmp_path / "q.npy"), cwd=tmp_path)
+    r = run_command("index", "search", "--index", str(idx), "--features",
+                    str(tmp_path / "q.npy"), cwd=tmp_path)
     assert r.returncode == 2 and "this index holds 128-d features" in r.stderr
     # non-symmetric custom matrix via the CLI
     A = np.eye(128)
     A[0, 1] = 1
     np.save(tmp_path / "A.npy", A)
-    r = run_module("index", "search", "--index", str(idx), "--image", str(img),
-                        "--strategy", "custom", "--metric-matrix", str(tmp_path / "A.npy"), cwd=tmp_path)
+    r = run_command("index", "search", "--index", str(idx), "--image", str(img),
+                    "--strategy", "custom", "--metric-matrix", str(tmp_path / "A.npy"), cwd=tmp_path)
     assert r.returncode == 2 and "not symmetric" in r.stderr
 
 
@@ -184,10 +184,10 @@ def test_strategy_evaluation_outputs(tmp_path):
 def test_select_cli_chooses_on_validation(tiny_run, tmp_path):
     cfg, t = tiny_run
     out = tmp_path / "sel.json"
-    r = run_module("index", "select", "--checkpoint", str(Path(cfg.out) / "best.pt"),
-                        "--dataset", "kanji", "--data-root", cfg.data_root, "--num-classes", "12",
-                        "--image-size", "32", "--kanji-fonts", ",".join(cfg.kanji_fonts), "--cache-dir",
-                        cfg.cache_dir, "--seeds", "1", "--no-progress", "--json", str(out), cwd=tmp_path)
+    r = run_command("index", "select", "--checkpoint", str(Path(cfg.out) / "best.pt"),
+                    "--dataset", "kanji", "--data-root", cfg.data_root, "--num-classes", "12",
+                    "--image-size", "32", "--kanji-fonts", ",".join(cfg.kanji_fonts), "--cache-dir",
+                    cfg.cache_dir, "--seeds", "1", "--no-progress", "--json", str(out), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     best = max(res["all"], key=lambda row: row["map@r"])

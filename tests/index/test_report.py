@@ -2,7 +2,7 @@
 from html.parser import HTMLParser
 
 import pytest
-from support import run_module
+from support import run_command
 
 from core.cli import run_cli
 from index.analysis.compare import Comparer
@@ -29,8 +29,8 @@ class Page(HTMLParser):
 
 def test_report_html(tiny_index, tmp_path):
     out = tmp_path / "report.html"
-    r = run_module("index", "report", "--index", tiny_index, "--strategy", "random", "--r", "0.5", "--seed", "0",
-                   "--mode", "bilinear", "--top", "2", "--k", "3", "--out", out, cwd=tmp_path)
+    r = run_command("index", "report", "--index", tiny_index, "--strategy", "random", "--r", "0.5", "--seed", "0",
+                    "--mode", "bilinear", "--top", "2", "--k", "3", "--out", out, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     page = Page()
     page.feed(out.read_text())
@@ -49,8 +49,8 @@ def test_report_html(tiny_index, tmp_path):
 
 
 def test_report_refuses_a_missing_analysis_folder(tiny_index, tmp_path):
-    r = run_module("index", "report", "--index", tiny_index, "--strategy", "identity", "--analysis",
-                   tmp_path / "nope", "--out", tmp_path / "r.html", cwd=tmp_path)
+    r = run_command("index", "report", "--index", tiny_index, "--strategy", "identity", "--analysis",
+                    tmp_path / "nope", "--out", tmp_path / "r.html", cwd=tmp_path)
     assert (
         r.returncode == 2 and r.stderr.startswith("error: --analysis folder not found") and "Traceback" not in r.stderr
     )
@@ -60,9 +60,9 @@ def test_report_refuses_a_missing_analysis_folder(tiny_index, tmp_path):
 def test_report_of_two_configurations(tiny_index, tmp_path):
     """--left-*: any configuration on the left; the page names both, and its counts are the comparer's."""
     out = tmp_path / "two.html"
-    r = run_module("index", "report", "--index", tiny_index, "--left-strategy", "identity", "--left-mode", "cosine",
-                   "--strategy", "random", "--r", "0.5", "--mode", "bilinear", "--top", "2", "--k", "3", "--out", out,
-                   cwd=tmp_path)
+    r = run_command("index", "report", "--index", tiny_index, "--left-strategy", "identity", "--left-mode", "cosine",
+                    "--strategy", "random", "--r", "0.5", "--mode", "bilinear", "--top", "2", "--k", "3", "--out", out,
+                    cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     text = out.read_text()
     cmp = Comparer(read_index(tiny_index)).compare(SearchConfig("identity", {}, "cosine"),

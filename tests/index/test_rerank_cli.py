@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from support import run_module
+from support import run_command
 
 from core.errors import UserError
 from evaluation.evaluator import per_query_metrics
@@ -54,11 +54,11 @@ def test_bad_rerank_settings_are_refused_before_the_index_is_read(tmp_path, bad,
 
 
 def test_bad_rerank_settings_are_one_line_errors_with_exit_2(tiny_index, tmp_path):
-    r = run_module("index", "search", "--index", tiny_index, "--features", tmp_path / "q.npy",
-                   "--rerank", "bogus", cwd=tmp_path)
+    r = run_command("index", "search", "--index", tiny_index, "--features", tmp_path / "q.npy",
+                    "--rerank", "bogus", cwd=tmp_path)
     assert r.returncode == 2 and "unknown re-ranker 'bogus'" in r.stderr and "Traceback" not in r.stderr
-    r = run_module("index", "search", "--index", tiny_index, "--features", tmp_path / "q.npy",
-                   "--rerank", "kreciprocal", "--rerank-param", "k1=many", cwd=tmp_path)
+    r = run_command("index", "search", "--index", tiny_index, "--features", tmp_path / "q.npy",
+                    "--rerank", "kreciprocal", "--rerank-param", "k1=many", cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1
 
 
