@@ -237,7 +237,12 @@ class Run:
         owns_group = not torch.distributed.is_initialized()
         self.dist = ddp.init_from_env(cfg_device)  # None in a plain process
         try:
-            return self._fit()
+            result = self._fit()
+            if self.dist and owns_group:
+                # every rank leaves together: a gloo rank that tears its group down while a peer is
+                # still evaluating can abort at exit ("terminate called without an active exception")
+                ddp.barrier()
+            return result
         finally:
             if self.dist and owns_group and torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
