@@ -6,6 +6,7 @@ the data a model was trained on.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,9 @@ class DataConfig:
     data_seed: int = field(default=0, metadata={"help": "seed of the class split (and kanji class choice)"})
     val_fraction: float = field(default=0.2, metadata={"help": "fraction of train classes held out for validation"})
     kanji_fonts: tuple[str, ...] = field(default=(), metadata={"help": "kanji: font ids to use (default all 23)"})
-    workers: int = field(default=1, metadata={"help": "image-loading worker processes"})
+    workers: str = field(default="auto", metadata={
+        "help": "image-loading worker processes: a number (0: load in the main process) or auto: the cores "
+                "this process may use, less one for itself"})
     eval_batch_size: int = field(default=128, metadata={"help": "batch size for embedding images"})
 
     def validate(self) -> None:
@@ -45,11 +48,19 @@ class DataConfig:
                    f"--image-size must be 0 (the data set's default) or 16 … 2048, got {self.image_size}"),
                   (0.0 <= self.val_fraction < 1.0, f"--val-fraction must be in [0, 1), got {self.val_fraction}"),
                   (self.data_seed >= 0, f"--data-seed must be ≥ 0, got {self.data_seed}"),
-                  (self.workers >= 0, f"--workers must be ≥ 0, got {self.workers}"),
+                  (worker_count(self.workers) is not None, f"--workers must be ≥ 0 or auto, got {self.workers}"),
                   (self.eval_batch_size >= 1, f"--eval-batch-size must be ≥ 1, got {self.eval_batch_size}")]
         for ok, msg in checks:
             if not ok:
                 raise UserError(msg)
+
+    def resolved_workers(self) -> int:
+        n = worker_count(self.workers)
+        if n is None:
+            from core.errors import UserError
+
+            raise UserError(f"--workers must be ≥ 0 or auto, got {self.workers}")
+        return n
 
     def dataset_spec(self):
         """The data set's registered `DatasetSpec` (the defaults for a name not registered)."""
@@ -77,6 +88,19 @@ class DataConfig:
     def data_fields(self) -> dict:
         names = {f.name for f in dataclasses.fields(DataConfig)}
         return {k: v for k, v in dataclasses.asdict(self).items() if k in names}
+
+
+def worker_count(workers) -> int | None:
+    """`--workers` as a process count (None: not a valid value).  auto: the cores this process may
+    use, less the one it runs on."""
+    if str(workers).strip().lower() == "auto":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(0, cores - 1)
+    try:
+        n = int(workers)
+    except (TypeError, ValueError):
+        return None
+    return n if n >= 0 else None
 
 
 def largest_image_side(splits, limit: int) -> int | None:
