@@ -11,7 +11,9 @@ from data import DataConfig
 
 # fields that do not change what a run computes (so resume/reuse may differ in them)
 RUNTIME_FIELDS = ("resume", "overwrite", "progress", "threads", "workers", "cache_dir", "out", "eval_batch_size",
-                  "device", "tensorboard")
+                  "device", "tensorboard", "channels_last", "compile")
+# --image-cache auto: the decoded-image cache (train + validation, uint8) is used up to this size
+IMAGE_CACHE_AUTO_BYTES = 16 * 2**30
 
 
 @dataclass
@@ -77,6 +79,18 @@ class TrainConfig(DataConfig):
         "help": "forward-pass precision (autocast; fp16 adds a gradient scaler and needs CUDA); losses, "
                 "flows and log-determinants stay fp32"})
     device: str = field(default="auto", metadata={"help": "auto (CUDA when available) | cpu | cuda | cuda:N"})
+    image_cache: Literal["auto", "on", "off"] = field(default="auto", metadata={
+        "help": "finetune: decode every training and validation image once into a uint8 cache at the input size "
+                "(memory-mapped under --cache-dir, reused by every epoch and run), cut each batch's random crops "
+                "and flips with torch on the training device, and validate from the cache; off: decode and "
+                "augment each image in --workers loader processes every epoch; auto: on while the cache takes "
+                "at most 16 GiB (the two give different crops from the same seed)"})
+    channels_last: Literal["auto", "on", "off"] = field(default="auto", metadata={
+        "help": "tail/finetune: run the backbone in channels_last memory layout; auto: where it was measured "
+                "faster for the backbone (docs/training.md): on the CPU, and on CUDA from 128 px"})
+    compile: bool = field(default=False, metadata={
+        "help": "tail/finetune: compile the trained part of the backbone with torch.compile (CUDA: its CUDA-graph "
+                "mode, reduce-overhead; the CPU: inductor's default); the first steps then pay the compilation"})
     tensorboard: bool = field(default=False, metadata={
         "help": "also write TensorBoard events to the run folder's tb/ (losses, learning rates, validation, "
                 "the test embeddings for the projector)"})
@@ -130,6 +144,15 @@ class TrainConfig(DataConfig):
 
     def freezes_bn(self) -> bool:
         return self.pretrained() if self.bn_freeze == "auto" else self.bn_freeze == "on"
+
+    def uses_image_cache(self, n_images: int, image_size: int) -> bool:
+        """Fine-tuning from the decoded-image cache (`n_images` train + validation images at
+        `image_size` px), rather than a loader that decodes every epoch."""
+        from model.features import image_cache_bytes
+
+        if self.resolved_mode() != "finetune" or self.image_cache == "off":
+            return False
+        return self.image_cache == "on" or image_cache_bytes(n_images, image_size) <= IMAGE_CACHE_AUTO_BYTES
 
     def data_config(self) -> DataConfig:
         return DataConfig.from_dict(dataclasses.asdict(self))
