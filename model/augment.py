@@ -12,16 +12,17 @@ a = width / height is round(√(f·S²·r/a)) × round(√(f·S²·a/r)) pixels,
 size (a glyph rendered at S px) gets exactly torchvision's crop.  The draws come, a batch at a
 time, from the CPU generator passed in: the same seed gives the same crops on every device.
 
-Resampling: on the CPU, torchvision's own `resized_crop` per image (its vectorised uint8 kernel), in
-a few threads; on CUDA, one `grid_sample` over the batch at the same sample positions (bilinear,
+Resampling: on the CPU, torchvision's own `resized_crop` per image (its vectorised uint8 kernel);
+on CUDA, one `grid_sample` over the batch at the same sample positions (bilinear,
 clamped to the crop), rounded to uint8 like torchvision's kernel.  The two agree to ±1 grey level.
+The normalisation is the spec's, computed in fewer passes (equal to it within 1e-6).
 """
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .preprocess import CROP_RATIO_RANGE, CROP_SCALE, TransformSpec
@@ -42,29 +43,32 @@ class Crops:
 def draw_crops(aspect: torch.Tensor, size: int, generator: torch.Generator, flip: bool,
                scale: tuple[float, float] = CROP_SCALE, ratio: tuple[float, float] = CROP_RATIO_RANGE) -> Crops:
     """torchvision's RandomResizedCrop.get_params for a batch of images of aspect ratio `aspect`
-    (width / height), in the coordinates of their `size` × `size` squashed copies."""
-    a = aspect.to(torch.float64)[:, None]
-    n = len(a)
-    u = torch.rand(n, TRIES, 2, generator=generator, dtype=torch.float64)
+    (width / height), in the coordinates of their `size` × `size` squashed copies.  The uniform draws
+    come from `generator`; the arithmetic on them is numpy's (a few hundred numbers: torch would
+    spread each op over its threads and wait for them)."""
+    n = len(aspect)
+    u = torch.rand(n, TRIES, 2, generator=generator, dtype=torch.float64).numpy()
+    pos = torch.rand(n, 2, generator=generator, dtype=torch.float64).numpy()
+    flips = (torch.rand(n, generator=generator) < 0.5) if flip else torch.zeros(n, dtype=torch.bool)
+    a = aspect.to(torch.float64).numpy()[:, None]
     area = size * size * (scale[0] + (scale[1] - scale[0]) * u[..., 0])
     lo, hi = math.log(ratio[0]), math.log(ratio[1])
-    r = torch.exp(lo + (hi - lo) * u[..., 1])
-    w = torch.round(torch.sqrt(area * r / a))
-    h = torch.round(torch.sqrt(area * a / r))
+    r = np.exp(lo + (hi - lo) * u[..., 1])
+    w = np.round(np.sqrt(area * r / a))  # numpy rounds half to even, as Python's round in torchvision
+    h = np.round(np.sqrt(area * a / r))
     fits = (w > 0) & (w <= size) & (h > 0) & (h <= size)
-    first = fits.to(torch.uint8).argmax(1, keepdim=True)  # the first try that fits
+    first = fits.argmax(1)[:, None]  # the first try that fits
     found = fits.any(1)
-    w, h = w.gather(1, first)[:, 0], h.gather(1, first)[:, 0]
+    w, h = np.take_along_axis(w, first, 1)[:, 0], np.take_along_axis(h, first, 1)[:, 0]
     # torchvision's fallback: the whole image, cut to the nearest allowed aspect ratio, centred
     a = a[:, 0]
-    fw = torch.where(a > ratio[1], torch.round(size * ratio[1] / a), torch.full_like(a, size)).clamp(1, size)
-    fh = torch.where(a < ratio[0], torch.round(size * a / ratio[0]), torch.full_like(a, size)).clamp(1, size)
-    w, h = torch.where(found, w, fw), torch.where(found, h, fh)
-    pos = torch.rand(n, 2, generator=generator, dtype=torch.float64)
-    top = torch.where(found, torch.floor(pos[:, 0] * (size - h + 1)), torch.floor((size - h) / 2))
-    left = torch.where(found, torch.floor(pos[:, 1] * (size - w + 1)), torch.floor((size - w) / 2))
-    flips = (torch.rand(n, generator=generator) < 0.5) if flip else torch.zeros(n, dtype=torch.bool)
-    return Crops(top.long(), left.long(), h.long(), w.long(), flips)
+    fw = np.clip(np.where(a > ratio[1], np.round(size * ratio[1] / a), size), 1, size)
+    fh = np.clip(np.where(a < ratio[0], np.round(size * a / ratio[0]), size), 1, size)
+    w, h = np.where(found, w, fw), np.where(found, h, fh)
+    top = np.where(found, np.floor(pos[:, 0] * (size - h + 1)), np.floor((size - h) / 2))
+    left = np.where(found, np.floor(pos[:, 1] * (size - w + 1)), np.floor((size - w) / 2))
+    as_long = lambda v: torch.from_numpy(v.astype(np.int64))  # noqa: E731
+    return Crops(as_long(top), as_long(left), as_long(h), as_long(w), flips)
 
 
 class BatchAugment:
@@ -72,12 +76,10 @@ class BatchAugment:
     on the CPU (a memory map is read in place) or the training device), of original aspect ratios
     `aspect` → the augmented, normalised float batch (B × 3 × S × S) on their device."""
 
-    def __init__(self, spec: TransformSpec, threads: int | None = None):
+    def __init__(self, spec: TransformSpec):
         if not spec.augment:
             raise ValueError("BatchAugment needs a training (augment) transform spec")
         self.spec, self.size = spec, spec.image_size
-        self.threads = threads or max(1, torch.get_num_threads())
-        self._pool: ThreadPoolExecutor | None = None
 
     def __call__(self, images: torch.Tensor, rows: torch.Tensor, aspect: torch.Tensor,
                  generator: torch.Generator) -> torch.Tensor:
@@ -90,31 +92,25 @@ class BatchAugment:
 
     # ------------------------------------------------------------ the CPU: torchvision per image
     def resample_each(self, images: torch.Tensor, rows: list[int], crops: Crops) -> torch.Tensor:
+        """torchvision's resized_crop (and flip) image by image, read in place from the cache and
+        written into one float batch, normalised in place."""
         from torchvision.transforms.v2 import functional as F
 
         s = self.size
         out = torch.empty(len(rows), 3, s, s)
-        box = torch.stack([crops.top, crops.left, crops.height, crops.width], 1).tolist()
-        flips = crops.flip.tolist()
+        boxes = torch.stack([crops.top, crops.left, crops.height, crops.width], 1).tolist()
+        for k, ((t, left, h, w), flip) in enumerate(zip(boxes, crops.flip.tolist(), strict=True)):
+            x = F.resized_crop(images[rows[k]].permute(2, 0, 1), t, left, h, w, [s, s], antialias=True)
+            out[k].copy_(x.flip(-1) if flip else x)
+        return self.scale(out)
 
-        def work(ks):
-            for k in ks:
-                t, left, h, w = box[k]
-                x = F.resized_crop(images[rows[k]].permute(2, 0, 1), t, left, h, w, [s, s], antialias=True)
-                if flips[k]:
-                    x = F.horizontal_flip(x)
-                out[k] = self.spec.normalize(x)
-
-        chunks = [range(i, len(rows), self.threads) for i in range(min(self.threads, len(rows)))]
-        if len(chunks) <= 1:
-            for c in chunks:
-                work(c)
-        else:  # torch's kernels release the GIL: the images of a batch resample in parallel
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="augment")
-            for f in [self._pool.submit(work, c) for c in chunks]:
-                f.result()
-        return out
+    def scale(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Pixel values (0 … 255, uint8 or float) → `spec.normalize`'s input, in two in-place passes
+        over one float tensor (equal to it within 1e-6)."""
+        dev = pixels.device
+        std = torch.tensor(self.spec.std, device=dev).view(3, 1, 1)
+        mean = torch.tensor(self.spec.mean, device=dev).view(3, 1, 1)
+        return pixels.to(torch.float32).mul_(1 / (255 * std)).add_(-mean / std)
 
     # ------------------------------------------------------------ an accelerator: one grid_sample
     def resample_grid(self, pixels: torch.Tensor, crops: Crops) -> torch.Tensor:
@@ -130,9 +126,4 @@ class BatchAugment:
         grid = torch.stack(torch.broadcast_tensors(gx[:, None, :], gy[:, :, None]), -1)
         x = torch.nn.functional.grid_sample(pixels.permute(0, 3, 1, 2).float(), grid, mode="bilinear",
                                             padding_mode="border", align_corners=False)
-        return self.spec.normalize(x.round_().to(torch.uint8))
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+        return self.scale(x.round_())

@@ -328,7 +328,6 @@ class CachedImages(ImageBatches):
 
     def close(self) -> None:
         super().close()
-        self.augment.close()
         if self._prefetch is not None:
             self._prefetch.shutdown()
             self._prefetch = None
