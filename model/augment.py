@@ -12,14 +12,15 @@ a = width / height is round(√(f·S²·r/a)) × round(√(f·S²·a/r)) pixels,
 size (a glyph rendered at S px) gets exactly torchvision's crop.  The draws come, a batch at a
 time, from the CPU generator passed in: the same seed gives the same crops on every device.
 
-Resampling: on the CPU, torchvision's own `resized_crop` per image (its vectorised uint8 kernel);
-on CUDA, one `grid_sample` over the batch at the same sample positions (bilinear,
-clamped to the crop), rounded to uint8 like torchvision's kernel.  The two agree to ±1 grey level.
-The normalisation is the spec's, computed in fewer passes (equal to it within 1e-6).
+Resampling: on the CPU, torchvision's own `resized_crop` per image (its vectorised uint8 kernel),
+the images shared out over a few threads; on CUDA, one `grid_sample` over the batch at the same
+sample positions (bilinear, clamped to the crop), rounded to uint8 like torchvision's kernel.  The
+two agree to ±1 grey level.  The normalisation is the spec's, in fewer passes (equal within 1e-6).
 """
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,6 +81,7 @@ class BatchAugment:
         if not spec.augment:
             raise ValueError("BatchAugment needs a training (augment) transform spec")
         self.spec, self.size = spec, spec.image_size
+        self._pool: ThreadPoolExecutor | None = None
 
     def __call__(self, images: torch.Tensor, rows: torch.Tensor, aspect: torch.Tensor,
                  generator: torch.Generator) -> torch.Tensor:
@@ -93,24 +95,47 @@ class BatchAugment:
     # ------------------------------------------------------------ the CPU: torchvision per image
     def resample_each(self, images: torch.Tensor, rows: list[int], crops: Crops) -> torch.Tensor:
         """torchvision's resized_crop (and flip) image by image, read in place from the cache and
-        written into one float batch, normalised in place."""
+        written, normalised, into one float batch.  The images are shared out over as many Python
+        threads as torch has (its kernels release the GIL), each kernel on one thread: an image is too
+        small to split, and split kernels wait on each other's threads whenever the cores are busy."""
         from torchvision.transforms.v2 import functional as F
 
         s = self.size
         out = torch.empty(len(rows), 3, s, s)
         boxes = torch.stack([crops.top, crops.left, crops.height, crops.width], 1).tolist()
-        for k, ((t, left, h, w), flip) in enumerate(zip(boxes, crops.flip.tolist(), strict=True)):
-            x = F.resized_crop(images[rows[k]].permute(2, 0, 1), t, left, h, w, [s, s], antialias=True)
-            out[k].copy_(x.flip(-1) if flip else x)
-        return self.scale(out)
+        flips = crops.flip.tolist()
+        mul, add = self._affine(out.device)
+
+        def work(ks):
+            for k in ks:
+                t, left, h, w = boxes[k]
+                x = F.resized_crop(images[rows[k]].permute(2, 0, 1), t, left, h, w, [s, s], antialias=True)
+                out[k].copy_(x.flip(-1) if flips[k] else x).mul_(mul).add_(add)
+
+        threads = torch.get_num_threads()
+        parts = [range(i, len(rows), threads) for i in range(min(threads, len(rows)))]
+        torch.set_num_threads(1)
+        try:
+            if len(parts) > 1:
+                self._pool = self._pool or ThreadPoolExecutor(threads, thread_name_prefix="augment")
+                for f in [self._pool.submit(work, p) for p in parts]:
+                    f.result()
+            else:
+                work(range(len(rows)))
+        finally:
+            torch.set_num_threads(threads)
+        return out
+
+    def _affine(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        std = torch.tensor(self.spec.std, device=device).view(3, 1, 1)
+        mean = torch.tensor(self.spec.mean, device=device).view(3, 1, 1)
+        return 1 / (255 * std), -mean / std
 
     def scale(self, pixels: torch.Tensor) -> torch.Tensor:
         """Pixel values (0 … 255, uint8 or float) → `spec.normalize`'s input, in two in-place passes
         over one float tensor (equal to it within 1e-6)."""
-        dev = pixels.device
-        std = torch.tensor(self.spec.std, device=dev).view(3, 1, 1)
-        mean = torch.tensor(self.spec.mean, device=dev).view(3, 1, 1)
-        return pixels.to(torch.float32).mul_(1 / (255 * std)).add_(-mean / std)
+        mul, add = self._affine(pixels.device)
+        return pixels.to(torch.float32).mul_(mul).add_(add)
 
     # ------------------------------------------------------------ an accelerator: one grid_sample
     def resample_grid(self, pixels: torch.Tensor, crops: Crops) -> torch.Tensor:
@@ -127,3 +152,8 @@ class BatchAugment:
         x = torch.nn.functional.grid_sample(pixels.permute(0, 3, 1, 2).float(), grid, mode="bilinear",
                                             padding_mode="border", align_corners=False)
         return self.scale(x.round_())
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None

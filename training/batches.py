@@ -328,6 +328,7 @@ class CachedImages(ImageBatches):
 
     def close(self) -> None:
         super().close()
+        self.augment.close()
         if self._prefetch is not None:
             self._prefetch.shutdown()
             self._prefetch = None

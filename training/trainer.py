@@ -150,9 +150,9 @@ class Run:
         for m in (self.model, self.loss, *[r.module for r in self.regs]):  # what a regularizer owns is its module
             m.to(dev)
         # channels_last before the optimizer exists: its state takes the parameters' layout
-        fmt = (torch.channels_last if mode != "frozen" and use_channels_last(cfg.channels_last, dev, cfg.backbone,
-                                                                             self.dcfg.resolved_image_size())
-               else torch.contiguous_format)
+        fmt = (torch.channels_last if mode != "frozen" and use_channels_last(
+            cfg.channels_last, dev, cfg.backbone, self.dcfg.resolved_image_size(), whole_network=mode == "finetune")
+            else torch.contiguous_format)
         self.memory_format = fmt
         if fmt == torch.channels_last:
             self.model.backbone.to(memory_format=fmt)
