@@ -94,12 +94,10 @@ class BatchAugment:
 
     # ------------------------------------------------------------ the CPU: torchvision per image
     def resample_each(self, images: torch.Tensor, rows: list[int], crops: Crops) -> torch.Tensor:
-        """torchvision's resized_crop (and flip) image by image, read in place from the cache and
+        """torchvision's resized_crop (its kernel) and flip image by image, read in place from the cache and
         written, normalised, into one float batch.  The images are shared out over as many Python
         threads as torch has (its kernels release the GIL), each kernel on one thread: an image is too
         small to split, and split kernels wait on each other's threads whenever the cores are busy."""
-        from torchvision.transforms.v2 import functional as F
-
         s = self.size
         out = torch.empty(len(rows), 3, s, s)
         boxes = torch.stack([crops.top, crops.left, crops.height, crops.width], 1).tolist()
@@ -109,7 +107,10 @@ class BatchAugment:
         def work(ks):
             for k in ks:
                 t, left, h, w = boxes[k]
-                x = F.resized_crop(images[rows[k]].permute(2, 0, 1), t, left, h, w, [s, s], antialias=True)
+                x = images[rows[k], t: t + h, left: left + w].permute(2, 0, 1)
+                if (h, w) != (s, s):  # torchvision's resized_crop on uint8, minus its dispatch
+                    x = torch.nn.functional.interpolate(x[None], size=(s, s), mode="bilinear", align_corners=False,
+                                                        antialias=True)[0]
                 out[k].copy_(x.flip(-1) if flips[k] else x).mul_(mul).add_(add)
 
         threads = torch.get_num_threads()
