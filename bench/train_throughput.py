@@ -15,8 +15,8 @@ fine-tune recipe's BatchNorm (statistics frozen), no probe, seed 0.  For each mo
              of the loss): validation and checkpoints excluded, no regularizer;
   bare       images per second of a plain loop over the same model, loss, optimizer (the trainer's
              AdamW groups), precision and batch size, the inputs already on the device, no
-             augmentation: eager, eager in channels_last, and on CUDA compiled (CUDA graphs);
-             the best of them is the reference;
+             augmentation: eager, eager in channels_last, and compiled (--compile-sizes: CUDA
+             graphs on CUDA, inductor on the CPU); the best of them is the reference;
   epoch      a whole training epoch as `train` runs it: training, validation and the checkpoint writes.
 
 Trainer and bare loops alternate for --rounds rounds in this one process, so the shared machine's
@@ -76,7 +76,7 @@ def sized_classes(args, size: int) -> tuple[int, tuple[str, ...]]:
     from data.kanji import find_fonts
 
     fonts = tuple(f[0] for f in find_fonts()[:8])
-    steps = args.steps or (1 if size >= 128 else 2)  # a CPU step at 224 px takes many seconds
+    steps = args.steps or (2 if size >= 128 else 8)  # a CPU step at 224 px takes seconds
     need = max(args.batch_size // 4, math.ceil(steps * args.batch_size / len(fonts)))
     n = 4
     while train_classes(n) < need:
@@ -175,43 +175,52 @@ def source_config(run: Run):
 
 # ---------------------------------------------------------------- the bare loop
 class Bare:
-    """A plain training loop on fixed inputs already on the device: the model, loss and optimizer of
-    the run (the optimizer a fresh one of the trainer's groups), autocast at its precision."""
+    """A plain training loop on fixed inputs already on the device: a copy of the run's model and loss
+    in one memory layout (the copy keeps its parameters where they are, as CUDA graphs need), the
+    trainer's optimizer groups, the run's trained stages, autocast at its precision."""
 
     def __init__(self, run: Run, x: torch.Tensor, y: torch.Tensor, memory_format, compile_: bool):
+        import copy
+
+        from training.batches import set_trainable
         from training.step import build_optimizer
 
+        cfg = run.cfg
         self.run, self.y = run, y
+        self.model, self.loss = copy.deepcopy(run.model), copy.deepcopy(run.loss)
+        self.model.backbone.to(memory_format=memory_format)
         self.x = x.contiguous(memory_format=memory_format)
-        self.memory_format = memory_format
-        n_train = run.cfg.n_train_blocks(len(run.backbone.stages()))
-        self.opt = build_optimizer(run.cfg, run.model, run.loss, [], n_train)
-        self.encode = run.source.__class__.encode.__get__(run.source)  # the source's plain encode
+        n_train = cfg.n_train_blocks(len(self.model.backbone.stages()))
+        self.model.train()
+        set_trainable(self.model.backbone, n_train, True, cfg.freezes_bn())
+        self.opt = build_optimizer(cfg, self.model, self.loss, [], n_train)
+        backbone, start = self.model.backbone, len(self.model.backbone.stages()) - n_train
+
+        def encode(x):
+            return backbone.run_stages(x, start)
+
+        self.encode = encode
         if compile_:
             from model.device import compiled
 
-            self.encode = compiled(self.encode, run.device)
+            self.encode = compiled(encode, run.device)
 
     def steps(self, n: int) -> float:
         """Images per second over `n` steps."""
         from model.device import autocast
 
-        run = self.run
-        run.model.backbone.to(memory_format=self.memory_format)
-        run.source.start_epoch(run.cfg.warmup_epochs, run.model)
-        sync(run.device)
+        device = self.run.device
+        sync(device)
         t = time.perf_counter()
         for _ in range(n):
-            with autocast(run.device, run.cfg.precision):
+            with autocast(device, self.run.cfg.precision):
                 f = self.encode(self.x)
-            loss = run.loss(run.model.neck(f.float()), self.y)
+            loss = self.loss(self.model.neck(f.float()), self.y)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             self.opt.step()
-        sync(run.device)
-        dt = time.perf_counter() - t
-        run.model.backbone.to(memory_format=run.memory_format)
-        return n * len(self.y) / dt
+        sync(device)
+        return n * len(self.y) / (time.perf_counter() - t)
 
 
 # ---------------------------------------------------------------- one setting
@@ -227,7 +236,12 @@ def measure(args, mode: str, size: int, precision: str, tmp: Path, inputs: dict)
     row["setup_s"] = round(time.perf_counter() - t, 1)  # data, caches (a cache hit when run before)
     row["memory_format"] = "channels_last" if run.memory_format == torch.channels_last else "contiguous"
     if (mode, size) not in inputs:
-        inputs[mode, size] = input_rates(args, mode, size, tmp, run)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(args.input_threads or threads)
+        try:
+            inputs[mode, size] = input_rates(args, mode, size, tmp, run) | {"input_threads": torch.get_num_threads()}
+        finally:
+            torch.set_num_threads(threads)
     row |= inputs[mode, size]
     # the bare loops' inputs: one augmented batch (or prefix maps), on the device
     batches = epoch_batches(run.source.labels, run.cfg.batch_size, run.cfg.m_per_class, None,
@@ -236,8 +250,8 @@ def measure(args, mode: str, size: int, precision: str, tmp: Path, inputs: dict)
     x = x.to(device)
     ids = torch.tensor([run.label_map[int(v)] for v in y], device=device)
     variants = {"eager": (torch.contiguous_format, False), "channels_last": (torch.channels_last, False)}
-    if device.type == "cuda" and size in args.compile_sizes:
-        variants["cuda_graphs"] = (run.memory_format, True)
+    if size in args.compile_sizes:  # CUDA: CUDA graphs (reduce-overhead); the CPU: inductor's default
+        variants["cuda_graphs" if device.type == "cuda" else "compiled"] = (run.memory_format, True)
     bare = {k: Bare(run, x, ids, fmt, comp) for k, (fmt, comp) in variants.items()}
     trainer_rates, bare_rates = [], {k: [] for k in bare}
     n_steps, n_images = len(batches), epoch_images(run)
@@ -327,16 +341,19 @@ def main():
     ap.add_argument("--batch-size", type=int, default=None, help="batch size (default: 120 on CUDA, 32 on the CPU)")
     ap.add_argument("--steps", type=int, default=None,
                     help="training steps per epoch, the data set sized for them (default: on CUDA the 200-class set, "
-                         "16 steps of 120; on the CPU 2 at 64 px, 1 from 128 px)")
+                         "16 steps of 120; on the CPU 8 at 64 px, 2 from 128 px)")
     ap.add_argument("--rounds", type=int, default=None,
-                    help="trainer epochs and bare loops, alternated (default: 3)")
-    ap.add_argument("--input-epochs", type=int, default=3,
+                    help="trainer epochs and bare loops, alternated (default: 3 on CUDA, 5 on the CPU)")
+    ap.add_argument("--input-epochs", type=int, default=6,
                     help="epochs of each input path alone, alternated (default: %(default)s)")
-    ap.add_argument("--compile-sizes", default="64,224",
-                    help="CUDA: sizes whose bare loop is also timed compiled, CUDA graphs (default: %(default)s)")
+    ap.add_argument("--compile-sizes", default=None,
+                    help="sizes whose bare loop is also timed compiled (torch.compile: CUDA graphs on CUDA, inductor "
+                         "on the CPU; the warm-up pays the compilation) (default: 64,224 on CUDA, none on the CPU)")
     ap.add_argument("--no-whole-epoch", dest="whole_epoch", action="store_false",
                     help="skip the whole-epoch measurement (training + validation + checkpoints)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--input-threads", type=int, default=0,
+                    help="torch threads while the input path is timed alone (0: as --threads)")
     ap.add_argument("--cache-dir", default="cache/train_throughput",
                     help="decoded-image and prefix caches, kept between runs (default: %(default)s)")
     ap.add_argument("--data-root", default=None, help="kanji render cache (default: the data set's)")
@@ -345,8 +362,8 @@ def main():
     cuda = args.device == "cuda"
     args.precisions = args.precisions or ("fp32,bf16" if cuda else "fp32")
     args.batch_size = args.batch_size or (120 if cuda else 32)
-    args.rounds = args.rounds or 3
-    args.compile_sizes = [int(s) for s in args.compile_sizes.split(",") if s]
+    args.rounds = args.rounds or (3 if cuda else 5)
+    args.compile_sizes = [int(s) for s in (args.compile_sizes or ("64,224" if cuda else "")).split(",") if s]
     if args.threads:
         torch.set_num_threads(args.threads)
     setup_logging()

@@ -16,9 +16,9 @@ training device (training/batches.py CachedImages; model/augment.py); `--channel
 
 Under `torchrun --nproc_per_node N -m training train …` (training/distributed.py) the same run
 is data-parallel: each rank trains on its class-balanced share of every global batch through a
-DDP-wrapped step; rank 0 renders the data and builds the feature/prefix cache while the others
-wait, computes validation once and tells every rank its result, and alone writes the run folder
-(checkpoints, logs, plots, TensorBoard).  `--resume` loads latest.pt on every rank.
+DDP-wrapped step; rank 0 renders the data and builds the feature, prefix and decoded-image caches
+while the others wait, computes validation once and tells every rank its result, and alone writes
+the run folder (checkpoints, logs, plots, TensorBoard).  `--resume` loads latest.pt on every rank.
 """
 from __future__ import annotations
 
@@ -63,10 +63,11 @@ def epoch_generators(seed: int, epoch: int, device: torch.device | str = "cpu", 
                      ) -> tuple[np.random.RandomState, torch.Generator, int]:
     """An epoch's generators, all from (seed, epoch): the sampler's numpy generator, a torch
     generator for the regularizers, and the seed torch's own generator gets for this epoch
-    (augmentation transforms, dropout).  The sampler's stream is the one the global
+    (dropout; a loader's worker seeds).  The sampler's stream is the one the global
     `np.random.seed(s)` gave before generators were passed down, so runs keep their batches.
     Under torchrun (`rank` given) the torch streams are seeded by (seed, epoch, rank): each rank
-    draws its own augmentations and tangent-plane partners, reproducibly on resume."""
+    draws its own tangent-plane partners (and, from augment_generator, its own augmentations),
+    reproducibly on resume."""
     s = (seed * 100_003 + epoch) % (2**31)
     torch_seed = int(_epoch_seeds(seed, epoch, rank)[0])
     # the regularizers draw on the model's device, so their generator lives there

@@ -72,7 +72,8 @@ def test_cache_and_loader_differ_only_in_their_crops(tmp_path, kanji_root):
         resident = list(run.source.batches(many, torch.Generator().manual_seed(1)))
         run.source.resident = False
         staged = list(run.source.batches(many, torch.Generator().manual_seed(1)))
-        assert all(torch.equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(resident, staged, strict=True))
+        for a, c in zip(resident, staged, strict=True):
+            assert torch.equal(a[0], c[0]) and np.array_equal(a[1], c[1])
     finally:
         loader.close()
         run.source.close()
