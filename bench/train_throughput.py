@@ -33,6 +33,7 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -377,7 +378,8 @@ def main():
                     print(f"{mode} {size} px {precision}", flush=True)
                     rows.append(measure(args, mode, size, precision, Path(tmp), inputs))
                     print(table(rows[-1:]), flush=True)
-    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(),
+    env = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "THP_MEM_ALLOC_ENABLE") if k in os.environ}
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "env": env,
             "device_name": torch.cuda.get_device_name() if cuda else "cpu", "seconds": round(time.time() - started),
             "command": "python bench/train_throughput.py " + " ".join(sys.argv[1:])}
     for r in rows:
