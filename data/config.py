@@ -6,6 +6,7 @@ the data a model was trained on.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,8 @@ class DataConfig:
     data_seed: int = param(0, "seed of the class split (and kanji class choice)", bounds="[0, inf)")
     val_fraction: float = param(0.2, "fraction of train classes held out for validation", bounds="[0, 1)")
     kanji_fonts: tuple[str, ...] = param((), "kanji: font ids to use (default all 23)")
-    workers: int = param(1, "image-loading worker processes", bounds="[0, inf)")
+    workers: str = param("auto", "image-loading worker processes: a number (0: load in the main process) or auto: "
+                         "the cores this process may use, less one for itself")
     eval_batch_size: int = param(128, "batch size for embedding images", bounds="[1, inf)")
 
     def validate(self) -> None:
@@ -43,6 +45,8 @@ class DataConfig:
         check_fields(self, "", name=lambda n: "--" + n.replace("_", "-"))  # every field's bounds (subclasses' too)
         if not (self.image_size == 0 or 16 <= self.image_size <= 2048):
             raise UserError(f"--image-size must be 0 (the data set's default) or 16 … 2048, got {self.image_size}")
+        if worker_count(self.workers) is None:
+            raise UserError(f"--workers must be ≥ 0 or auto, got {self.workers}")
 
     def dataset_spec(self):
         """The data set's registered `DatasetSpec` (the defaults for a name not registered)."""
@@ -70,6 +74,19 @@ class DataConfig:
     def data_fields(self) -> dict:
         names = {f.name for f in dataclasses.fields(DataConfig)}
         return {k: v for k, v in dataclasses.asdict(self).items() if k in names}
+
+
+def worker_count(workers) -> int | None:
+    """`--workers` as a process count (None: not a valid value).  auto: the cores this process may
+    use, less the one it runs on."""
+    if str(workers).strip().lower() == "auto":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(0, cores - 1)
+    try:
+        n = int(workers)
+    except (TypeError, ValueError):
+        return None
+    return n if n >= 0 else None
 
 
 def largest_image_side(splits, limit: int) -> int | None:

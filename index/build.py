@@ -63,7 +63,7 @@ def build_from_dataset(checkpoint, data: dict | DataConfig | None, out, split: s
 
 
 def build_from_image_folder(checkpoint, folder, out, normalize: bool = True, factory: str | None = None,
-                            batch_size: int = 64, workers: int = 1, data: dict | None = None,
+                            batch_size: int = 64, workers: int | str = "auto", data: dict | None = None,
                             progress: bool = True, device: str = "cpu") -> Path:
     """Index every image under `folder`; sub-folder names become class labels.  The images are
     preprocessed as the checkpoint's (its image size and resize mode), unless `data` overrides them."""

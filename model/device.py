@@ -46,3 +46,32 @@ def autocast(device: torch.device, precision: str = "fp32"):
         raise UserError("--precision fp16 needs CUDA; on the CPU use bf16 or fp32")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+# fine-tuning backbones whose channels_last speed was measured (bench/train_throughput.py, docs/training.md)
+CHANNELS_LAST_MEASURED = ("efficientnet_lite0",)
+CHANNELS_LAST_CUDA_MIN_SIZE = 128  # H200: 1.9× faster at 224 px, slower at 64 px (bf16)
+
+
+def use_channels_last(choice: str, device: torch.device, backbone: str, image_size: int,
+                      whole_network: bool = True) -> bool:
+    """--channels-last on | off | auto.  auto: on where it was measured faster for fine-tuning this
+    backbone (`whole_network`): on the CPU at every size, on CUDA from CHANNELS_LAST_CUDA_MIN_SIZE px.
+    A trained tail stays in the default layout (its gain on the CPU is smaller, and tail runs keep
+    reproducing the results recorded for them)."""
+    if choice != "auto":
+        return choice == "on"
+    if not whole_network or backbone not in CHANNELS_LAST_MEASURED:
+        return False
+    return device.type == "cpu" or (device.type == "cuda" and image_size >= CHANNELS_LAST_CUDA_MIN_SIZE)
+
+
+def compile_mode(device: torch.device) -> str:
+    """torch.compile's mode for `device`: CUDA graphs on CUDA (a small model's step is bound by
+    kernel launches there), inductor's default elsewhere."""
+    return "reduce-overhead" if device.type == "cuda" else "default"
+
+
+def compiled(fn, device: torch.device):
+    """`fn` compiled for `device` (shapes taken as static: one graph per batch shape)."""
+    return torch.compile(fn, mode=compile_mode(device), dynamic=False)

@@ -71,18 +71,25 @@ def extract(fn, loader, desc: str = "embed", progress: bool = True, device: torc
 
 
 def embed_subset(fn, subset, spec: TransformSpec, dcfg: DataConfig, desc: str, progress: bool = True,
-                 device: torch.device | None = None, precision: str = "fp32"):
-    """(features, labels, kept indices, skipped) of a Subset's images under `fn` (on `device`)."""
+                 device: torch.device | None = None, precision: str = "fp32", loader=None):
+    """(features, labels, kept indices, skipped) of a Subset's images under `fn` (on `device`);
+    `loader`: one of `subset_loader`'s to reuse (e.g. every epoch's validation), else a new one."""
     device = device or torch.device("cpu")
     if len(subset) == 0:
         raise UserError(f"the {subset.name} split has no images (under {subset.root})")
-    loader = make_loader(subset, spec.build(), batch_size=dcfg.eval_batch_size, workers=dcfg.workers,
-                         pin_memory=device.type == "cuda")
+    loader = loader or subset_loader(subset, spec, dcfg, device)
     out = extract(fn, loader, desc=desc, progress=progress, device=device, precision=precision)
     if len(out[2]) == 0:
         raise UserError(f"no readable images in {subset.root} ({subset.name} split: all {len(subset)} "
                         f"failed to load, e.g. {out[3][0][1]})")
     return out
+
+
+def subset_loader(subset, spec: TransformSpec, dcfg: DataConfig, device: torch.device, persistent: bool = False):
+    """The loader that embeds a subset's images (`spec`, --eval-batch-size, --workers); `persistent`
+    keeps its worker processes for the next pass."""
+    return make_loader(subset, spec.build(), batch_size=dcfg.eval_batch_size, workers=dcfg.workers,
+                       pin_memory=device.type == "cuda", persistent=persistent)
 
 
 def subset_identity(splits, subset) -> str:
@@ -132,6 +139,37 @@ def cached_features(backbone, splits, subset, spec, embed_fn, cache_dir="cache/f
     return feats, labels, idx
 
 
+def _rows_to_memmap(path: Path, loader, rows, n_max: int, desc: str, progress: bool):
+    """Each readable image's row into one .npy file at `path`, written as a memory map with room for
+    `n_max` rows (unreadable images leave unused rows at its end).  `rows(images)` turns a batch into
+    (rows, extra): a row array, and per-image values kept beside it (or None).
+    Returns (labels, kept indices, extras, {index: message} of the unreadable images), or None when
+    no image could be read."""
+    out = None
+    labels, kept, extras, skipped, n = [], [], [], {}, 0
+    for images, y, i, bad in tqdm(loader, desc=desc, unit="batch", disable=not progress):
+        for j, msg in bad:
+            log.warning("skipped: %s", msg)
+            skipped[int(j)] = msg
+        if images is None:
+            continue
+        r, extra = rows(images)
+        if out is None:
+            out = np.lib.format.open_memmap(path, mode="w+", dtype=r.dtype, shape=(n_max, *r.shape[1:]))
+        out[n: n + len(r)] = r
+        n += len(r)
+        labels.append(y.numpy())
+        kept.append(i.numpy())
+        if extra is not None:
+            extras.append(extra)
+    if out is None:
+        return None
+    out.flush()
+    del out
+    return (np.concatenate(labels).astype(np.int64), np.concatenate(kept).astype(np.int64),
+            np.concatenate(extras) if extras else None, skipped)
+
+
 @dataclass
 class PrefixCache:
     """Output maps of a backbone's frozen prefix for one subset, float16 and memory-mapped."""
@@ -155,37 +193,102 @@ def cached_prefix(backbone, n_stages: int, splits, subset, spec: TransformSpec, 
         device = device or torch.device("cpu")
         backbone.eval().to(device)
         loader = make_loader(subset, spec.build(), batch_size=dcfg.eval_batch_size, workers=dcfg.workers)
+
+        def rows(images):
+            return backbone.run_stages(images.to(device), 0, n_stages).to("cpu", torch.float16).numpy(), None
+
         with atomic_dir(d) as tmp:
-            maps = None
-            labels, kept, n = [], [], 0
-            for images, y, i, bad in tqdm(loader, desc=f"prefix {subset.name}", unit="batch",
-                                          disable=not progress):
-                for _, msg in bad:
-                    log.warning("skipped: %s", msg)
-                if images is None:
-                    continue
-                out = backbone.run_stages(images.to(device), 0, n_stages).to("cpu", torch.float16).numpy()
-                if maps is None:  # rows for every image; unreadable ones are left unused at the end
-                    maps = np.lib.format.open_memmap(tmp / "maps.npy", mode="w+", dtype=np.float16,
-                                                     shape=(len(subset), *out.shape[1:]))
-                maps[n: n + len(out)] = out
-                n += len(out)
-                labels.append(y.numpy())
-                kept.append(i.numpy())
-            if maps is None:
+            out = _rows_to_memmap(tmp / "maps.npy", loader, rows, len(subset), f"prefix {subset.name}", progress)
+            if out is None:
                 raise UserError(f"no readable images in {subset.root} ({subset.name} split)")
-            maps.flush()
-            del maps
-            np.save(tmp / "labels.npy", np.concatenate(labels).astype(np.int64))
-            np.save(tmp / "index.npy", np.concatenate(kept).astype(np.int64))
+            labels, kept, _, _ = out
+            np.save(tmp / "labels.npy", labels)
+            np.save(tmp / "index.npy", kept)
             (tmp / "meta.json").write_text(json.dumps({
-                "backbone": backbone.name, "prefix_stages": n_stages, "split": subset.name, "n": n,
+                "backbone": backbone.name, "prefix_stages": n_stages, "split": subset.name, "n": len(labels),
                 "transform": spec.describe(), "key": key}, indent=2))
     else:
         log.info("prefix cache hit: %s", d)
     labels = np.load(d / "labels.npy", allow_pickle=False)
     maps = np.load(d / "maps.npy", mmap_mode="r", allow_pickle=False)[: len(labels)]
     return PrefixCache(maps, labels, np.load(d / "index.npy", allow_pickle=False), d)
+
+
+@dataclass
+class ImageCache:
+    """One subset's images, decoded once: uint8 pixels, memory-mapped, one row per readable image."""
+    pixels: np.ndarray      # N × S × S × 3 uint8 (np.memmap, copy-on-write: torch reads it without a copy)
+    sizes: np.ndarray       # N × 2: each original image's (width, height)
+    labels: np.ndarray
+    kept: np.ndarray        # indices into the subset
+    skipped: dict           # index into the subset → why that image could not be read
+    path: Path
+
+
+def pixel_geometry(spec: TransformSpec) -> dict:
+    """What decides a decoded-image cache's pixels.  A training spec (`augment`): the whole image
+    squashed to the square input size, the crop being cut from it per step (model/augment.py); an
+    evaluation spec: its geometry (normalisation is applied on read, so it is not part of it)."""
+    if spec.augment:
+        return {"image_size": spec.image_size, "fit": "whole image squashed"}
+    return {k: v for k, v in spec.describe().items() if k not in ("mean", "std")}
+
+
+class _Pixels:
+    """PIL image → (uint8 H × W × 3 pixels, its original (width, height))."""
+
+    def __init__(self, spec: TransformSpec):
+        from torchvision.transforms import v2 as T
+
+        s = spec.image_size
+        self.tf = T.Compose([T.ToImage(), T.Resize((s, s), antialias=True)]) if spec.augment else spec.build_pixels()
+
+    def __call__(self, img):
+        return self.tf(img).permute(1, 2, 0).contiguous(), torch.tensor(img.size, dtype=torch.int32)
+
+
+def image_cache_bytes(n_images: int, size: int) -> int:
+    return n_images * size * size * 3
+
+
+def cached_images(splits, subset, spec: TransformSpec, dcfg: DataConfig, cache_dir: str,
+                  progress: bool = True) -> ImageCache:
+    """Every image of `subset` decoded once at the input size and kept as uint8 (`pixel_geometry`):
+    keyed like the feature cache (the data's identity, the split, the geometry), written atomically,
+    memory-mapped on read, and reused by every later epoch and run."""
+    geometry = pixel_geometry(spec)
+    identity = {"v": CACHE_VERSION, "kind": "pixels", "data": subset_identity(splits, subset), "split": subset.name,
+                "geometry": geometry}
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
+    d = Path(cache_dir) / f"pixels{spec.image_size}-{splits.name}-{subset.name}-{key}"
+    if not (d / "meta.json").is_file():
+        if len(subset) == 0:
+            raise UserError(f"the {subset.name} split has no images (under {subset.root})")
+        loader = make_loader(subset, _Pixels(spec), batch_size=dcfg.eval_batch_size, workers=dcfg.workers)
+
+        def rows(images):
+            pixels, sizes = images
+            return pixels.numpy(), sizes.numpy()
+
+        with atomic_dir(d) as tmp:
+            out = _rows_to_memmap(tmp / "pixels.npy", loader, rows, len(subset), f"decode {subset.name}", progress)
+            if out is None:
+                raise UserError(f"no readable images in {subset.root} ({subset.name} split: all {len(subset)} "
+                                "failed to load)")
+            labels, kept, sizes, skipped = out
+            np.save(tmp / "labels.npy", labels)
+            np.save(tmp / "index.npy", kept)
+            np.save(tmp / "sizes.npy", sizes.astype(np.int32))
+            (tmp / "meta.json").write_text(json.dumps({
+                "split": subset.name, "n": len(labels), "geometry": geometry, "key": key,
+                "skipped": {str(k): v for k, v in skipped.items()}}, indent=2))
+    else:
+        log.info("decoded-image cache hit: %s", d)
+    meta = json.loads((d / "meta.json").read_text())
+    labels = np.load(d / "labels.npy", allow_pickle=False)
+    pixels = np.load(d / "pixels.npy", mmap_mode="c", allow_pickle=False)[: len(labels)]
+    return ImageCache(pixels, np.load(d / "sizes.npy", allow_pickle=False), labels,
+                      np.load(d / "index.npy", allow_pickle=False), {int(k): v for k, v in meta["skipped"].items()}, d)
 
 
 def backbone_features(backbone, splits, subset, spec: TransformSpec, dcfg: DataConfig,

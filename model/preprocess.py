@@ -13,6 +13,10 @@ from torchvision.transforms import v2 as T
 
 CROP_RATIO = 256 / 224  # the usual resize-then-centre-crop of ImageNet evaluation
 RESIZE_MODES = ("crop", "resize", "pad")
+# the training augmentation's random resized crop: area fraction and aspect-ratio ranges (both the
+# per-image transform below and the batched one of model/augment.py draw from these)
+CROP_SCALE = (0.6, 1.0)
+CROP_RATIO_RANGE = (0.8, 1.25)
 
 
 class PadToSquare(torch.nn.Module):
@@ -57,10 +61,11 @@ class TransformSpec:
         return cls(int(d["image_size"]), int(d["resize"]), tuple(d["mean"]), tuple(d["std"]),
                    bool(d.get("augment", False)), str(d.get("resize_mode", "")), bool(d.get("flip", False)))
 
-    def build(self):
+    def geometry(self) -> list:
+        """The transforms that decide which pixels reach the input (on uint8 images)."""
         s = self.image_size
         if self.augment:
-            geo = [T.RandomResizedCrop(s, scale=(0.6, 1.0), ratio=(0.8, 1.25), antialias=True)]
+            geo = [T.RandomResizedCrop(s, scale=CROP_SCALE, ratio=CROP_RATIO_RANGE, antialias=True)]
             if self.flip:
                 geo.append(T.RandomHorizontalFlip())
         elif self.mode == "pad":
@@ -69,8 +74,22 @@ class TransformSpec:
             geo = [T.Resize((s, s), antialias=True)]
         else:
             geo = [T.Resize(self.resize, antialias=True), T.CenterCrop(s)]
-        return T.Compose([T.ToImage(), *geo, T.ToDtype(torch.float32, scale=True),
+        return geo
+
+    def build(self):
+        return T.Compose([T.ToImage(), *self.geometry(), T.ToDtype(torch.float32, scale=True),
                           T.Normalize(list(self.mean), list(self.std))])
+
+    def build_pixels(self):
+        """`build()` up to its uint8 pixels (C × H × W), before scaling and normalisation:
+        what a decoded-image cache stores; `normalize` finishes them exactly as `build()` does."""
+        return T.Compose([T.ToImage(), *self.geometry()])
+
+    def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
+        """uint8 pixels (… × C × H × W, any batch shape) → the float input `build()` gives."""
+        from torchvision.transforms.v2 import functional as F
+
+        return F.normalize(F.to_dtype(pixels, torch.float32, scale=True), list(self.mean), list(self.std))
 
 
 def transform_for(backbone, dcfg, augment: bool = False) -> TransformSpec:

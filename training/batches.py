@@ -9,7 +9,14 @@ split for evaluation.
   FrozenFeatures  the frozen backbone's features, cached on disk: a step is neck + loss only;
   PrefixTail      the frozen prefix's output maps, cached on disk (float16, memory-mapped):
                   a step runs the last N stages (the trained tail), the neck and the loss;
-  ImageBatches    augmented images through the whole network (fine-tuning).
+  CachedImages    fine-tuning on images decoded once into a uint8 cache (memory-mapped), augmented
+                  a batch at a time with torch on the training device; validation reads the cache too;
+  ImageBatches    fine-tuning on images decoded and augmented one by one in loader processes
+                  every epoch (data sets too large for the cache, or --image-cache off).
+
+`batches(index_batches, generator)` draws the epoch's augmentations from `generator` (a CPU
+torch.Generator seeded by the trainer from (seed, epoch)): the same seed gives the same batches
+whatever the worker count, and a resumed epoch redraws them exactly.
 
 Every source is built from one `SourceConfig`.  Which stages train is decided in one place,
 `set_trainable`: the frozen part is in eval mode (its BatchNorm statistics stay the
@@ -18,13 +25,14 @@ pretrained ones) and gets no gradient.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from model.features import backbone_features, cached_prefix, embed_subset
+from model.features import backbone_features, cached_images, cached_prefix, embed_subset
 
 if TYPE_CHECKING:
     from data.config import DataConfig
@@ -90,13 +98,16 @@ class FrozenFeatures:
         model.train()
         set_trainable(self.backbone, 0)  # frozen: its BatchNorm statistics stay as they are
 
-    def batches(self, index_batches):
+    def batches(self, index_batches, generator: torch.Generator | None = None):
         feats, labels = self.cache["train"]
         for b in index_batches:
             yield feats[torch.from_numpy(b)], labels[b], []
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+    def close(self) -> None:
+        """Nothing to release: the features are in memory."""
 
     def embed(self, model, subset) -> tuple[np.ndarray, np.ndarray]:
         f, y = self.cache[subset.name] if subset.name in self.cache else self._features(subset)
@@ -112,6 +123,7 @@ class PrefixTail:
         self.n_prefix = len(self.backbone.stages()) - self.n_train
         self.cache_dir, self.progress, self.device = cfg.cache_dir, cfg.progress, cfg.device
         self.warmup_epochs, self.bn_freeze = cfg.warmup_epochs, cfg.bn_freeze
+        self.memory_format = torch.contiguous_format  # of the maps `embed` gives the tail (the trainer's choice)
         self.cache = {name: self._maps(self.splits.get(name)) for name in ("train", "val")}
         self.labels = self.cache["train"].labels
 
@@ -123,13 +135,16 @@ class PrefixTail:
         model.train()
         set_trainable(self.backbone, self.n_train, epoch >= self.warmup_epochs, self.bn_freeze)
 
-    def batches(self, index_batches):
+    def batches(self, index_batches, generator: torch.Generator | None = None):
         maps, labels = self.cache["train"].maps, self.cache["train"].labels
         for b in index_batches:  # fancy indexing copies only this batch's rows out of the memory map
             yield torch.from_numpy(np.asarray(maps[b], dtype=np.float32)), labels[b], []
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         return self.backbone.run_stages(x, self.n_prefix)
+
+    def close(self) -> None:
+        """Nothing to release: the maps are memory-mapped."""
 
     @torch.inference_mode()
     def embed(self, model, subset) -> tuple[np.ndarray, np.ndarray]:
@@ -138,35 +153,67 @@ class PrefixTail:
         bs, out = self.dcfg.eval_batch_size, []
         for i in range(0, len(c.labels), bs):
             x = torch.from_numpy(np.asarray(c.maps[i: i + bs], dtype=np.float32)).to(self.device)
+            x = x.contiguous(memory_format=self.memory_format)
             out.append(model.embed_features(model.head_trunk(self.encode(x))).float().cpu())
         e = torch.cat(out).numpy() if out else np.zeros((0, model.embed_dim), np.float32)
         return e, c.labels
 
 
+def draw_generator(generator: torch.Generator | None) -> torch.Generator:
+    """The generator given, or one seeded from torch's own (a caller that seeded torch gets the same draws)."""
+    if generator is not None:
+        return generator
+    return torch.Generator().manual_seed(int(torch.randint(2**62, (1,))))
+
+
+class _EpochBatches:
+    """A loader's batch sampler whose batches are replaced every epoch, so that one loader (and its
+    persistent worker processes) serves the whole run."""
+
+    def __init__(self):
+        self.batches: list = []
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
 class ImageBatches:
+    """Fine-tuning on images decoded and augmented one by one (`TransformSpec.build()`) in --workers
+    loader processes.  One loader serves every epoch: its workers persist, batches come in pinned
+    memory on CUDA and are prefetched.  Each image's augmentation is seeded on its own (from the
+    epoch's generator), so the worker count does not change the run."""
+
     def __init__(self, cfg: SourceConfig):
         self.backbone, self.splits, self.spec, self.dcfg = cfg.backbone, cfg.splits, cfg.spec, cfg.dcfg
         self.warmup_epochs, self.progress = cfg.warmup_epochs, cfg.progress
         self.n_train = cfg.train_stages()
         self.bn_freeze, self.device = cfg.bn_freeze, cfg.device
         self.labels = np.asarray(self.splits.train.labels)
+        self.memory_format = torch.contiguous_format  # of the inputs `embed` gives the model (the trainer's choice)
+        self._loader: Any = None
+        self._val_loader: Any = None
+        self._epoch = _EpochBatches()
 
     def start_epoch(self, epoch: int, model) -> None:
         model.train()
         set_trainable(self.backbone, self.n_train, epoch >= self.warmup_epochs, self.bn_freeze)
 
-    def batches(self, index_batches):
-        from torch.utils.data import DataLoader
-
-        from data.loader import ImageDataset, collate_skip
+    def batches(self, index_batches, generator: torch.Generator | None = None):
+        from data.loader import make_loader
         from model.preprocess import transform_for
 
-        spec = transform_for(self.backbone, self.dcfg, augment=True)
-        # worker seeds come from torch's own generator, seeded for the epoch by the trainer
-        loader = DataLoader(ImageDataset(self.splits.train, spec.build()), batch_sampler=index_batches,
-                            num_workers=self.dcfg.workers, collate_fn=collate_skip,
-                            pin_memory=self.device.type == "cuda")
-        for images, y, _, bad in loader:
+        if self._loader is None:
+            spec = transform_for(self.backbone, self.dcfg, augment=True)
+            self._loader = make_loader(self.splits.train, spec.build(), workers=self.dcfg.workers,
+                                       batch_sampler=self._epoch, persistent=True,
+                                       pin_memory=self.device.type == "cuda")
+        generator = draw_generator(generator)
+        self._epoch.batches = [list(zip(b.tolist(), torch.randint(2**62, (len(b),), generator=generator).tolist(),
+                                        strict=True)) for b in index_batches]
+        for images, y, _, bad in self._loader:
             for _, msg in bad:
                 log.warning("skipped: %s", msg)
             yield images, y.numpy(), bad
@@ -175,6 +222,113 @@ class ImageBatches:
         return self.backbone(x)
 
     def embed(self, model, subset) -> tuple[np.ndarray, np.ndarray]:
+        from model.features import subset_loader
+
+        loader = None
+        if subset is self.splits.val:  # every epoch: one loader, its workers kept
+            if self._val_loader is None:
+                self._val_loader = subset_loader(subset, self.spec, self.dcfg, self.device, persistent=True)
+            loader = self._val_loader
         e, y, _, _ = embed_subset(model, subset, self.spec, self.dcfg, f"embed {subset.name}", self.progress,
-                                  device=self.device)
+                                  device=self.device, loader=loader)
         return e, y
+
+    def close(self) -> None:
+        """Stop the loaders' worker processes."""
+        for loader in (self._loader, self._val_loader):
+            it = getattr(loader, "_iterator", None)
+            if it is not None and hasattr(it, "_shutdown_workers"):
+                it._shutdown_workers()
+        self._loader = self._val_loader = None
+
+
+# a device keeps a decoded-image cache in its memory when the cache takes at most this share of its free memory
+DEVICE_CACHE_SHARE = 0.25
+
+
+class CachedImages(ImageBatches):
+    """Fine-tuning on the decoded-image cache (model/features.cached_images): the training images
+    squashed to the input size, the validation images as the evaluation transform leaves them, both
+    uint8 and memory-mapped.  Each step cuts its batch's crops with model/augment.BatchAugment on the
+    training device; validation normalises the cached pixels, no loader involved.  On CUDA each
+    cache is copied into device memory when it fits (DEVICE_CACHE_SHARE of the free memory);
+    otherwise a thread gathers the next batch's rows into pinned memory while the current one trains."""
+
+    def __init__(self, cfg: SourceConfig):
+        from model.augment import BatchAugment
+        from model.preprocess import transform_for
+
+        super().__init__(cfg)
+        train_spec = transform_for(self.backbone, self.dcfg, augment=True)
+        self.train_cache = cached_images(self.splits, self.splits.train, train_spec, self.dcfg, cfg.cache_dir,
+                                         self.progress)
+        self.val_cache = cached_images(self.splits, self.splits.val, self.spec, self.dcfg, cfg.cache_dir,
+                                       self.progress)
+        self.augment = BatchAugment(train_spec)
+        self.row_of = np.full(len(self.labels), -1, np.int64)  # subset index → cache row (-1: unreadable)
+        self.row_of[self.train_cache.kept] = np.arange(len(self.train_cache.kept))
+        sizes = self.train_cache.sizes.astype(np.float64)
+        self.aspect = torch.from_numpy(sizes[:, 0] / sizes[:, 1])
+        self.train_images = self._place(self.train_cache.pixels)
+        self.val_images = self._place(self.val_cache.pixels)
+        # the training cache is where the step runs: in device memory, or the CPU training on its memory map
+        self.resident = self.train_images.device == self.device
+        self._prefetch: ThreadPoolExecutor | None = None
+
+    def _place(self, pixels: np.ndarray) -> torch.Tensor:
+        """The cache as a tensor: over the memory map (CPU), or copied to the device when it fits there."""
+        t = torch.from_numpy(pixels)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if pixels.nbytes <= DEVICE_CACHE_SHARE * free:
+                return t.to(self.device)
+        return t
+
+    def batches(self, index_batches, generator: torch.Generator | None = None):
+        generator = draw_generator(generator)
+        picks = []
+        for b in index_batches:
+            rows = self.row_of[b]
+            ok = rows >= 0
+            bad = [(int(i), self.train_cache.skipped.get(int(i), "unreadable image")) for i in b[~ok]]
+            picks.append((torch.from_numpy(rows[ok]), self.labels[b[ok]], bad))
+        staged: list[Any] = []
+        if not self.resident:  # rows gathered into pinned memory one batch ahead, by a helper thread
+            self._prefetch = self._prefetch or ThreadPoolExecutor(1, thread_name_prefix="prefetch")
+            staged = [self._prefetch.submit(self._gather, rows) for rows, _, _ in picks[:1]]
+        for k, (rows, y, bad) in enumerate(picks):
+            if staged and k + 1 < len(picks):
+                staged.append(self._prefetch.submit(self._gather, picks[k + 1][0]))  # type: ignore[union-attr]
+            for _, msg in bad:
+                log.warning("skipped: %s", msg)
+            if not len(rows):
+                yield None, y, bad
+            elif staged:
+                pixels = staged[k].result().to(self.device, non_blocking=True)
+                staged[k] = None
+                yield self.augment(pixels, torch.arange(len(rows)), self.aspect[rows], generator), y, bad
+            else:
+                yield self.augment(self.train_images, rows, self.aspect[rows], generator), y, bad
+
+    def _gather(self, rows: torch.Tensor) -> torch.Tensor:
+        t = torch.from_numpy(self.train_cache.pixels[rows.numpy()])
+        return t.pin_memory() if self.device.type == "cuda" else t
+
+    @torch.inference_mode()
+    def embed(self, model, subset) -> tuple[np.ndarray, np.ndarray]:
+        if subset is not self.splits.val:  # test: embedded once, through the loader
+            return super().embed(model, subset)
+        model.eval()
+        bs, out = self.dcfg.eval_batch_size, []
+        for i in range(0, len(self.val_cache.labels), bs):
+            x = self.val_images[i: i + bs].to(self.device, non_blocking=True).permute(0, 3, 1, 2)
+            x = self.spec.normalize(x).contiguous(memory_format=self.memory_format)
+            out.append(model(x).float().cpu())
+        return torch.cat(out).numpy(), self.val_cache.labels
+
+    def close(self) -> None:
+        super().close()
+        self.augment.close()
+        if self._prefetch is not None:
+            self._prefetch.shutdown()
+            self._prefetch = None

@@ -12,7 +12,9 @@ from data import DataConfig
 
 # fields that do not change what a run computes (so resume/reuse may differ in them)
 RUNTIME_FIELDS = ("resume", "overwrite", "progress", "threads", "workers", "cache_dir", "out", "eval_batch_size",
-                  "device", "tensorboard")
+                  "device", "tensorboard", "channels_last", "compile")
+# --image-cache auto: the decoded-image cache (train + validation, uint8) is used up to this size
+IMAGE_CACHE_AUTO_BYTES = 16 * 2**30
 
 
 @dataclass
@@ -73,8 +75,27 @@ class TrainConfig(DataConfig):
                                    "folder is refused unless --resume)")
     precision: Literal["fp32", "bf16", "fp16"] = param(
         "fp32", "forward-pass precision (autocast; fp16 adds a gradient scaler and needs CUDA); losses, flows and "
-        "log-determinants stay fp32")
+        "log-determinants stay fp32. Its cost for efficientnet_lite0 (docs/training.md#precision): a bf16 training "
+        "step runs at 0.58x fp32's speed at 64 px and 1.11x at 224 px on the 2-core CPU, and at 0.79x (64 px) and "
+        "1.03x (224 px, channels_last) on an H200")
     device: str = param("auto", "auto (CUDA when available) | cpu | cuda | cuda:N")
+    image_cache: Literal["auto", "on", "off"] = param(
+        "auto", "finetune: decode every training and validation image once into a uint8 cache at the input size "
+        "(memory-mapped under --cache-dir, reused by every epoch and run), cut each batch's random crops and flips "
+        "with torch on the training device, and validate from the cache; off: decode and augment each image in "
+        "--workers loader processes every epoch; auto: on while the cache takes at most 16 GiB (the two give "
+        "different crops from the same seed)")
+    channels_last: Literal["auto", "on", "off"] = param(
+        "auto", "tail/finetune: run the backbone in channels_last memory layout; auto: where it was measured faster "
+        "for fine-tuning efficientnet_lite0 (docs/training.md#training-speed): on the CPU (1.54x at 64 px, 1.51x at "
+        "224 px, fp32) and on CUDA from 128 px (1.9x at 224 px on an H200, slower at 64 px in bf16); a tail stays "
+        "in the default layout, so that tail runs reproduce their recorded results (on: 1.55x at 64 px, 1.10x at "
+        "224 px on the CPU)")
+    compile: bool = param(False, "tail/finetune: compile the trained part of the backbone with torch.compile (CUDA: "
+                                 "its CUDA-graph mode, reduce-overhead; the CPU: inductor's default); the first step "
+                                 "pays the compilation. On the CPU, compiled, efficientnet_lite0's fine-tuning step "
+                                 "at 64 px ran at 0.97x the eager one, after about 2 minutes of compiling; on CUDA "
+                                 "it is not measured yet")
     tensorboard: bool = param(False, "also write TensorBoard events to the run folder's tb/ (losses, learning "
                                      "rates, validation, the test embeddings for the projector)")
     cache_dir: str = param("cache/features", "trunk-feature and prefix-map cache folder")
@@ -127,6 +148,15 @@ class TrainConfig(DataConfig):
 
     def freezes_bn(self) -> bool:
         return self.pretrained() if self.bn_freeze == "auto" else self.bn_freeze == "on"
+
+    def uses_image_cache(self, n_images: int, image_size: int) -> bool:
+        """Fine-tuning from the decoded-image cache (`n_images` train + validation images at
+        `image_size` px), rather than a loader that decodes every epoch."""
+        from model.features import image_cache_bytes
+
+        if self.resolved_mode() != "finetune" or self.image_cache == "off":
+            return False
+        return self.image_cache == "on" or image_cache_bytes(n_images, image_size) <= IMAGE_CACHE_AUTO_BYTES
 
     def data_config(self) -> DataConfig:
         return DataConfig.from_dict(dataclasses.asdict(self))

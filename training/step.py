@@ -52,11 +52,15 @@ def build_optimizer(cfg, model, loss, regs, n_train: int) -> torch.optim.Optimiz
 class Step:
     """`encode` (the batch source's: backbone outputs from the batch inputs) runs under autocast at
     `precision`; the neck, flow heads, losses and regularizers run in fp32 (log-determinants and loss
-    reductions would overflow in fp16).  fp16 scales the loss (GradScaler)."""
+    reductions would overflow in fp16).  fp16 scales the loss (GradScaler).  Image-shaped inputs take
+    `memory_format` (channels_last where the backbone runs faster in it).  The logged parts are read
+    back once, after the optimizer step: an accelerator is never left waiting on the host mid-step."""
 
     def __init__(self, model, loss, regs, opt: torch.optim.Optimizer, grad_clip: float,
-                 device: torch.device | None = None, precision: str = "fp32"):
+                 device: torch.device | None = None, precision: str = "fp32",
+                 memory_format: torch.memory_format = torch.contiguous_format):
         self.model, self.loss, self.regs, self.opt, self.grad_clip = model, loss, regs, opt, grad_clip
+        self.memory_format = memory_format
         # two class-aligned batches per step, each "full" or "split" (regularizers/cgml.py); None: one batch
         self.paired = next((getattr(r, "pair_batches", "full") for r in regs if r.paired), None)
         self.wants_proxies = any(r.needs_proxies for r in regs)
@@ -74,6 +78,12 @@ class Step:
     def forward(self, backbone_feats: torch.Tensor, y: torch.Tensor,
                 generator: torch.Generator) -> tuple[torch.Tensor, dict]:
         """The step's loss from backbone outputs, and its named parts (floats, for the log)."""
+        loss, parts = self.terms(backbone_feats, y, generator)
+        return loss, as_floats(parts)
+
+    def terms(self, backbone_feats: torch.Tensor, y: torch.Tensor,
+              generator: torch.Generator) -> tuple[torch.Tensor, dict]:
+        """`forward` with its parts left as detached tensors (read back later, in one transfer)."""
         model = self.model
         head_terms = {}
         phi = backbone_feats
@@ -96,7 +106,7 @@ class Step:
                 halves = (global_batch(halves[0])[0], global_batch(halves[1])[0])
         else:
             loss = self.loss(emb, y)
-        parts = {"loss": float(loss.detach())}  # the metric loss as computed, before any scale
+        parts = {"loss": loss.detach()}  # the metric loss as computed, before any scale
         scale = math.prod(r.base_loss_scale for r in self.regs)
         if scale != 1.0:
             loss = scale * loss
@@ -106,8 +116,8 @@ class Step:
                            halves=halves, head_terms=head_terms)
         for reg in self.regs:
             terms = reg.terms(ctx)
-            parts |= {k: float(v.detach()) for k, v in terms.items() if k != reg.name}
-            parts[reg.name] = float(terms[reg.name].detach())
+            parts |= {k: v.detach() for k, v in terms.items() if k != reg.name}
+            parts[reg.name] = terms[reg.name].detach()
             loss = loss + terms[reg.name]
         return loss, parts
 
@@ -117,15 +127,18 @@ class Step:
 
         with autocast(self.device, self.precision):
             feats = encode(x)
-        return self.forward(feats.float(), y, generator)
+        return self.terms(feats.float(), y, generator)
 
     def __call__(self, encode, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator) -> dict:
         x = x.to(self.device, non_blocking=True)
+        if x.dim() == 4:
+            x = x.contiguous(memory_format=self.memory_format)
         y = y.to(self.device, non_blocking=True)
         if self.ddp is not None:  # one DDP forward: backward averages every trained gradient over the ranks
             loss, parts = self.ddp(encode, x, y, generator)
         else:
             loss, parts = self.loss_of_batch(encode, x, y, generator)
+        parts = Packed(parts)  # a copy of the values now: the optimizer step may move what a part views
         self.opt.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
         if self.grad_clip > 0:
@@ -134,12 +147,34 @@ class Step:
             torch.nn.utils.clip_grad_norm_(params, self.grad_clip, foreach=True)  # one norm op, not one per tensor
         self.scaler.step(self.opt)
         self.scaler.update()
+        parts = as_floats(parts)
         if self.ddp is not None:
             from .distributed import mean_over_ranks
 
             parts = mean_over_ranks(parts, self.device)
         check_finite(parts)  # after the mean over ranks: every rank sees the same parts and stops together
         return parts
+
+
+class Packed:
+    """Named scalars (tensors or numbers) copied into one tensor, read back by `as_floats` in one
+    transfer."""
+
+    def __init__(self, parts: dict):
+        self.keys = [k for k, v in parts.items() if isinstance(v, torch.Tensor)]
+        self.numbers = {k: float(v) for k, v in parts.items() if not isinstance(v, torch.Tensor)}
+        self.values = (torch.stack([parts[k].detach().to(torch.float64).reshape(()) for k in self.keys])
+                       if self.keys else None)
+        self.order = list(parts)
+
+    def floats(self) -> dict:
+        read = dict(zip(self.keys, self.values.tolist(), strict=True)) if self.keys else {}
+        return {k: float(read[k]) if k in read else self.numbers[k] for k in self.order}
+
+
+def as_floats(parts) -> dict:
+    """Parts (a dict of tensors or numbers, or `Packed`) as floats."""
+    return (parts if isinstance(parts, Packed) else Packed(parts)).floats()
 
 
 class Diverged(UserError):

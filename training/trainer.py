@@ -10,11 +10,15 @@ from its last complete epoch (`--resume`).  Randomness comes from generators
 seeded by (seed, epoch) and handed down, so a resumed run matches an
 uninterrupted one exactly.
 
+Fine-tuning reads its images from a decoded-image cache and augments a batch at a time on the
+training device (training/batches.py CachedImages; model/augment.py); `--channels-last` and
+`--compile` set how the backbone runs (model/device.py).
+
 Under `torchrun --nproc_per_node N -m training train …` (training/distributed.py) the same run
 is data-parallel: each rank trains on its class-balanced share of every global batch through a
-DDP-wrapped step; rank 0 renders the data and builds the feature/prefix cache while the others
-wait, computes validation once and tells every rank its result, and alone writes the run folder
-(checkpoints, logs, plots, TensorBoard).  `--resume` loads latest.pt on every rank.
+DDP-wrapped step; rank 0 renders the data and builds the feature, prefix and decoded-image caches
+while the others wait, computes validation once and tells every rank its result, and alone writes
+the run folder (checkpoints, logs, plots, TensorBoard).  `--resume` loads latest.pt on every rank.
 """
 from __future__ import annotations
 
@@ -36,12 +40,12 @@ from data import load_data
 from data.config import resolve
 from model.backbones import build_backbone
 from model.checkpoint import read_checkpoint, save_checkpoint
-from model.device import resolve_device
+from model.device import compiled, resolve_device, use_channels_last
 from model.network import EmbeddingModel
 from model.preprocess import transform_for
 
 from . import distributed as ddp
-from .batches import FrozenFeatures, ImageBatches, PrefixTail, SourceConfig
+from .batches import CachedImages, FrozenFeatures, ImageBatches, PrefixTail, SourceConfig
 from .checkpoints import Checkpoints, check_out, recorded_config, same_identity, write_config
 from .config import TrainConfig
 from .losses import build_loss, has_proxies
@@ -59,15 +63,26 @@ def epoch_generators(seed: int, epoch: int, device: torch.device | str = "cpu", 
                      ) -> tuple[np.random.RandomState, torch.Generator, int]:
     """An epoch's generators, all from (seed, epoch): the sampler's numpy generator, a torch
     generator for the regularizers, and the seed torch's own generator gets for this epoch
-    (augmentation transforms, dropout).  The sampler's stream is the one the global
+    (dropout; a loader's worker seeds).  The sampler's stream is the one the global
     `np.random.seed(s)` gave before generators were passed down, so runs keep their batches.
     Under torchrun (`rank` given) the torch streams are seeded by (seed, epoch, rank): each rank
-    draws its own augmentations and tangent-plane partners, reproducibly on resume."""
+    draws its own tangent-plane partners (and, from augment_generator, its own augmentations),
+    reproducibly on resume."""
     s = (seed * 100_003 + epoch) % (2**31)
-    key = [seed, epoch] if rank is None else [seed, epoch, rank]
-    torch_seed = int(np.random.SeedSequence(key).generate_state(1)[0])
+    torch_seed = int(_epoch_seeds(seed, epoch, rank)[0])
     # the regularizers draw on the model's device, so their generator lives there
     return np.random.RandomState(s), torch.Generator(device=device).manual_seed(torch_seed), s
+
+
+def _epoch_seeds(seed: int, epoch: int, rank: int | None) -> np.ndarray:
+    key = [seed, epoch] if rank is None else [seed, epoch, rank]
+    return np.random.SeedSequence(key).generate_state(2)
+
+
+def augment_generator(seed: int, epoch: int, rank: int | None = None) -> torch.Generator:
+    """The CPU generator an epoch's augmentations come from (a stream of its own, beside
+    epoch_generators'): the same crops on every device, redrawn exactly on resume."""
+    return torch.Generator().manual_seed(int(_epoch_seeds(seed, epoch, rank)[1]))
 
 
 @contextlib.contextmanager
@@ -123,6 +138,9 @@ class Run:
                                warmup_epochs=cfg.warmup_epochs, bn_freeze=cfg.freezes_bn())
         with ddp.rank_zero_first():  # one process builds the cache; the others then read it
             source_type = {"frozen": FrozenFeatures, "tail": PrefixTail}.get(mode, ImageBatches)
+            if mode == "finetune" and cfg.uses_image_cache(len(self.splits.train) + len(self.splits.val),
+                                                           self.dcfg.resolved_image_size()):
+                source_type = CachedImages
             self.source = source_type(sources)
             n_probe = 0 if resuming else cfg.resolved_probe_epochs()  # a resumed run has had its probe
             probed = [p for m in (self.model.neck, self.loss, *[r.module for r in self.regs]) for p in m.parameters()]
@@ -132,12 +150,22 @@ class Run:
             probe_source = FrozenFeatures(sources) if n_probe else None
         for m in (self.model, self.loss, *[r.module for r in self.regs]):  # what a regularizer owns is its module
             m.to(dev)
+        # channels_last before the optimizer exists: its state takes the parameters' layout
+        fmt = (torch.channels_last if mode != "frozen" and use_channels_last(
+            cfg.channels_last, dev, cfg.backbone, self.dcfg.resolved_image_size(), whole_network=mode == "finetune")
+            else torch.contiguous_format)
+        self.memory_format = fmt
+        if fmt == torch.channels_last:
+            self.model.backbone.to(memory_format=fmt)
+        self.source.memory_format = fmt
+        if cfg.compile and mode != "frozen":
+            self.source.encode = compiled(self.source.encode, dev)
         # before DDP wraps the step: every rank probes alike, and DDP then starts them from rank 0's state
         self.probe_entry = self.probe(probe_source, n_probe) if n_probe else None
         opt = build_optimizer(cfg, self.model, self.loss, self.regs, n_train)
         self.sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, cfg.epochs))
                       if cfg.schedule == "cosine" else torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0))
-        self.step = Step(self.model, self.loss, self.regs, opt, cfg.grad_clip, dev, cfg.precision)
+        self.step = Step(self.model, self.loss, self.regs, opt, cfg.grad_clip, dev, cfg.precision, fmt)
         if self.dist:
             # DDP registers the parameters that require grad when it is built: mark every stage that will
             # ever train (the first epoch after the warm-up); a stage frozen in a warm-up epoch is then an
@@ -202,7 +230,8 @@ class Run:
     def run_epoch(self, source, step: Step, epoch: int, d=None, board=None, desc: str = "epoch") -> dict:
         """One epoch of `step` over `source`'s batches (the run's, or the probe's), under torchrun
         when `d` is given; the mean of each loss part over its steps."""
-        rng, gen, torch_seed = epoch_generators(self.cfg.seed, epoch, self.device, d.rank if d else None)
+        rank = d.rank if d else None
+        rng, gen, torch_seed = epoch_generators(self.cfg.seed, epoch, self.device, rank)
         source.start_epoch(epoch, self.model)
         if d:  # this rank's share of each global batch, from (seed, epoch)
             batches = ddp.rank_batches(source.labels, self.cfg.batch_size, self.cfg.m_per_class,
@@ -212,7 +241,8 @@ class Run:
         sums: dict[str, float] = {}
         n = 0
         with torch_seeded(torch_seed):
-            shown = tqdm(source.batches(batches), total=len(batches), desc=f"{desc} {epoch + 1}", leave=False,
+            shown = tqdm(source.batches(batches, augment_generator(self.cfg.seed, epoch, rank)), total=len(batches),
+                         desc=f"{desc} {epoch + 1}", leave=False,
                          disable=not (self.cfg.progress and self.main))
             for (x, y, bad), want in zip(shown, map(len, batches), strict=True):
                 self.skipped += len(bad)
@@ -244,6 +274,8 @@ class Run:
                 ddp.barrier()
             return result
         finally:
+            if getattr(self, "source", None) is not None:
+                self.source.close()  # loader workers, helper threads
             if self.dist and owns_group and torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
 
@@ -262,6 +294,7 @@ class Run:
         if resuming:  # every rank loads latest.pt
             start, sel.best, sel.best_epoch, sel.history = self.checkpoints.restore(
                 read_checkpoint(self.out / "latest.pt"))
+            state_like_parameters(self.step.opt)
             log.info("resumed %s at epoch %d (best val MAP@R %.4f)", self.out, start, sel.best)
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -328,6 +361,17 @@ class Run:
         self.board.projector(self.model, self.source, query, self.splits.class_names)
         self.board.close()
         return metrics
+
+
+def state_like_parameters(opt: torch.optim.Optimizer) -> None:
+    """Optimizer state restored from a checkpoint in the memory layout of its parameters (a run
+    resumed with another --channels-last): the fused optimizer walks them element by element."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state.get(p, {})
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and v.shape == p.shape and v.stride() != p.stride():
+                    state[k] = torch.empty_like(p, dtype=v.dtype).copy_(v)
 
 
 def plot_curves(history: list, path: Path, best_epoch: int) -> None:

@@ -65,3 +65,25 @@ def test_tail_warmup_and_determinant_under_two_ranks(tmp_path):
     assert all(torch.equal(r0["snaps"][1][f"backbone.{k}"], init[k]) for k in early)  # the prefix never trains
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
         "best.pt", "config.toml", "curve.png", "latest.pt", "log.jsonl", "metrics.json"]
+
+
+def test_fine_tuning_from_the_decoded_image_cache_under_two_ranks(tmp_path):
+    """Rank 0 decodes the images while rank 1 waits, then both read the cache; each rank cuts its own
+    crops (its generator is seeded by the rank) and the replicas stay identical."""
+    import torch.multiprocessing as mp
+
+    from training.config import TrainConfig
+
+    cfg = TrainConfig(dataset="kanji", data_root=str(tmp_path / "kanji"), num_classes=20, image_size=32,
+                      kanji_fonts=FONTS, backbone="small_cnn", weights="none", embed_dim=16, epochs=2,
+                      batch_size=16, m_per_class=4, out=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"),
+                      progress=False, lr=1e-3, mode="finetune", probe_epochs=0)
+    mp.spawn(_worker, args=(2, free_port(), cfg, str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    assert r0["ddp"] and r1["ddp"] and r0["metrics"] == r1["metrics"]
+    for a, b in zip(r0["snaps"], r1["snaps"], strict=True):
+        for k in a:
+            if "running_" not in k:
+                assert torch.equal(a[k], b[k]), k
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "cache").iterdir() if p.name.startswith("pixels")) == [
+        "pixels32", "pixels32"]  # the training and the validation cache, built once
