@@ -22,7 +22,7 @@ setup-test:
 demo: setup
 	$(PY) -m demo $(DEMO_ARGS)
 
-# ruff (pyproject.toml [tool.ruff]) over everything, mypy over core/, index/ and model/
+# ruff (pyproject.toml [tool.ruff]) and mypy ([tool.mypy]) over every package
 lint: setup-dev
 	$(PY) -m ruff check .
 	$(PY) -m mypy

@@ -43,14 +43,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from core.atomic import write_json  # noqa: E402
-from core.logs import setup_logging  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
-from training.samplers import epoch_batches  # noqa: E402
-from training.trainer import Run, augment_generator  # noqa: E402
+from core.atomic import write_json
+from core.logs import setup_logging
+from training.config import TrainConfig
+from training.samplers import epoch_batches
+from training.trainer import Run, augment_generator
 
 INPUT_CLASSES = 200  # the input path's data set: 1,840 training and 460 validation images (23 fonts)
 INPUT_BATCH = 120

@@ -15,7 +15,8 @@ from typing import Literal
 from core.params import check_fields, param
 
 DEFAULT_IMAGE_SIZE = 224        # photos, unless the data set's registry entry says otherwise
-DEFAULT_RESIZE_MODE = "crop"    # resize the shorter side to size·256/224, then centre-crop
+ResizeMode = Literal["crop", "resize", "pad"]
+DEFAULT_RESIZE_MODE: ResizeMode = "crop"    # resize the shorter side to size·256/224, then centre-crop
 
 
 @dataclass
@@ -57,7 +58,7 @@ class DataConfig:
     def resolved_image_size(self) -> int:
         return self.image_size or self.dataset_spec().image_size
 
-    def resolved_resize_mode(self) -> str:
+    def resolved_resize_mode(self) -> ResizeMode:
         if self.resize_mode != "auto":
             return self.resize_mode
         return self.dataset_spec().resize_mode

@@ -126,7 +126,7 @@ def render_glyph(font: ImageFont.FreeTypeFont, ch: str, size: int, canvas: int) 
     sq = np.zeros((side, side), np.uint8)
     y0, x0 = (side - crop.shape[0]) // 2, (side - crop.shape[1]) // 2
     sq[y0: y0 + crop.shape[0], x0: x0 + crop.shape[1]] = crop
-    out = Image.fromarray(255 - sq).resize((size, size), Image.LANCZOS)
+    out = Image.fromarray(255 - sq).resize((size, size), Image.Resampling.LANCZOS)
     return np.asarray(out)
 
 
@@ -169,7 +169,7 @@ def prepare_kanji(cfg: KanjiConfig, progress: bool = True) -> Path:
                 continue
             d = tmp / "images" / f"{cp:05X}"
             d.mkdir(parents=True)
-            for (fid, _, _, _), g in zip(fonts, glyphs, strict=True):
+            for (fid, _, _, _), g in zip(fonts, (g for g in glyphs if g is not None), strict=True):
                 Image.fromarray(g, mode="L").save(d / f"{fid}.png", optimize=False)
                 h.update(g.tobytes())
             chosen.append(cp)

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from core.errors import UserError
 from core.registry import Registry, Spec
 
-from .config import DEFAULT_IMAGE_SIZE, DEFAULT_RESIZE_MODE
+from .config import DEFAULT_IMAGE_SIZE, DEFAULT_RESIZE_MODE, ResizeMode
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,7 +28,7 @@ class DatasetSpec(Spec):
     flip: horizontal flips in augmentation (False: its images are not mirror-symmetric).
     """
     image_size: int = DEFAULT_IMAGE_SIZE
-    resize_mode: Literal["crop", "resize", "pad"] = DEFAULT_RESIZE_MODE
+    resize_mode: ResizeMode = DEFAULT_RESIZE_MODE
     size_from_images: bool = False
     renders: bool = False
     flip: bool = True

@@ -32,19 +32,21 @@ def embedding_diagnostics(x: np.ndarray, labels: np.ndarray, n_pairs: int = 200_
     rho = float(np.sum(u * np.log(u / np.maximum(s, 1e-30))))
 
     classes = np.unique(labels)
-    centres, intra, spread = [], [], []
+    centres: list[np.ndarray] = []
+    intra: list[float] = []
+    spread_rows: list[float] = []
     for c in classes:
         xc = x[labels == c]
         mu = xc.mean(0)
         centres.append(mu)
-        spread.append(np.linalg.norm(xc - mu, axis=1).mean())
+        spread_rows.append(np.linalg.norm(xc - mu, axis=1).mean())
         if len(xc) > 1:
             D = np.sqrt(np.maximum(((xc[:, None, :] - xc[None, :, :]) ** 2).sum(-1), 0))
             intra.append(D[np.triu_indices(len(xc), 1)].mean())
     C = np.array(centres)
     Dc = np.sqrt(np.maximum(((C[:, None, :] - C[None, :, :]) ** 2).sum(-1), 0))
     inter = Dc[np.triu_indices(len(C), 1)].mean() if len(C) > 1 else float("nan")
-    spread = np.array(spread)
+    spread = np.array(spread_rows)
     return {
         "uniformity": uniformity,
         "spectral_decay": rho,

@@ -12,6 +12,8 @@ k = number of classes, scored by NMI and pairwise F1.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from core.arrays import l2_normalize
@@ -81,7 +83,7 @@ def evaluate_ranking(index, query: np.ndarray, query_labels: np.ndarray, gallery
                 if per_query is not None:
                     per_query[key][qi] = v
     nq = len(valid)
-    out = {key: (v / nq if nq else float("nan")) for key, v in sums.items()}
+    out: dict[str, Any] = {key: (v / nq if nq else float("nan")) for key, v in sums.items()}
     out["n_queries"] = int(nq)
     out["n_skipped_queries"] = int(len(query_labels) - nq)
     if per_query is not None:

@@ -34,7 +34,7 @@ def knn_chunks(query: np.ndarray, index, k: int | np.ndarray, *, self_ids: np.nd
         ks = min(ntotal, kc + (1 if exclude_self else 0))
         q = np.ascontiguousarray(query[rows], dtype=np.float32)
         D, ids = index.search(q, ks)
-        if exclude_self:
+        if self_ids is not None:
             own = np.asarray(self_ids[rows])[:, None]
             is_self = ids == own
             # drop the self column where present, else the last one

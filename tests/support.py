@@ -101,7 +101,7 @@ CONTROLS = {"r": 0.5, "seed": 0, "psd": "abs", "alpha": 0.5, "p": 0.5, "path": N
 
 def panels(left=("trained", "cosine"), right=("identity", "cosine"), left_params=None, right_params=None) -> dict:
     """The app handlers' keyword values for two panels, (strategy, mode) each, every parameter
-    control at its first value unless given (as app.ui.ConfigControls.kwargs names them)."""
+    control at its first value unless given (as app.controls.ConfigControls.kwargs names them)."""
     out = {}
     for side, (strategy, mode), given in (("left", left, left_params), ("right", right, right_params)):
         out |= {f"{side}_strategy": strategy, f"{side}_mode": mode}

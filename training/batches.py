@@ -18,16 +18,17 @@ split for evaluation.
 torch.Generator seeded by the trainer from (seed, epoch)): the same seed gives the same batches
 whatever the worker count, and a resumed epoch redraws them exactly.
 
-Every source is built from one `SourceConfig`.  Which stages train is decided in one place,
+Every source is built from one `SourceConfig` and implements `BatchSource`.  Which stages train is decided in one place,
 `set_trainable`: the frozen part is in eval mode (its BatchNorm statistics stay the
 pretrained ones) and gets no gradient.
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -41,6 +42,31 @@ if TYPE_CHECKING:
     from model.preprocess import TransformSpec
 
 log = logging.getLogger("training")
+
+
+class BatchSource(Protocol):
+    """Where the trainer's steps and evaluations read their inputs (see the module docstring)."""
+
+    labels: np.ndarray                     # the training split's labels, in subset order
+    memory_format: torch.memory_format     # of the inputs `embed` gives the model (the trainer sets it)
+
+    def start_epoch(self, epoch: int, model) -> None:
+        """Set which parts of `model` train this epoch (and their BatchNorm modes)."""
+
+    def batches(self, index_batches, generator: torch.Generator | None = None) -> Iterator[tuple]:
+        """(inputs, labels, skipped images) for each index batch, augmented from `generator`."""
+        ...
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Inputs → backbone outputs, inside the step (gradients reach what trains)."""
+        ...
+
+    def embed(self, model, subset) -> tuple[np.ndarray, np.ndarray]:
+        """`subset`'s embeddings under `model` (eval mode) and their labels."""
+        ...
+
+    def close(self) -> None:
+        """Release loader workers and helper threads."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +112,7 @@ class FrozenFeatures:
         self.cache_dir, self.progress = cfg.cache_dir, cfg.progress
         self.cache = {name: self._features(self.splits.get(name)) for name in ("train", "val")}
         self.labels = self.cache["train"][1]
+        self.memory_format = torch.contiguous_format  # (features: no layout)
         for p in self.backbone.parameters():
             p.requires_grad_(False)
 

@@ -10,6 +10,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -19,6 +20,7 @@ from core.config import add_config_args, config_from_args, parse_with_config_fil
 from core.errors import UserError
 from core.logs import setup_logging
 from core.params import param
+from core.registry import Registry
 from data import DataConfig, load_data
 from data.config import resolve
 from data.registry import DATASETS
@@ -33,7 +35,8 @@ from .regularizers import REGULARIZERS
 log = logging.getLogger("training")
 
 SPEC_KEYS = ("map@r", "r_precision", "precision@1", "nmi", "f1", "n_classes", "n_queries", "n_skipped_queries")
-REGISTRIES = {"backbones": BACKBONES, "datasets": DATASETS, "losses": LOSSES, "regularizers": REGULARIZERS}
+REGISTRIES: dict[str, Registry[Any]] = {"backbones": BACKBONES, "datasets": DATASETS, "losses": LOSSES,
+                                        "regularizers": REGULARIZERS}
 CHOICES = {"dataset": DATASETS, "backbone": BACKBONES, "loss": LOSSES, "regularizer": REGULARIZERS}
 # data settings that change what a checkpoint's evaluation measures (not where the data lies or how fast)
 RESULT_DATA_FIELDS = ("dataset", "num_classes", "image_size", "resize_mode", "data_seed", "val_fraction",

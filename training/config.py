@@ -196,7 +196,7 @@ class TrainConfig(DataConfig):
             if not ok:
                 raise UserError(msg)
         for name in self.regularizer:
-            if REGULARIZERS.get(name).builder.needs_proxies and not has_proxies(self.loss):
+            if getattr(REGULARIZERS.get(name).builder, "needs_proxies", False) and not has_proxies(self.loss):
                 proxy_losses = ", ".join(n for n in LOSSES.names() if has_proxies(n))
                 raise UserError(f"regularizer {name!r} acts on class proxies; loss {self.loss!r} has none "
                                 f"(use a proxy loss: {proxy_losses})")

@@ -40,12 +40,16 @@ import datetime
 import math
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 
 from core.errors import UserError
+
+if TYPE_CHECKING:
+    from .step import Step
 
 from .samplers import pair_classes
 
@@ -267,7 +271,9 @@ class StepModule(nn.Module):
     """What DDP wraps: every module a step trains (the model, the loss module, each regularizer's
     module), with the step's whole loss as its forward."""
 
-    def __init__(self, step):
+    step: Step  # set past nn.Module's registration (see __init__)
+
+    def __init__(self, step: Step):
         super().__init__()
         self.model, self.loss = step.model, step.loss
         self.regs = nn.ModuleList([r.module for r in step.regs])

@@ -66,7 +66,7 @@ class Step:
         self.wants_proxies = any(r.needs_proxies for r in regs)
         self.device, self.precision = device or torch.device("cpu"), precision
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == "fp16")
-        self.ddp = None  # the DDP-wrapped step under torchrun
+        self.ddp: torch.nn.parallel.DistributedDataParallel | None = None  # the DDP-wrapped step under torchrun
 
     def distribute(self, dist, find_unused: bool | None = None) -> None:
         """Run the step data-parallel: DDP over its modules (call when every parameter that will ever
@@ -138,7 +138,7 @@ class Step:
             loss, parts = self.ddp(encode, x, y, generator)
         else:
             loss, parts = self.loss_of_batch(encode, x, y, generator)
-        parts = Packed(parts)  # a copy of the values now: the optimizer step may move what a part views
+        packed = Packed(parts)  # a copy of the values now: the optimizer step may move what a part views
         self.opt.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
         if self.grad_clip > 0:
@@ -147,7 +147,7 @@ class Step:
             torch.nn.utils.clip_grad_norm_(params, self.grad_clip, foreach=True)  # one norm op, not one per tensor
         self.scaler.step(self.opt)
         self.scaler.update()
-        parts = as_floats(parts)
+        parts = as_floats(packed)
         if self.ddp is not None:
             from .distributed import mean_over_ranks
 
@@ -168,7 +168,7 @@ class Packed:
         self.order = list(parts)
 
     def floats(self) -> dict:
-        read = dict(zip(self.keys, self.values.tolist(), strict=True)) if self.keys else {}
+        read = dict(zip(self.keys, self.values.tolist(), strict=True)) if self.values is not None else {}
         return {k: float(read[k]) if k in read else self.numbers[k] for k in self.order}
 
 

@@ -28,6 +28,7 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +46,7 @@ from model.network import EmbeddingModel
 from model.preprocess import transform_for
 
 from . import distributed as ddp
-from .batches import CachedImages, FrozenFeatures, ImageBatches, PrefixTail, SourceConfig
+from .batches import BatchSource, CachedImages, FrozenFeatures, ImageBatches, PrefixTail, SourceConfig
 from .checkpoints import Checkpoints, check_out, recorded_config, same_identity, write_config
 from .config import TrainConfig
 from .losses import build_loss, has_proxies
@@ -104,6 +105,7 @@ class Run:
         self.dist: ddp.Dist | None = None  # set under torchrun
         self.main = True                   # this process writes the run folder (rank 0)
         self.skipped = 0                   # unreadable images skipped by training batches
+        self.probe_best: tuple[dict, int, dict] | None = None  # the probe's (val, epoch, state); see probe()
 
     # ------------------------------------------------------------ set-up
     def setup(self, resuming: bool = False) -> None:
@@ -137,7 +139,9 @@ class Run:
                                cache_dir=cfg.cache_dir, progress=progress, device=dev, n_train=n_train,
                                warmup_epochs=cfg.warmup_epochs, bn_freeze=cfg.freezes_bn())
         with ddp.rank_zero_first():  # one process builds the cache; the others then read it
-            source_type = {"frozen": FrozenFeatures, "tail": PrefixTail}.get(mode, ImageBatches)
+            kinds: dict[str, Callable[[SourceConfig], BatchSource]] = {
+                "frozen": FrozenFeatures, "tail": PrefixTail, "finetune": ImageBatches}
+            source_type = kinds[mode]
             if mode == "finetune" and cfg.uses_image_cache(len(self.splits.train) + len(self.splits.val),
                                                            self.dcfg.resolved_image_size()):
                 source_type = CachedImages
@@ -159,9 +163,10 @@ class Run:
             self.model.backbone.to(memory_format=fmt)
         self.source.memory_format = fmt
         if cfg.compile and mode != "frozen":
-            self.source.encode = compiled(self.source.encode, dev)
+            # an instance attribute over the method: the step and the source's own embed both run it compiled
+            self.source.encode = compiled(self.source.encode, dev)  # type: ignore[method-assign]
         # before DDP wraps the step: every rank probes alike, and DDP then starts them from rank 0's state
-        self.probe_entry = self.probe(probe_source, n_probe) if n_probe else None
+        self.probe_entry = self.probe(probe_source, n_probe) if probe_source is not None else None
         opt = build_optimizer(cfg, self.model, self.loss, self.regs, n_train)
         self.sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, cfg.epochs))
                       if cfg.schedule == "cosine" else torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0))
@@ -178,7 +183,7 @@ class Run:
             split_record={k: s.classes for k, s in self.splits.subsets().items()})
 
     # ------------------------------------------------------------ the probe
-    def probe(self, source: FrozenFeatures, epochs: int) -> dict:
+    def probe(self, source: BatchSource, epochs: int) -> dict:
         """Linear probing before fine-tuning (LP-FT, Kumar et al., ICLR 2022): the neck, the loss and the
         regularizers train alone on cached frozen-trunk features, exactly as a frozen-neck run of
         `epochs` epochs would (the same epoch loop), with its own optimizer and cosine schedule.  The
@@ -191,13 +196,15 @@ class Run:
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs)
         step = Step(self.model, self.loss, self.regs, opt, cfg.grad_clip, self.device, cfg.precision)
         parts: dict = {}
-        best = None
+        best: tuple[dict, int, dict] | None = None
         for k in range(epochs):  # a frozen-neck run's epochs, exactly (tests/training/test_probe.py)
             parts = self.run_epoch(source, step, k, desc="probe epoch")
             sched.step()
             val = val_metrics(self.model, source)
             if best is None or val["map@r"] > best[0]["map@r"]:  # the frozen-neck run's own selection rule
                 best = (val, k + 1, self.state())
+        if best is None:
+            raise ValueError("a probe runs at least one epoch")
         self.probe_best = best
         if self.main:
             log.info("probe: %d epochs on frozen-trunk features, val MAP@R %.4f (best %.4f, probe epoch %d)",
@@ -214,6 +221,8 @@ class Run:
 
     def save_probe_candidate(self, sel: Selection) -> None:
         """best.pt ← the probe's best epoch, then back to the probe's end state, where the trunk starts."""
+        if self.probe_best is None:
+            raise ValueError("no probe has run")
         val, _, state = self.probe_best
         now = self.state()
         self.model.load_state_dict(state["model"])
@@ -302,7 +311,8 @@ class Run:
                 (self.out / "metrics.json").unlink(missing_ok=True)  # a replaced run's results are not this run's
                 shutil.rmtree(self.out / "tb", ignore_errors=True)  # nor its TensorBoard events
             write_config(self.out, cfg)
-        if self.probe_entry:  # (a resumed run has had its probe: restore() brings back its selection)
+        # (a resumed run has had its probe: restore() brings back its selection)
+        if self.probe_entry and self.probe_best:
             # the probe's best epoch (the frozen-neck run's selected model) is the first candidate: a
             # trained trunk that never beats it on validation is not kept, so the run never selects a
             # model below the frozen neck of the same seed and epochs

@@ -39,6 +39,19 @@ class BatchContext:
     halves: tuple[torch.Tensor, torch.Tensor] | None = None  # paired batch: embeddings of X′ and X″
     head_terms: dict = dataclasses.field(default_factory=dict)  # head name → (log|det|, "+1" term)
 
+    def class_proxies(self) -> torch.Tensor:
+        """The loss's proxies, for a regularizer that declares `needs_proxies` (checked when the run is
+        configured, so a missing one is a programming error here)."""
+        if self.proxies is None:
+            raise RuntimeError("this regularizer needs a loss with class proxies")
+        return self.proxies
+
+    def pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The paired batch's two views, for a regularizer that declares `paired`."""
+        if self.halves is None:
+            raise RuntimeError("this regularizer needs a paired batch")
+        return self.halves
+
 
 class Regularizer:
     name: str = ""

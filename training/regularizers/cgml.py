@@ -61,7 +61,7 @@ class CGMLRegularizer(Regularizer):
         self.pair_batches = params.batches  # what the samplers draw: see the module docstring
 
     def terms(self, ctx: BatchContext):
-        a, b = ctx.halves
+        a, b = ctx.pair()
         gc = graph_consistency(F.normalize(a, dim=1), F.normalize(b, dim=1), self.params.sigma)
         # the weighted term is logged under "cgml" (next to the metric loss "loss"); L_GC unweighted
         return {self.name: self.weight * gc, "L_GC": gc}

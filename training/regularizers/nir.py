@@ -145,5 +145,5 @@ class NIRRegularizer(Regularizer):
         return nll.mean()
 
     def terms(self, ctx: BatchContext):
-        nll = self.nll(ctx.embeddings, ctx.labels, ctx.proxies, ctx.generator)
+        nll = self.nll(ctx.embeddings, ctx.labels, ctx.class_proxies(), ctx.generator)
         return {self.name: self.weight * self.objective(nll), "nir_nll": nll.mean()}

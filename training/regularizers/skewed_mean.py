@@ -110,6 +110,7 @@ class SkewedMeanRegularizer(Regularizer):
         return F.relu(self.params.target - power_mean(d, -self.params.lam))
 
     def terms(self, ctx: BatchContext):
-        v = self.value(self._proxies(ctx.proxies, ctx.generator))
+        proxies = ctx.class_proxies()
+        v = self.value(self._proxies(proxies, ctx.generator))
         return {self.name: self.weight * v, f"skew_{self.params.form}": v,
-                "max_proxy_cos": max_proxy_cosine(ctx.proxies, DIAG_PROXIES)}
+                "max_proxy_cos": max_proxy_cosine(proxies, DIAG_PROXIES)}
