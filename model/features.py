@@ -179,16 +179,29 @@ class PrefixCache:
     path: Path
 
 
+def _prefix_dir(backbone, n_stages: int, splits, subset, spec: TransformSpec, cache_dir: str) -> Path:
+    if not 0 < n_stages < len(backbone.stages()):
+        raise UserError(f"a cached prefix needs 1 … {len(backbone.stages()) - 1} stages, got {n_stages}")
+    key = cache_key(backbone, splits, subset, spec, prefix=n_stages)
+    return Path(cache_dir) / f"{backbone.name}-prefix{n_stages}-{splits.name}-{subset.name}-{key}"
+
+
+def _finish_prefix(d: Path, tmp: Path, backbone, n_stages: int, subset, spec: TransformSpec, labels, kept) -> None:
+    """A prefix cache's labels, kept indices and meta.json, beside its maps in `tmp` (written into `d`)."""
+    np.save(tmp / "labels.npy", labels)
+    np.save(tmp / "index.npy", kept)
+    (tmp / "meta.json").write_text(json.dumps({
+        "backbone": backbone.name, "prefix_stages": n_stages, "split": subset.name, "n": len(labels),
+        "transform": spec.describe(), "key": d.name.rsplit("-", 1)[-1]}, indent=2))
+
+
 @torch.inference_mode()
 def cached_prefix(backbone, n_stages: int, splits, subset, spec: TransformSpec, dcfg: DataConfig,
                   cache_dir: str, progress: bool = True, device: torch.device | None = None) -> PrefixCache:
     """The first `n_stages` stages' outputs for every image of `subset`, computed once (the prefix is
     frozen and sees no augmentation, so its output is a pure function of the image) and stored
     as float16 .npy, memory-mapped on read so RAM stays bounded by the batch."""
-    if not 0 < n_stages < len(backbone.stages()):
-        raise UserError(f"a cached prefix needs 1 … {len(backbone.stages()) - 1} stages, got {n_stages}")
-    key = cache_key(backbone, splits, subset, spec, prefix=n_stages)
-    d = Path(cache_dir) / f"{backbone.name}-prefix{n_stages}-{splits.name}-{subset.name}-{key}"
+    d = _prefix_dir(backbone, n_stages, splits, subset, spec, cache_dir)
     if not (d / "meta.json").is_file():
         device = device or torch.device("cpu")
         backbone.eval().to(device)
@@ -202,11 +215,7 @@ def cached_prefix(backbone, n_stages: int, splits, subset, spec: TransformSpec, 
             if out is None:
                 raise UserError(f"no readable images in {subset.root} ({subset.name} split)")
             labels, kept, _, _ = out
-            np.save(tmp / "labels.npy", labels)
-            np.save(tmp / "index.npy", kept)
-            (tmp / "meta.json").write_text(json.dumps({
-                "backbone": backbone.name, "prefix_stages": n_stages, "split": subset.name, "n": len(labels),
-                "transform": spec.describe(), "key": key}, indent=2))
+            _finish_prefix(d, tmp, backbone, n_stages, subset, spec, labels, kept)
     else:
         log.info("prefix cache hit: %s", d)
     labels = np.load(d / "labels.npy", allow_pickle=False)
@@ -292,13 +301,21 @@ def cached_images(splits, subset, spec: TransformSpec, dcfg: DataConfig, cache_d
 
 
 def backbone_features(backbone, splits, subset, spec: TransformSpec, dcfg: DataConfig,
-                      cache_dir: str | None, progress: bool = True, device: torch.device | None = None):
+                      cache_dir: str | None, progress: bool = True, device: torch.device | None = None,
+                      prefix_stages: int | None = None):
     """Frozen backbone features of a subset: through the cache when `cache_dir`, else computed
-    (on `device`; features come back on the CPU, float32, whatever the device)."""
+    (on `device`; features come back on the CPU, float32, whatever the device).  `prefix_stages`:
+    a pass that computes the features also stores the first that many stages' output maps in the
+    prefix cache (what `cached_prefix` would compute, bit for bit), so that a trained tail over the
+    same images does not run the prefix again."""
     device = device or torch.device("cpu")
     backbone.eval().to(device)
 
     def embed(sub, sp):
+        if prefix_stages and cache_dir:
+            d = _prefix_dir(backbone, prefix_stages, splits, sub, sp, cache_dir)
+            if not (d / "meta.json").is_file():
+                return _features_and_prefix(backbone, prefix_stages, d, sub, sp, dcfg, progress, device)
         return embed_subset(backbone, sub, sp, dcfg, f"features {sub.name}", progress, device=device)
 
     if cache_dir:
@@ -307,6 +324,31 @@ def backbone_features(backbone, splits, subset, spec: TransformSpec, dcfg: DataC
     if skipped:
         log.warning("%d unreadable images left out", len(skipped))
     return feats, labels, kept
+
+
+def _features_and_prefix(backbone, n_stages: int, d: Path, subset, spec: TransformSpec, dcfg: DataConfig,
+                         progress: bool, device: torch.device):
+    """embed_subset's result for the whole backbone, with the prefix's maps written into the prefix
+    cache `d` on the way (the same loader and batches as cached_prefix: the same bits)."""
+    with atomic_dir(d) as tmp:
+        rows: dict = {"out": None, "n": 0}
+
+        def fn(images):
+            h = backbone.run_stages(images, 0, n_stages)
+            r = h.to("cpu", torch.float16).numpy()
+            if rows["out"] is None:
+                rows["out"] = np.lib.format.open_memmap(tmp / "maps.npy", mode="w+", dtype=r.dtype,
+                                                        shape=(len(subset), *r.shape[1:]))
+            rows["out"][rows["n"]: rows["n"] + len(r)] = r
+            rows["n"] += len(r)
+            return backbone.run_stages(h, n_stages)
+
+        loader = make_loader(subset, spec.build(), batch_size=dcfg.eval_batch_size, workers=dcfg.workers)
+        out = embed_subset(fn, subset, spec, dcfg, f"features {subset.name}", progress, device=device, loader=loader)
+        rows["out"].flush()
+        del rows["out"]
+        _finish_prefix(d, tmp, backbone, n_stages, subset, spec, out[1], out[2])
+    return out
 
 
 @dataclass

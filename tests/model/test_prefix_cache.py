@@ -1,4 +1,5 @@
 """model/features.py: the cached frozen prefix equals the prefix computed on the fly."""
+import json
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +10,7 @@ from PIL import Image
 from core.errors import UserError
 from data import DataConfig, load_data
 from model.backbones import build_backbone
-from model.features import cache_key, cached_prefix
+from model.features import backbone_features, cache_key, cached_prefix
 from model.preprocess import transform_for
 
 
@@ -67,3 +68,24 @@ def test_prefix_key_ignores_the_tail_and_tracks_the_prefix(folder):
     assert cache_key(bb, splits, splits.train, spec, prefix=2) != k2
     with pytest.raises(UserError, match="needs 1 … 3 stages"):
         cached_prefix(bb, 4, splits, splits.train, spec, cfg, str(folder / "cache"), progress=False)
+
+
+def test_features_pass_that_also_stores_the_prefix_gives_both_caches_bit_for_bit(folder):
+    cfg = DataConfig(dataset="imagefolder", data_root=str(folder / "img"), image_size=32, eval_batch_size=5)
+    splits = load_data(cfg, progress=False)
+    torch.manual_seed(0)
+    bb = build_backbone("small_cnn", "none").eval()
+    spec = transform_for(bb, cfg)
+    sub = splits.train
+    joint, alone = str(folder / "joint"), str(folder / "alone")
+    f, y, kept = backbone_features(bb, splits, sub, spec, cfg, joint, progress=False, prefix_stages=2)
+    assert len(list(Path(joint).iterdir())) == 2  # the feature cache and the prefix cache
+    f0, y0, kept0 = backbone_features(bb, splits, sub, spec, cfg, alone, progress=False)
+    assert np.array_equal(f, f0) and np.array_equal(y, y0) and np.array_equal(kept, kept0)
+    pc = cached_prefix(bb, 2, splits, sub, spec, cfg, joint, progress=False)  # a hit: nothing computed
+    ref = cached_prefix(bb, 2, splits, sub, spec, cfg, alone, progress=False)
+    assert pc.path.parent == Path(joint) and len(list(Path(joint).iterdir())) == 2
+    assert pc.path.name == ref.path.name
+    assert np.array_equal(np.asarray(pc.maps), np.asarray(ref.maps))
+    assert np.array_equal(pc.labels, ref.labels) and np.array_equal(pc.kept, ref.kept)
+    assert json.loads((pc.path / "meta.json").read_text()) == json.loads((ref.path / "meta.json").read_text())
