@@ -19,8 +19,7 @@ what a user of an ImageFolder gets):
 Rows (`--rows`), on the test classes (half of them, never seen in training):
   raw           efficientnet_lite0's ImageNet features, cosine, no training
   frozen        the frozen neck: the neck and loss on cached trunk features (the default mode)
-  tail-demo     --train-blocks 2 --epochs 15 --probe-epochs 0: the demo's tail recipe as it ran before
-                tail mode had a probe
+  tail-demo     --train-blocks 2 --epochs 15 --probe-epochs 0: the demo's tail recipe without a probe
   tail-default  --train-blocks 2 --epochs 15: the same with every other default
   tail-probe, tail-lr01, tail-5ep, tail-probe-5ep, tail-probe-lr01: the diagnosis candidates (a
                 30-epoch probe; no probe with a 10× lower trunk learning rate; no probe and 5 epochs;
@@ -51,11 +50,11 @@ KEYS = ("map@r", "recall@1")
 EMOJI_FONT = "/usr/share/fonts/truetype/noto/NotoColorEmoji.ttf"        # apt-get install fonts-noto-color-emoji
 MONO_FONT = "/usr/share/fonts/truetype/ancient-scripts/Symbola_hint.ttf"  # apt-get install fonts-symbola
 
-TAIL = dict(train_blocks=2, epochs=15)  # demo/pipeline.py demo_tail_config
+TAIL = dict(train_blocks=2, epochs=15)  # the tail rows' recipe: the demo's two stages (it trains them 6 epochs)
 # key: (row name, the run's settings; "epochs" None means --epochs)
 ROWS = {
     "frozen": ("frozen neck", dict(epochs=30)),
-    "tail-demo": ("tail, demo recipe without a probe (old default: --probe-epochs 0)", dict(TAIL, probe_epochs=0)),
+    "tail-demo": ("tail, no probe (--probe-epochs 0)", dict(TAIL, probe_epochs=0)),
     "tail-default": ("tail, default (--train-blocks 2 --epochs 15)", dict(TAIL)),
     "tail-probe": ("tail, probe 30 (--probe-epochs 30)", dict(TAIL, probe_epochs=30)),
     "tail-lr01": ("tail, no probe, --backbone-lr-mult 0.1", dict(TAIL, probe_epochs=0, backbone_lr_mult=0.1)),

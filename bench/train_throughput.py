@@ -7,7 +7,7 @@ ProxyAnchor on efficientnet_lite0 (ImageNet weights), kanji glyphs rendered at t
 fine-tune recipe's BatchNorm (statistics frozen), no probe, seed 0.  For each mode × size × precision:
 
   input      augmented training images per second from the input path alone (no model): the
-             loader as it was (a DataLoader built every epoch, one worker), the streaming loader
+             per-epoch loader (a DataLoader built every epoch, one worker), the streaming loader
              (persistent workers, --workers auto) and the decoded-image cache with batched
              augmentation (the default in fine-tune mode); tail mode: the cached prefix maps;
   trainer    images per second through the trainer's own epoch loop (`Run.run_epoch`: the sampler,
@@ -112,8 +112,8 @@ def input_epoch(source, run: Run, epoch: int) -> float:
     return n / (time.perf_counter() - t)
 
 
-class AsItWas:
-    """The fine-tune loader before the decoded-image cache: a DataLoader (one worker) built every
+class PerEpochLoader:
+    """The per-epoch loader, the baseline of the input path: a DataLoader (one worker) built every
     epoch, each image decoded and augmented on its own."""
 
     def __init__(self, run: Run):
@@ -148,7 +148,7 @@ def input_rates(args, mode: str, size: int, tmp: Path, run: Run) -> dict:
     if run.cfg.num_classes != INPUT_CLASSES or run.cfg.kanji_fonts or run.cfg.batch_size != INPUT_BATCH:
         run = Run(config(args, mode, size, "fp32", tmp / "input", INPUT_CLASSES, batch_size=INPUT_BATCH))
         run.setup()
-    sources = {"input_before_images_per_s": AsItWas(run),
+    sources = {"input_before_images_per_s": PerEpochLoader(run),
                "input_streaming_images_per_s": ImageBatches(source_config(run)),
                "input_images_per_s": run.source}
     rates: dict[str, list] = {k: [] for k in sources}
