@@ -33,7 +33,7 @@ from scipy import sparse
 from core.params import param
 
 from ..backends.gallery import Hits
-from .neighbours import neighbour_lists, without
+from .neighbours import neighbour_lists, reverse_index, without
 from .registry import RERANKERS, WHOLE_GALLERY, candidates
 from .space import MetricSpace
 
@@ -128,19 +128,6 @@ def whole_graph(space: MetricSpace, p: DiffusionParams) -> dict[str, np.ndarray]
     return space.store.get("diffusion-graph", {"k": p.k, "gamma": p.gamma}, compute)
 
 
-def _reverse(space: MetricSpace, lists: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ptr, src): src[ptr[i]:ptr[i+1]] are the items whose k-NN list holds i; kept in memory."""
-    name = f"diffusion-reverse-{k}"
-    if name not in space.store.memo:
-        flat = lists[:, :k].ravel().astype(np.int64)
-        order = np.argsort(flat, kind="stable")
-        ptr = np.zeros(space.n + 1, dtype=np.int64)
-        np.add.at(ptr, flat + 1, 1)
-        space.store.memo[name] = {"ptr": np.cumsum(ptr), "src": np.repeat(np.arange(space.n), k)[order]}
-    m = space.store.memo[name]
-    return m["ptr"], m["src"]
-
-
 def _without_item(lists: np.ndarray, sims: np.ndarray, rev, i: int, k: int, gamma: float):
     """The gallery-without-i affinity's change: (gone, r, c, w) with `gone` the rows and columns
     that are rebuilt (i and the items whose k-NN list held i) and (r, c, w) their new entries,
@@ -194,7 +181,7 @@ def _diffuse_whole(space: MetricSpace, queries: np.ndarray, seeds: np.ndarray, s
     loo = np.flatnonzero(self_ids >= 0)
     if len(loo):
         lists, sims = neighbour_lists(space, p.k + 1)
-        rev = _reverse(space, lists, p.k)
+        rev = reverse_index(space, lists, p.k, f"diffusion-reverse-{p.k}")
         for j in loo:
             gone, r, c, w = _without_item(lists, sims, rev, int(self_ids[j]), p.k, p.gamma)
             keep[gone, j] = 0.0

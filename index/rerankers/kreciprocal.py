@@ -53,7 +53,7 @@ from core.errors import UserError
 from core.params import param
 
 from ..backends.gallery import Hits
-from .neighbours import neighbour_lists, row_extremes, without
+from .neighbours import neighbour_lists, reverse_index, row_extremes, without
 from .registry import RERANKERS, WHOLE_GALLERY
 from .space import MetricSpace
 
@@ -447,18 +447,7 @@ def gallery_sets(space: MetricSpace, lists: tuple[np.ndarray, np.ndarray], ext: 
 def reverse_lists(space: MetricSpace, rows: np.ndarray, k1: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """For k = k1 and ½k1: (ptr, src) with src[ptr[i]:ptr[i+1]] the items whose first k + 1 list
     entries hold i (the lists a leave-one-out query's own row changes); kept in memory."""
-    name = f"kreciprocal-reverse-{k1}"
-    if name not in space.store.memo:
-        out = {}
-        for k in (k1, half(k1)):
-            flat = rows[:, : k + 1].ravel().astype(np.int64)
-            src = np.repeat(np.arange(space.n), k + 1)
-            order = np.argsort(flat, kind="stable")
-            ptr = np.zeros(space.n + 1, dtype=np.int64)
-            np.add.at(ptr, flat + 1, 1)
-            out[k] = (np.cumsum(ptr), src[order])
-        space.store.memo[name] = out
-    return space.store.memo[name]
+    return {k: reverse_index(space, rows, k + 1, f"kreciprocal-reverse-{k + 1}") for k in (k1, half(k1))}
 
 
 def gather(ptr: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -518,18 +507,6 @@ def support_index(space: MetricSpace, rows: np.ndarray, ext: dict, sets: dict, k
         np.add.at(ptr, j + 1, 1)
         return {"ptr": np.cumsum(ptr), "items": g.astype(np.int32), "values": val[order]}
     return space.store.get("kreciprocal-support", {"k1": k1, "k2": k2}, compute)
-
-
-def reverse_k2(space: MetricSpace, rows: np.ndarray, k2: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ptr, src): src[ptr[z]:ptr[z+1]] are the items whose gallery list N(·, k2) holds z; kept in memory."""
-    name = f"kreciprocal-reverse-k2-{k2}"
-    if name not in space.store.memo:
-        flat = rows[:, :k2].ravel().astype(np.int64)
-        order = np.argsort(flat, kind="stable")
-        ptr = np.zeros(space.n + 1, dtype=np.int64)
-        np.add.at(ptr, flat + 1, 1)
-        space.store.memo[name] = (np.cumsum(ptr), np.repeat(np.arange(space.n), k2)[order])
-    return space.store.memo[name]
 
 
 def refresh(batch: _Batch, p: KReciprocalParams, rev_k2) -> np.ndarray:
@@ -677,7 +654,8 @@ def kreciprocal(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: 
     # pool up to BRUTE_POOL is cheaper to rank whole
     pool = max(p.pool, k)
     support = support_index(space, lists[0], ext, offline, p.k1, p.k2) if offline and pool > BRUTE_POOL else None
-    rev_k2 = reverse_k2(space, lists[0], p.k2) if support is not None and p.k2 > 1 else None
+    rev_k2 = (reverse_index(space, lists[0], p.k2, f"kreciprocal-reverse-k2-{p.k2}")
+              if support is not None and p.k2 > 1 else None)
     # the probe's own list N(p, k1 + 1) is read from its candidates
     depth = min(p.k1 + 1 if support is not None else max(pool, p.k1 + 1), space.n)
     step = max(1, min(BATCH, BATCH_CELLS // max(space.n, 1)))

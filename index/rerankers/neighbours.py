@@ -73,3 +73,15 @@ def without(rows: np.ndarray, sims: np.ndarray, drop: np.ndarray, L: int):
         return rows[:, :L], sims[:, :L]
     order = np.argsort(mask, axis=1, kind="stable")[:, :L]
     return np.take_along_axis(rows, order, 1), np.take_along_axis(sims, order, 1)
+
+
+def reverse_index(space: MetricSpace, lists: np.ndarray, k: int, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(ptr, src): src[ptr[i]:ptr[i+1]] are the items whose first k neighbours (`lists`) hold i,
+    in item order; kept in the space's memory under `name`."""
+    if name not in space.store.memo:
+        flat = lists[:, :k].ravel().astype(np.int64)
+        order = np.argsort(flat, kind="stable")
+        ptr = np.zeros(space.n + 1, dtype=np.int64)
+        np.add.at(ptr, flat + 1, 1)
+        space.store.memo[name] = (np.cumsum(ptr), np.repeat(np.arange(space.n), k)[order])
+    return space.store.memo[name]

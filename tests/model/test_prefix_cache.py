@@ -26,12 +26,17 @@ def folder(tmp_path):
     return tmp_path
 
 
-def test_prefix_maps_equal_on_the_fly_and_are_reused(folder):
+def setup(folder):
+    """(data config, splits, a seeded small_cnn in eval mode, its transform) over the folder."""
     cfg = DataConfig(dataset="imagefolder", data_root=str(folder / "img"), image_size=32, eval_batch_size=5)
     splits = load_data(cfg, progress=False)
     torch.manual_seed(0)
     bb = build_backbone("small_cnn", "none").eval()
-    spec = transform_for(bb, cfg)
+    return cfg, splits, bb, transform_for(bb, cfg)
+
+
+def test_prefix_maps_equal_on_the_fly_and_are_reused(folder):
+    cfg, splits, bb, spec = setup(folder)
     sub = splits.train
     pc = cached_prefix(bb, 2, splits, sub, spec, cfg, str(folder / "cache"), progress=False)
     assert isinstance(pc.maps, np.memmap) and pc.maps.dtype == np.float16
@@ -71,11 +76,7 @@ def test_prefix_key_ignores_the_tail_and_tracks_the_prefix(folder):
 
 
 def test_features_pass_that_also_stores_the_prefix_gives_both_caches_bit_for_bit(folder):
-    cfg = DataConfig(dataset="imagefolder", data_root=str(folder / "img"), image_size=32, eval_batch_size=5)
-    splits = load_data(cfg, progress=False)
-    torch.manual_seed(0)
-    bb = build_backbone("small_cnn", "none").eval()
-    spec = transform_for(bb, cfg)
+    cfg, splits, bb, spec = setup(folder)
     sub = splits.train
     joint, alone = str(folder / "joint"), str(folder / "alone")
     f, y, kept = backbone_features(bb, splits, sub, spec, cfg, joint, progress=False, prefix_stages=2)
