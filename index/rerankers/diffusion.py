@@ -139,6 +139,7 @@ def _without_item(lists: np.ndarray, sims: np.ndarray, rev, i: int, k: int, gamm
     if not len(L):
         return gone, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
     nr, ns = without(lists[L], sims[L], np.full(len(L), i), k)  # their lists move up by one entry
+    nr = np.where(nr == i, -1, nr)  # a list no longer than k keeps i at its end: it is gone all the same
     r = np.repeat(L, k)
     c, s = nr.ravel().astype(np.int64), ns.ravel()
     ok = (c >= 0) & (c != r)

@@ -454,6 +454,22 @@ def test_a_gallery_item_as_query_is_reranked_as_if_it_were_not_in_the_gallery(tm
         assert i not in got.rows[qi]
 
 
+@pytest.mark.parametrize("rparams", [{"k": 19}, {"k": 20}, {}], ids=["k=n-1", "k=n", "default-k-above-n"])
+def test_diffusion_leave_one_out_on_a_gallery_no_larger_than_k(tmp_path, rparams):
+    """Neighbour lists as long as the gallery keep the left-out item at their end; it is gone all the same."""
+    n = 20
+    x, lab, W = features(n, seed=3)
+    full = build(tmp_path / "full", x, lab, W)
+    own = np.array([0, 7, n - 1])
+    got = rerank("diffusion", space_for(full, "trained", {}, "cosine"), x[own], 5, params=rparams, self_ids=own)
+    for qi, i in enumerate(own):
+        keep = np.arange(n) != i
+        alone = build(tmp_path / f"without{i}", x[keep], lab[keep], W)
+        want = rerank("diffusion", space_for(alone, "trained", {}, "cosine"), x[i:i + 1], 5, params=rparams)
+        np.testing.assert_array_equal(got.rows[qi], np.nonzero(keep)[0][want.rows[0]])
+        np.testing.assert_allclose(got.scores[qi], want.scores[0], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("rparams", [{"k1": 10, "k2": 4}, {"k1": 10, "k2": 4, "pool": 40}, {"k2": 1}])
 def test_kreciprocal_leave_one_out_through_the_inverted_index(tmp_path, monkeypatch, rparams):
     """The inverted-index path (every pool here), a gallery item as query: the answer of the
