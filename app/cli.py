@@ -1,12 +1,12 @@
 """`python -m app [--index DIR] [--host 127.0.0.1] [--port 7860]`: the retrieval explorer."""
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import threading
 from pathlib import Path
 
+from core.cli import Parser
 from core.flags import add_shared_args, at_least
 
 from .limits import DEFAULT_MAX_RERANK_SIZE
@@ -22,7 +22,7 @@ SESSIONS = 1000
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="python -m app", description=__doc__)
+    p = Parser(prog="python -m app", description=__doc__)
     p.add_argument("--index", default=DEMO_INDEX, help=f"index directory (default: the demo's, {DEMO_INDEX})")
     p.add_argument("--checkpoint", help="model for query images (default: the one the index was built with)")
     p.add_argument("--analysis", default=None, help="folder written by `python -m index evaluate` "

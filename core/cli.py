@@ -6,6 +6,7 @@ line too.  A full disk inside an atomic write already says that nothing was chan
 """
 from __future__ import annotations
 
+import argparse
 import errno
 import sys
 
@@ -21,6 +22,14 @@ def os_error_message(e: OSError) -> str:
     if e.errno in (errno.EACCES, errno.EPERM):
         return f"permission denied{where}"
     return f"{e.strerror or e}{where}"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, answering a bad argument with one line, `error: PROG: …`, and exit 2
+    instead of the whole usage (`--help` shows that); its subcommands' parsers are Parsers too."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message}\n")
 
 
 def run_cli(main, argv=None) -> int:
@@ -44,8 +53,6 @@ def run_cli(main, argv=None) -> int:
 def command_parser(prog: str, description: str | None, defaults: dict | None = None):
     """(parser, subparsers) of a `python -m PACKAGE COMMAND` CLI, with -v; every package's CLI
     starts the same way.  `defaults` (from a --config file) are returned as {} when None."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog=prog, description=description)
+    p = Parser(prog=prog, description=description)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p, p.add_subparsers(dest="command", required=True), defaults or {}

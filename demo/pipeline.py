@@ -227,15 +227,16 @@ def build_demo_index(tcfg: TrainConfig, out: Path, times: dict, suffix: str = ""
 def build_parser():
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from core.cli import Parser
+
+    p = Parser(prog="python -m demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="artifacts/demo", help="where results, index and strategy evaluation "
                    "are written (default: %(default)s)")
     p.add_argument("--num-classes", type=int, default=500, help="kanji characters to render (default: %(default)s)")
     p.add_argument("--no-ui", action="store_true", help="non-interactive: do not launch the app at the end")
     p.add_argument("--paper-regime", action="store_true", help="also train paper 004's regime (every stage "
-                   "fine-tuned, the neck left at its initialisation; about 4 more minutes on 2 cores), build a "
-                   "second index from it, and serve it beside the demo's (on --port + 1; each page links to the "
+                   "fine-tuned, the neck left at its initialisation; a few more minutes on 2 cores), build a "
+                   "second index from it, and serve it beside the demo's (on the next port; each page links to the "
                    "other), so identity's gain over the trained metric can be seen to appear and vanish")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p

@@ -26,3 +26,18 @@ def test_machine_failures_are_one_line_and_exit_2(capsys, exc, line):
     assert run_cli(failing(exc), []) == 2
     err = capsys.readouterr().err
     assert err == line + "\n"
+
+
+@pytest.mark.parametrize("package, args, line", [
+    ("training", ["train", "--image-cache", "maybe"],
+     "error: python -m training train: argument --image-cache: invalid choice: 'maybe' (choose from 'auto', 'on', "
+     "'off')"),
+    ("index", ["search", "--k", "x"], "error: python -m index search: argument --k: invalid int value: 'x'"),
+    ("app", ["--port", "x"], "error: python -m app: argument --port: invalid int value: 'x'"),
+    ("demo", ["--num-classes", "many"], "error: python -m demo: argument --num-classes: invalid int value: 'many'"),
+])
+def test_a_bad_argument_is_one_line_and_exit_2(tmp_path, package, args, line):
+    from support import run_command
+
+    r = run_command(package, *args, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr == line + "\n" and r.stdout == ""
