@@ -79,10 +79,12 @@ class DataConfig:
 
 def worker_count(workers) -> int | None:
     """`--workers` as a process count (None: not a valid value).  auto: the cores this process may
-    use, less the one it runs on."""
+    use, less the one it runs on; under torchrun, its share of them (the node's ranks split the
+    cores, LOCAL_WORLD_SIZE)."""
     if str(workers).strip().lower() == "auto":
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return max(0, cores - 1)
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+        return max(0, cores // ranks - 1)
     try:
         n = int(workers)
     except (TypeError, ValueError):
@@ -134,6 +136,8 @@ def resolve(cfg: DataConfig, splits) -> DataConfig:
 RESULT_FIELDS = ("dataset", "image_size", "resize_mode", "num_classes", "data_seed", "val_fraction",
                  "kanji_fonts")
 UNSET = {"image_size": 0, "resize_mode": "auto"}   # values that mean "the default", i.e. not given
+# how this machine loads images, not what the model saw: never taken from a recorded configuration
+RUNTIME_FIELDS = ("workers", "eval_batch_size")
 
 
 def with_overrides(recorded: DataConfig, given: dict | DataConfig | None, source: str) -> DataConfig:
@@ -149,7 +153,8 @@ def with_overrides(recorded: DataConfig, given: dict | DataConfig | None, source
             flag = "--" + k.replace("_", "-")
             print(f"warning: {flag} {given[k]} differs from {source}'s {getattr(recorded, k)}: "
                   "the model sees other images than it was trained on; results will differ", file=sys.stderr)
-    cfg = dataclasses.replace(recorded, **given)
+    here = {f.name: f.default for f in dataclasses.fields(DataConfig) if f.name in RUNTIME_FIELDS}
+    cfg = dataclasses.replace(recorded, **(here | given))
     if ("data_root" not in given and cfg.data_root and not Path(cfg.data_root).exists()
             and not cfg.dataset_spec().renders):
         from core.errors import UserError

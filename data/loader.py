@@ -7,7 +7,7 @@ import logging
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from core.errors import CorruptImageError
+from core.errors import CorruptImageError, UserError
 from core.images import load_rgb
 
 from .config import worker_count
@@ -64,7 +64,7 @@ def make_loader(subset: Subset, transform, batch_size: int = 64, workers: int | 
     epoch), instead of being started for every pass."""
     n = worker_count(workers)
     if n is None:
-        raise ValueError(f"workers must be ≥ 0 or auto, got {workers!r}")
+        raise UserError(f"--workers must be ≥ 0 or auto, got {workers}")
     kw = dict(batch_size=batch_size, shuffle=shuffle if sampler is None else False, sampler=sampler)
     if batch_sampler is not None:
         kw = dict(batch_sampler=batch_sampler)

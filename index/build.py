@@ -63,7 +63,7 @@ def build_from_dataset(checkpoint, data: dict | DataConfig | None, out, split: s
 
 
 def build_from_image_folder(checkpoint, folder, out, normalize: bool = True, factory: str | None = None,
-                            batch_size: int = 64, workers: int | str = "auto", data: dict | None = None,
+                            batch_size: int = 128, workers: int | str = "auto", data: dict | None = None,
                             progress: bool = True, device: str = "cpu") -> Path:
     """Index every image under `folder`; sub-folder names become class labels.  The images are
     preprocessed as the checkpoint's (its image size and resize mode), unless `data` overrides them."""
@@ -76,6 +76,7 @@ def build_from_image_folder(checkpoint, folder, out, normalize: bool = True, fac
     given = {k: v for k, v in (data or {}).items() if k in ("image_size", "resize_mode")} | {"data_root": str(folder)}
     dcfg = dataclasses.replace(data_config_for(ck, given, f"checkpoint {checkpoint}"),
                                eval_batch_size=batch_size, workers=workers)
+    dcfg.validate()
     spec = transform_for(bb, dcfg)
     dev = resolve_device(device)
     feats, ys, kept, skipped = embed_subset(bb.to(dev), Subset("gallery", root, paths, labels), spec, dcfg,

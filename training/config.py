@@ -175,6 +175,8 @@ class TrainConfig(DataConfig):
         n_stages = len(BACKBONES.get(self.backbone).spec.stages)
         LOSSES.params(self.loss, self.loss_param)
         checks = [
+            (bool(self.cache_dir.strip()), "--cache-dir must name a folder: training keeps the trunk's features, "
+                                           "prefix maps and decoded images there"),
             (self.batch_size % max(self.m_per_class, 1) == 0,
              f"batch size {self.batch_size} must be a multiple of m_per_class {self.m_per_class}"),
             (self.probe_epochs >= -1,

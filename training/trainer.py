@@ -163,7 +163,8 @@ class Run:
             self.model.backbone.to(memory_format=fmt)
         self.source.memory_format = fmt
         if cfg.compile and mode != "frozen":
-            # an instance attribute over the method: the step and the source's own embed both run it compiled
+            # an instance attribute over the method: every call of the source's encode (the step's, and a
+            # tail's embed) runs it compiled
             self.source.encode = compiled(self.source.encode, dev)  # type: ignore[method-assign]
         # before DDP wraps the step: every rank probes alike, and DDP then starts them from rank 0's state
         self.probe_entry = self.probe(probe_source, n_probe) if probe_source is not None else None

@@ -62,8 +62,7 @@ def _build(args) -> Path | None:
         if not args.checkpoint:
             raise UserError("--image-folder needs --checkpoint")
         path = build_from_image_folder(args.checkpoint, args.image_folder, args.out, normalize, args.factory,
-                                       args.eval_batch_size or 64,
-                                       "auto" if args.workers is None else args.workers, given_data(args),
+                                       args.eval_batch_size, args.workers, given_data(args),
                                        progress=progress, device=args.device)
     elif args.checkpoint:
         path = _build_dataset(args)  # None on a torchrun rank other than 0

@@ -11,6 +11,7 @@ from core.config import add_config_args
 from core.errors import UserError
 from core.params import convert
 from data import DATASETS, DataConfig
+from data.config import RUNTIME_FIELDS
 
 from ..refinements import MODES, REFINEMENTS, shared_params
 from ..rerankers import RERANKERS
@@ -94,7 +95,11 @@ def data_args(p, defaults: dict | None = None) -> None:
     """The data settings; each defaults to the checkpoint's (what the model was trained on)."""
     g = p.add_argument_group("data (each defaults to the checkpoint's own; a value that changes what the "
                              "model sees prints a warning)")
-    add_config_args(g, DataConfig, defaults=defaults, registries={"dataset": DATASETS}, inherit=INHERITED)
+    add_config_args(g, DataConfig, defaults=defaults, registries={"dataset": DATASETS}, inherit=INHERITED,
+                    skip=RUNTIME_FIELDS)
+    # how this machine loads images: this command's own defaults, never the checkpoint's
+    add_config_args(g, DataConfig, defaults=defaults,
+                    skip=tuple(f.name for f in dataclasses.fields(DataConfig) if f.name not in RUNTIME_FIELDS))
 
 
 def given_data(args) -> dict:

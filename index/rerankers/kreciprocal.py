@@ -654,7 +654,7 @@ def kreciprocal(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: 
     # pool up to BRUTE_POOL is cheaper to rank whole
     pool = max(p.pool, k)
     support = support_index(space, lists[0], ext, offline, p.k1, p.k2) if offline and pool > BRUTE_POOL else None
-    rev_k2 = (reverse_index(space, lists[0], p.k2, f"kreciprocal-reverse-k2-{p.k2}")
+    rev_k2 = (reverse_index(space, lists[0], p.k2, f"kreciprocal-reverse-{p.k2}")
               if support is not None and p.k2 > 1 else None)
     # the probe's own list N(p, k1 + 1) is read from its candidates
     depth = min(p.k1 + 1 if support is not None else max(pool, p.k1 + 1), space.n)

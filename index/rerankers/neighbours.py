@@ -77,7 +77,11 @@ def without(rows: np.ndarray, sims: np.ndarray, drop: np.ndarray, L: int):
 
 def reverse_index(space: MetricSpace, lists: np.ndarray, k: int, name: str) -> tuple[np.ndarray, np.ndarray]:
     """(ptr, src): src[ptr[i]:ptr[i+1]] are the items whose first k neighbours (`lists`) hold i,
-    in item order; kept in the space's memory under `name`."""
+    in item order; kept in the space's memory under `name` (one name per lists and k: callers that
+    read the same lists share it)."""
+    if lists.shape[1] < k:
+        raise ValueError(f"a reverse index of the first {k} neighbours needs lists of {k} or more, "
+                         f"not {lists.shape[1]}")
     if name not in space.store.memo:
         flat = lists[:, :k].ravel().astype(np.int64)
         order = np.argsort(flat, kind="stable")

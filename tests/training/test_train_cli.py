@@ -46,6 +46,8 @@ def user_run(tmp_path):
     (("--reg-param", "cgml.sigma=2"), "names a regularizer that is not in --regularizer"),
     (("--loss-param", "gamma=1"), "no parameter 'gamma'; valid: ['alpha', 'margin']"),
     (("--image-size", "8"), "--image-size must be 0"),
+    (("--cache-dir", ""), "--cache-dir must name a folder"),
+    (("--workers", "abc"), "--workers must be ≥ 0 or auto, got abc"),
     ((), "already holds a training run; pass --resume to continue it or --overwrite to replace it"),
     (("--resume", "--overwrite"), "give --resume or --overwrite, not both"),
 ])
