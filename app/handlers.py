@@ -78,6 +78,11 @@ def tracker(progress):
     return track
 
 
+# on_search's outputs: left title, left gallery, right title, right gallery, status, results state,
+# the two heatmaps, the metric report, the 2-D map, the share link
+SEARCH_OUTPUTS = 11
+
+
 class Handlers:
     """Each handler takes the two panels' configurations as keyword values (`config_from`)."""
 
@@ -88,6 +93,13 @@ class Handlers:
         if qstate and qstate.get("kind") == "item":
             return self.svc.query_from_item(int(qstate["id"]))
         return self.svc.query_from_upload(upload)
+
+    def on_refresh(self, qstate, upload, k, **cfg):
+        """on_search after a page load or a change of a control: with no query chosen yet there is
+        nothing to search, and nothing to warn about (the Search button still warns)."""
+        if not (qstate and qstate.get("kind") == "item") and upload is None:
+            return (gr.update(),) * SEARCH_OUTPUTS
+        return self.on_search(qstate, upload, k, **cfg)
 
     def on_search(self, qstate, upload, k, **cfg):
         """→ left title, left gallery, right title, right gallery, status, results state, left and

@@ -144,8 +144,11 @@ def wire_search(svc: RetrievalService, h: Handlers, sh: Shared, t: dict, analysi
     left, right = t["left"], t["right"]
     outputs = [t["left_title"], left, t["right_title"], right, status, results_state, *analysis, link_qs]
 
-    def search_on(event):
-        return event(h.on_search, [qstate, query, k], outputs, inputs_kwargs=sh.configs, api_visibility="private")
+    def search_on(event, refresh: bool = False):
+        """A search after `event`; `refresh`: one that a load or a control's change starts, silent
+        while no query has been chosen."""
+        return event(h.on_refresh if refresh else h.on_search, [qstate, query, k], outputs,
+                     inputs_kwargs=sh.configs, api_visibility="private")
 
     search_on(t["go"].click)
     search_on(query.upload(lambda: {"kind": "upload"}, None, qstate, api_visibility="private").then)
@@ -158,8 +161,8 @@ def wire_search(svc: RetrievalService, h: Handlers, sh: Shared, t: dict, analysi
         for ctl in (cc.strategy, cc.mode, *cc.controls.values(), cc.rerank, *cc.rerank_controls.values()):
             # sliders search when let go, boxes on enter, the rest on any change
             search_on(ctl.release if isinstance(ctl, gr.Slider) else
-                      ctl.submit if isinstance(ctl, (gr.Number, gr.Textbox)) else ctl.change)
-    search_on(k.release)
+                      ctl.submit if isinstance(ctl, (gr.Number, gr.Textbox)) else ctl.change, refresh=True)
+    search_on(k.release, refresh=True)
 
     def pick_example(evt: gr.SelectData):
         i = example_ids[evt.index]
@@ -197,7 +200,7 @@ def wire_search(svc: RetrievalService, h: Handlers, sh: Shared, t: dict, analysi
     t["export"].click(h.on_export, [qstate, query, k], t["exported"], inputs_kwargs=sh.configs,
                       api_visibility="private")
     search_on(demo.load(h.on_load, None, [qstate, query, k, *sh.left.components, *sh.right.components, status],
-                        api_visibility="private").then)
+                        api_visibility="private").then, refresh=True)
     return search_on
 
 

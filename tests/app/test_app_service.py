@@ -113,6 +113,23 @@ def test_ui_handler_turns_errors_into_a_visible_message(svc, tmp_path):
     assert len(ok[1]) == 5 and len(ok[3]) == 5 and "random(r=0.3, seed=1) · bilinear" in ok[2]
 
 
+def test_a_load_or_a_control_change_before_any_query_searches_nothing_and_warns_nothing(svc, monkeypatch):
+    import gradio as gr
+
+    from app.handlers import SEARCH_OUTPUTS, Handlers
+
+    warned = []
+    monkeypatch.setattr(gr, "Warning", lambda msg: warned.append(msg))
+    h = Handlers(svc)
+    idle = h.on_refresh(None, None, 5, **panels())
+    assert len(idle) == SEARCH_OUTPUTS and all(x == gr.update() for x in idle) and warned == []
+    h.on_search(None, None, 5, **panels())  # the Search button with nothing to search says so
+    assert warned == ["no image: upload, paste or pick an example first"]
+    item = {"kind": "item", "id": int(svc.data.items.ids[1])}
+    ran, searched = h.on_refresh(item, None, 5, **panels()), h.on_search(item, None, 5, **panels())
+    assert len(ran) == len(searched) == SEARCH_OUTPUTS and ran[:5] == searched[:5]
+
+
 def test_custom_matrix_from_the_ui_is_labelled_by_its_file(svc, tmp_path):
     from app.handlers import Handlers
 
