@@ -113,6 +113,7 @@ def launch(args, block: bool = True):
         add_rest_routes(page.app, svc, max_kb * 1024)  # POST /api/search, on the same server
         pages.append(page)
     demo, svc = pages[0], services[0]
+    logging.getLogger("app").info("serving on http://%s:%d", args.host, args.port)  # every index is loaded
     # closed with it by callers that hold only the first
     demo.companions = pages[1:]  # type: ignore[attr-defined]  # our attribute on Gradio's Blocks
     if block:
@@ -125,6 +126,5 @@ def main(argv=None) -> int:
 
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
-    logging.getLogger("app").info("serving on http://%s:%d", args.host, args.port)
     launch(args)
     return 0
