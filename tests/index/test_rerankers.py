@@ -436,38 +436,35 @@ LOO = [("aqe", {"n": 3}), ("kreciprocal", {"k1": 10, "k2": 4, "pool": 40}), ("kr
        ("none", {})]
 
 
+def assert_as_if_left_out(tmp_path, name, rparams, x, lab, W, own, k, strategy="trained", params=None,
+                          mode="cosine"):
+    """Each gallery item of `own`, as a query with self_ids, gets the answer of the gallery built
+    without it (rows mapped back to the full gallery's)."""
+    params = params or {}
+    full = build(tmp_path / "full", x, lab, W)
+    got = rerank(name, space_for(full, strategy, params, mode), x[own], k, params=rparams, self_ids=own)
+    for qi, i in enumerate(own):
+        keep = np.arange(len(x)) != i
+        alone = build(tmp_path / f"without{i}", x[keep], lab[keep], W)
+        want = rerank(name, space_for(alone, strategy, params, mode), x[i:i + 1], k, params=rparams)
+        np.testing.assert_array_equal(got.rows[qi], np.nonzero(keep)[0][want.rows[0]])
+        np.testing.assert_allclose(got.scores[qi], want.scores[0], rtol=1e-4, atol=1e-5)
+        assert i not in got.rows[qi]
+
+
 @pytest.mark.parametrize("strategy,params,mode", CASES[:2], ids=CASE_IDS[:2])
 @pytest.mark.parametrize("name,rparams", LOO, ids=[f"{n}-{i}" for i, (n, _) in enumerate(LOO)])
 def test_a_gallery_item_as_query_is_reranked_as_if_it_were_not_in_the_gallery(tmp_path, name, rparams, strategy,
                                                                                 params, mode):
     x, lab, W = features()
-    full = build(tmp_path / "full", x, lab, W)
-    own = np.array([3, 40, 77, 149])
-    got = rerank(name, space_for(full, strategy, params, mode), x[own], 10, params=rparams, self_ids=own)
-    for qi, i in enumerate(own):
-        keep = np.arange(N) != i
-        alone = build(tmp_path / f"without{i}", x[keep], lab[keep], W)
-        want = rerank(name, space_for(alone, strategy, params, mode), x[i:i + 1], 10, params=rparams)
-        back = np.nonzero(keep)[0][want.rows[0]]  # the smaller gallery's rows as the full gallery's
-        np.testing.assert_array_equal(got.rows[qi], back)
-        np.testing.assert_allclose(got.scores[qi], want.scores[0], rtol=1e-4, atol=1e-5)
-        assert i not in got.rows[qi]
+    assert_as_if_left_out(tmp_path, name, rparams, x, lab, W, np.array([3, 40, 77, 149]), 10, strategy, params, mode)
 
 
 @pytest.mark.parametrize("rparams", [{"k": 19}, {"k": 20}, {}], ids=["k=n-1", "k=n", "default-k-above-n"])
 def test_diffusion_leave_one_out_on_a_gallery_no_larger_than_k(tmp_path, rparams):
     """Neighbour lists as long as the gallery keep the left-out item at their end; it is gone all the same."""
-    n = 20
-    x, lab, W = features(n, seed=3)
-    full = build(tmp_path / "full", x, lab, W)
-    own = np.array([0, 7, n - 1])
-    got = rerank("diffusion", space_for(full, "trained", {}, "cosine"), x[own], 5, params=rparams, self_ids=own)
-    for qi, i in enumerate(own):
-        keep = np.arange(n) != i
-        alone = build(tmp_path / f"without{i}", x[keep], lab[keep], W)
-        want = rerank("diffusion", space_for(alone, "trained", {}, "cosine"), x[i:i + 1], 5, params=rparams)
-        np.testing.assert_array_equal(got.rows[qi], np.nonzero(keep)[0][want.rows[0]])
-        np.testing.assert_allclose(got.scores[qi], want.scores[0], rtol=1e-4, atol=1e-5)
+    x, lab, W = features(20, seed=3)
+    assert_as_if_left_out(tmp_path, "diffusion", rparams, x, lab, W, np.array([0, 7, 19]), 5)
 
 
 @pytest.mark.parametrize("rparams", [{"k1": 10, "k2": 4}, {"k1": 10, "k2": 4, "pool": 40}, {"k2": 1}])
@@ -478,15 +475,7 @@ def test_kreciprocal_leave_one_out_through_the_inverted_index(tmp_path, monkeypa
 
     monkeypatch.setattr(kr, "BRUTE_POOL", 0)
     x, lab, W = features()
-    full = build(tmp_path / "full", x, lab, W)
-    own = np.array([3, 40, 77, 149])
-    got = rerank("kreciprocal", space_for(full, "trained", {}, "cosine"), x[own], 10, params=rparams, self_ids=own)
-    for qi, i in enumerate(own):
-        keep = np.arange(N) != i
-        alone = build(tmp_path / f"without{i}", x[keep], lab[keep], W)
-        want = rerank("kreciprocal", space_for(alone, "trained", {}, "cosine"), x[i:i + 1], 10, params=rparams)
-        np.testing.assert_array_equal(got.rows[qi], np.nonzero(keep)[0][want.rows[0]])
-        np.testing.assert_allclose(got.scores[qi], want.scores[0], rtol=1e-4, atol=1e-5)
+    assert_as_if_left_out(tmp_path, "kreciprocal", rparams, x, lab, W, np.array([3, 40, 77, 149]), 10)
 
 
 def test_kreciprocal_a_sweep_over_lambda_reuses_the_terms(gallery, monkeypatch):
