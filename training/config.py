@@ -9,10 +9,11 @@ from typing import Literal
 from core.errors import UserError
 from core.params import param
 from data import DataConfig
+from data.config import RUNTIME_FIELDS as DATA_RUNTIME_FIELDS
 
 # fields that do not change what a run computes (so resume/reuse may differ in them)
-RUNTIME_FIELDS = ("resume", "overwrite", "progress", "threads", "workers", "cache_dir", "out", "eval_batch_size",
-                  "device", "tensorboard", "channels_last", "compile")
+RUNTIME_FIELDS = ("resume", "overwrite", "progress", "threads", "cache_dir", "out", "device", "tensorboard",
+                  "channels_last", "compile", *DATA_RUNTIME_FIELDS)
 # --image-cache auto: the decoded-image cache (train + validation, uint8) is used up to this size
 IMAGE_CACHE_AUTO_BYTES = 16 * 2**30
 

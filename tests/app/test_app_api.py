@@ -10,20 +10,8 @@ from app.service import RetrievalService, Spec, api_params
 from core.errors import UserError
 from index.rerankers import RERANKERS, SIZE_LIMIT, check_size_limit, size_params
 
-# Gradio's /search, as gradio_client calls it positionally.  The first eight are the order before
-# the PSD readings added `psd`; every parameter added since comes after them, in the order added.
+# Gradio's /search, as gradio_client calls it positionally: a new parameter is only ever appended.
 SEARCH_API = ["image", "strategy", "r", "seed", "alpha", "p", "mode", "k", "psd", "rerank", "rerank_params"]
-
-
-@pytest.fixture(autouse=True)
-def cache_home(tmp_path, monkeypatch):
-    """The re-rankers' offline caches under the test's folder, never the user's."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-
-
-@pytest.fixture(scope="module")
-def svc(tiny_index):
-    return RetrievalService(tiny_index)
 
 
 @pytest.fixture(scope="module")

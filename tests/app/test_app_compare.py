@@ -9,18 +9,13 @@ import pytest
 from support import panels, run_command
 
 from app.compare_view import parse_state, state_query, tick_label, write_exports
-from app.service import RetrievalService, Spec
+from app.service import Spec
 from core.arrays import l2_normalize
 from core.errors import UserError
 from evaluation.evaluator import evaluate_ranking
 from evaluation.knn import flat_index
 from index.backends.gallery import RESULT_FIELDS
 from index.refinements import REFINEMENTS, shared_params
-
-
-@pytest.fixture(scope="module")
-def svc(tiny_index):
-    return RetrievalService(tiny_index)
 
 
 def evaluator_ap(X: np.ndarray, y: np.ndarray) -> np.ndarray:

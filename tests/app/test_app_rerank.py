@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from support import blocks_by_label
 
-from app.service import Query, RetrievalService, Spec
+from app.service import Query, Spec
 from evaluation.evaluator import per_query_metrics
 from index.backends.search import Searcher
 from index.backends.store import in_memory_index
@@ -15,17 +15,6 @@ RERANKED = [Spec("trained", {}, "cosine", "aqe", {"n": 2, "alpha": 3.0}),
             Spec("trained", {}, "cosine", "diffusion", {"k": 5, "kq": 3, "truncation": 20}),
             Spec("spectral", {"p": 0.5}, "cosine", "kreciprocal", {"k1": 4, "k2": 2, "pool": 20})]
 IDS = [s.rerank for s in RERANKED]
-
-
-@pytest.fixture(autouse=True)
-def cache_home(tmp_path, monkeypatch):
-    """The re-rankers' offline caches under the test's folder, never the user's."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-
-
-@pytest.fixture(scope="module")
-def svc(tiny_index):
-    return RetrievalService(tiny_index)
 
 
 def ids_of(svc, rows) -> list[int]:

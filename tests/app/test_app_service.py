@@ -11,11 +11,6 @@ from core.errors import UserError
 from evaluation import evaluate
 
 
-@pytest.fixture(scope="module")
-def svc(tiny_index):
-    return RetrievalService(tiny_index)
-
-
 def test_item_query_leaves_itself_out_and_scores_match_evaluator(svc):
     i = int(svc.data.items.ids[5])
     q = svc.query_from_item(i)

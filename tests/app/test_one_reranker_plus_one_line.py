@@ -30,13 +30,6 @@ def flip_registered(tmp_path, monkeypatch):
         RERANKERS.unregister("flip")
 
 
-@pytest.fixture(scope="module")
-def svc(tiny_index):
-    from app.service import RetrievalService
-
-    return RetrievalService(tiny_index)
-
-
 def flipped(svc, feats, depth: int, k: int, own: int | None = None) -> list[int]:
     """By hand: the plain top `depth` (the query's own item left out), reversed, cut to k."""
     ids = svc.data.items.ids[svc.searcher.search(feats, "trained", {}, "cosine", depth + 1).rows[0]].tolist()

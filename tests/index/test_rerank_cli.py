@@ -197,13 +197,18 @@ def test_reranker_grids_are_every_combination_the_coarse_one_keeps_ends_and_defa
     assert reranker_grid("none") == [{}]
 
 
+def clustered(seed: int, classes: int, per_class: int, d: int, k: int, noise: float):
+    """(features, labels, neck): `per_class` noisy copies of each of `classes` random centres."""
+    rng = np.random.default_rng(seed)
+    y = np.repeat(np.arange(classes), per_class)
+    X = (rng.standard_normal((classes, d))[y] + noise * rng.standard_normal((len(y), d))).astype(np.float32)
+    return X, y, rng.standard_normal((k, d)).astype(np.float32)
+
+
 def test_evaluate_chooses_each_rerankers_parameters_on_validation(tmp_path):
     """A re-ranker whose grid holds a harmful and a harmless setting: validation picks the harmless
     one, test reports it, and the rows say what was tried."""
-    rng = np.random.default_rng(1)
-    y = np.repeat(np.arange(12), 5)
-    X = (rng.standard_normal((12, 10))[y] + 0.6 * rng.standard_normal((60, 10))).astype(np.float32)
-    W = rng.standard_normal((5, 10)).astype(np.float32)
+    X, y, W = clustered(1, classes=12, per_class=5, d=10, k=5, noise=0.6)
     _shuffle_reranker()
     try:
         cfg = SearchConfig.of("identity", {}, "cosine")
@@ -230,10 +235,7 @@ def test_evaluate_chooses_each_rerankers_parameters_on_validation(tmp_path):
 def test_best_reranker_reports_the_validation_choice_on_test():
     from index.analysis.rerank_eval import best_reranker
 
-    rng = np.random.default_rng(2)
-    y = np.repeat(np.arange(10), 6)
-    X = (rng.standard_normal((10, 8))[y] + 0.7 * rng.standard_normal((60, 8))).astype(np.float32)
-    W = rng.standard_normal((4, 8)).astype(np.float32)
+    X, y, W = clustered(2, classes=10, per_class=6, d=8, k=4, noise=0.7)
     _shuffle_reranker()
     try:
         cfg = SearchConfig.of("identity", {}, "cosine")
