@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import math
 import os
 from dataclasses import dataclass
@@ -101,6 +102,21 @@ def init_from_env(device: torch.device, timeout_s: float = 1800.0) -> Dist | Non
 def barrier() -> None:
     if is_distributed():
         torch.distributed.barrier()
+
+
+def leave(step: Step | None) -> None:
+    """Tear this process's group down for good, while the interpreter is alive.  A gloo worker
+    thread frees each finished collective's tensors after the waiting rank has moved on; one that
+    does so while Python is finalizing cannot take the GIL and aborts the process ("terminate
+    called without an active exception").  destroy_process_group alone leaves the group alive
+    while the step's DDP wrapper holds it, so that is dropped first; the group's destructor then
+    joins its worker threads here (tests/training/test_ddp_trainer.py)."""
+    if step is not None:
+        step.ddp = None
+    gc.collect()  # the DDP module's reference cycles (hooks) hold the group too
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    gc.collect()
 
 
 @contextlib.contextmanager

@@ -279,15 +279,14 @@ class Run:
         try:
             result = self._fit()
             if self.dist and owns_group:
-                # every rank leaves together: a gloo rank that tears its group down while a peer is
-                # still evaluating can abort at exit ("terminate called without an active exception")
+                # every rank leaves together: none closes its connections while a peer still waits on it
                 ddp.barrier()
             return result
         finally:
             if getattr(self, "source", None) is not None:
                 self.source.close()  # loader workers, helper threads
-            if self.dist and owns_group and torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
+            if self.dist and owns_group:
+                ddp.leave(getattr(self, "step", None))
 
     def _fit(self) -> dict:
         cfg = self.cfg

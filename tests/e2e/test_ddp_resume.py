@@ -8,6 +8,8 @@ import pytest
 import torch
 from support import run_module
 
+from model.checkpoint import read_checkpoint
+
 pytestmark = pytest.mark.multiprocess  # torchrun, two ranks
 
 FONTS = "ipag,ipam,seto,kouzan-sousyo,ume-gothic,ukai"
@@ -71,7 +73,7 @@ def test_killed_mid_epoch_resumes_under_torchrun_to_the_uninterrupted_result(com
     assert b["selected_epoch"] == a["selected_epoch"]
     assert b["val"] == a["val"] and b["test"] == a["test"]
     assert history(t / "cut") == history(t / "full")
-    sa, sb = (torch.load(t / r / "best.pt", weights_only=False)["state_dict"] for r in ("full", "cut"))
+    sa, sb = (read_checkpoint(t / r / "best.pt")["state_dict"] for r in ("full", "cut"))
     assert sa.keys() == sb.keys()
     for k in sa:
         assert torch.equal(sa[k], sb[k]), k

@@ -19,17 +19,31 @@ def _worker(rank, world, port, cfg, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    snaps = []
+    snaps, wrapped = [], []
+
+    def gloo_threads():  # gloo's worker and transport threads, by the names torch gives them
+        tasks = os.listdir("/proc/self/task")
+        return sum(open(f"/proc/self/task/{t}/comm").read().startswith(("pt_gloo", "gloo")) for t in tasks)
 
     def snap(epoch):
+        wrapped.append((run.step.ddp is not None, gloo_threads()))
         snaps.append({k: v.detach().clone() for k, v in run.model.state_dict().items()}
                      | {f"loss.{k}": v.clone() for k, v in run.loss.state_dict().items()}
                      | {f"reg.{k}": v.clone() for r in run.regs for k, v in r.module.state_dict().items()})
 
     run = Run(cfg, on_epoch_end=snap)
     metrics = run.fit()
-    torch.save({"snaps": snaps, "metrics": metrics, "ddp": run.step.ddp is not None},
+    torch.save({"snaps": snaps, "metrics": metrics, "during": wrapped, "after": gloo_threads()},
                os.path.join(out, f"rank{rank}.pt"))
+
+
+def assert_ddp_then_torn_down(r0, r1, epochs):
+    """Every epoch trained through DDP with gloo's threads up; after fit the group is gone and its
+    threads joined, before the interpreter exits (one that frees a collective's tensors while Python
+    finalizes aborts the process)."""
+    for r in (r0, r1):
+        assert len(r["during"]) == epochs and all(ddp and n > 0 for ddp, n in r["during"])
+        assert r["after"] == 0
 
 
 def test_tail_warmup_and_determinant_under_two_ranks(tmp_path):
@@ -43,8 +57,8 @@ def test_tail_warmup_and_determinant_under_two_ranks(tmp_path):
                       progress=False, lr=1e-3, mode="tail", train_blocks=1, warmup_epochs=1,
                       regularizer=("determinant",), reg_param=("determinant.transforms=2", "determinant.hidden=16"))
     mp.spawn(_worker, args=(2, free_port(), cfg, str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
-    assert r0["ddp"] and r1["ddp"]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
+    assert_ddp_then_torn_down(r0, r1, cfg.epochs)
     assert r0["metrics"] == r1["metrics"]  # rank 0's test metrics, told to every rank
     for a, b in zip(r0["snaps"], r1["snaps"], strict=True):  # identical replicas after every epoch
         assert a.keys() == b.keys()
@@ -79,8 +93,9 @@ def test_fine_tuning_from_the_decoded_image_cache_under_two_ranks(tmp_path):
                       batch_size=16, m_per_class=4, out=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"),
                       progress=False, lr=1e-3, mode="finetune", probe_epochs=0)
     mp.spawn(_worker, args=(2, free_port(), cfg, str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
-    assert r0["ddp"] and r1["ddp"] and r0["metrics"] == r1["metrics"]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
+    assert_ddp_then_torn_down(r0, r1, cfg.epochs)
+    assert r0["metrics"] == r1["metrics"]
     for a, b in zip(r0["snaps"], r1["snaps"], strict=True):
         for k in a:
             if "running_" not in k:
