@@ -96,7 +96,9 @@ def _worker(rank, world, port, args, out):
         if rank == 0:
             torch.save(res, out)
     finally:
-        torch.distributed.destroy_process_group()
+        from training.distributed import leave
+
+        leave(None)  # gloo's threads joined before the interpreter exits
 
 
 def main() -> None:

@@ -99,7 +99,9 @@ def _worker(rank: int, world: int, port: int, specs: dict, out: str) -> None:
         torch.save({name: train_steps(spec, rank, world) for name, spec in specs.items()},
                    os.path.join(out, f"rank{rank}.pt"))
     finally:
-        torch.distributed.destroy_process_group()
+        from training.distributed import leave
+
+        leave(None)  # gloo's threads joined before the interpreter exits
 
 
 def same_state(a: dict, b: dict, **tol) -> None:
