@@ -145,6 +145,9 @@ class Run:
             if mode == "finetune" and cfg.uses_image_cache(len(self.splits.train) + len(self.splits.val),
                                                            self.dcfg.resolved_image_size()):
                 source_type = CachedImages
+            if mode == "finetune" and self.main:
+                log.info("fine-tuning crops: %s", "batched, from the decoded-image cache"
+                         if source_type is CachedImages else "per image, in the loader")
             self.source = source_type(sources)
             n_probe = 0 if resuming else cfg.resolved_probe_epochs()  # a resumed run has had its probe
             probed = [p for m in (self.model.neck, self.loss, *[r.module for r in self.regs]) for p in m.parameters()]

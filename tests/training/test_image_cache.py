@@ -2,6 +2,7 @@
 seed gives the same run, a resumed run equals the uninterrupted one, validation reads the cache
 exactly as the loader would; channels_last and --compile keep the state the trainer saves."""
 import dataclasses
+import logging
 
 import numpy as np
 import pytest
@@ -38,10 +39,14 @@ def kill_after(n):
 
 
 @pytest.mark.parametrize("image_cache", ["on", "off"])
-def test_same_seed_same_run_and_resume_equals_uninterrupted(tmp_path, kanji_root, image_cache):
+def test_same_seed_same_run_and_resume_equals_uninterrupted(tmp_path, kanji_root, image_cache, caplog):
     """A run killed after its first epoch and resumed equals the uninterrupted run of the same seed:
-    the same metrics and the same weights (the loader's worker count changes nothing either)."""
-    full = train(finetune(tmp_path / "a", kanji_root, epochs=2, seed=1, image_cache=image_cache))
+    the same metrics and the same weights (the loader's worker count changes nothing either).  The
+    run says where its crops come from."""
+    with caplog.at_level(logging.INFO, logger="training"):
+        full = train(finetune(tmp_path / "a", kanji_root, epochs=2, seed=1, image_cache=image_cache))
+    said = {"on": "batched, from the decoded-image cache", "off": "per image, in the loader"}[image_cache]
+    assert f"fine-tuning crops: {said}" in caplog.messages
     cfg = finetune(tmp_path / "c", kanji_root, epochs=2, seed=1, image_cache=image_cache,
                    workers="0" if image_cache == "off" else "auto")
     with pytest.raises(Killed):
