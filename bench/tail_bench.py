@@ -30,7 +30,11 @@ ROWS = [("frozen neck", "frozen", dict(), 30),
         ("trained tail, N = 1 (head conv)", "tail1", dict(train_blocks=1), 30),
         ("trained tail, N = 2 (+ blocks6)", "tail2", dict(train_blocks=2), 20),
         ("trained tail, N = 3 (+ blocks5)", "tail3", dict(train_blocks=3), 10),
-        ("full fine-tune (augmented; 30-epoch probe first)", "finetune", dict(mode="finetune"), 3)]
+        ("full fine-tune, no probe (`--probe-epochs 0`)", "finetune_noprobe", dict(mode="finetune", probe_epochs=0), 3),
+        ("full fine-tune (augmented; 30-epoch probe first)", "finetune", dict(mode="finetune"), 3),
+        # the same run with each crop cut from its decoded original in the loader (docs/fidelity.md, augmentation)
+        ("full fine-tune, crops in the loader (`--image-cache off`)", "finetune_loader",
+         dict(mode="finetune", image_cache="off"), 3)]
 
 
 def main():
