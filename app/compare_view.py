@@ -20,7 +20,7 @@ import numpy as np
 
 from core.arrays import l2_normalize
 from core.errors import UserError
-from index.backends.gallery import RESULT_FIELDS
+from index.backends.gallery import HIT_FIELDS
 from index.refinements import MODES, REFINEMENTS, file_params
 from index.rerankers import RERANKERS
 from index.search_config import NO_RERANK, SearchConfig
@@ -265,7 +265,7 @@ def parse_state(query: dict) -> dict | None:
 
 # ---------------------------------------------------------------- export
 CSV_FIELDS = ("side", "metric", "strategy", "params", "mode", "rerank", "rerank_params", "p_at_k", "ap",
-              *RESULT_FIELDS, "correct")
+              *HIT_FIELDS, "correct")
 
 
 def write_exports(payload: dict, folder: str | None = None) -> tuple[str, str]:
@@ -285,5 +285,5 @@ def write_exports(payload: dict, folder: str | None = None) -> tuple[str, str]:
                             "rerank": cfg["rerank"],
                             "rerank_params": json.dumps(cfg.get("rerank_params", {}), sort_keys=True),
                             "p_at_k": p["p_at_k"], "ap": p["ap"],
-                            **{f: r.get(f) for f in (*RESULT_FIELDS, "correct")}})
+                            **{f: r.get(f) for f in (*HIT_FIELDS, "correct")}})
     return str(j), str(c)

@@ -12,9 +12,9 @@ import gradio as gr
 
 from index.refinements import MODES, SharedParam, shared_params
 from index.rerankers import RERANKERS
-from index.search_config import NO_RERANK
+from index.search_config import NO_RERANK, SearchConfig
 
-from .service import RetrievalService, Spec, api_params
+from .service import RetrievalService, api_params
 
 
 def UploadImage(**kw) -> gr.Image:
@@ -121,7 +121,7 @@ class ConfigControls:
         return [self.strategy, self.mode, *self.controls.values(), self.rerank, *self.rerank_controls.values()]
 
 
-def config_controls(svc: RetrievalService, side: str, spec: Spec) -> ConfigControls:
+def config_controls(svc: RetrievalService, side: str, spec: SearchConfig) -> ConfigControls:
     strategy = gr.Dropdown(svc.strategy_choices(), value=spec.strategy, label=f"{side.capitalize()} strategy",
                            elem_id=f"{side}-strategy")
     mode = gr.Radio(list(reversed(MODES)), value=spec.mode, label=f"{side.capitalize()} mode", elem_id=f"{side}-mode")

@@ -7,15 +7,15 @@ import gradio as gr
 
 from core.errors import UserError
 from index.refinements import shared_params
-from index.search_config import NO_RERANK
+from index.search_config import NO_RERANK, SearchConfig
 
 from .compare_view import parse_state, state_query, write_exports
 from .controls import SIDES, rerank_controls, rerank_key, visible_params
-from .service import Panel, RetrievalService, Spec, jaccard, spec_from
+from .service import Panel, RetrievalService, jaccard, spec_from
 from .why_view import why_html
 
 
-def config_from(values: dict, side: str) -> Spec:
+def config_from(values: dict, side: str) -> SearchConfig:
     """One panel's configuration from the handlers' keyword values: `<side>_strategy`,
     `<side>_mode`, `<side>_<param>` for every strategy parameter, `<side>_rerank` (absent:
     "none") and the chosen re-ranker's parameters, `rerank_key(side, name, param)`."""
@@ -26,7 +26,7 @@ def config_from(values: dict, side: str) -> Spec:
     return spec_from(values[f"{side}_strategy"], values[f"{side}_mode"], params, rerank, rerank_params)
 
 
-def configs_from(values: dict) -> tuple[Spec, Spec]:
+def configs_from(values: dict) -> tuple[SearchConfig, SearchConfig]:
     """(left, right) from the handlers' keyword values (see `config_from`)."""
     return config_from(values, "left"), config_from(values, "right")
 
@@ -251,7 +251,7 @@ class Handlers:
         return items, [x["id"] for x in rows], msg
 
 
-def share_link(q, left: Spec, right: Spec, k: int) -> str:
+def share_link(q, left: SearchConfig, right: SearchConfig, k: int) -> str:
     """The query string of this comparison (the page's script prefixes the page address)."""
     if q.self_id is None:
         return "(an uploaded query cannot be in a link: pick a gallery image to share)"
@@ -275,7 +275,7 @@ def disagreement_table(cmp, which: str, max_jaccard: float | None = None) -> tup
     return [query_row(r) for r in rows], [r["id"] for r in rows]
 
 
-def report_md(side: str, spec: Spec, rep: dict) -> str:
+def report_md(side: str, spec: SearchConfig, rep: dict) -> str:
     return (f"**{side}: M = {spec.without_rerank().label()}**  \n"
             f"tr(M) = {rep['trace']:.4g} · ‖M‖_F = {rep['frobenius']:.4g} · "
             f"‖M_off‖_F = {rep['offdiag_frobenius']:.4g}  \n"

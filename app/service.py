@@ -35,7 +35,7 @@ from evaluation.evaluator import per_query_metrics
 from index.analysis.compare import Comparer, Comparison, item_image
 from index.analysis.explain import Explainer, Why
 from index.analysis.sweep import MAX_N as SWEEP_MAX_N
-from index.backends.gallery import RESULT_FIELDS
+from index.backends.gallery import HIT_FIELDS
 from index.backends.search import Searcher
 from index.backends.store import read_index
 from index.embedder import ImageEmbedder
@@ -67,7 +67,6 @@ class Panel:
 
 
 # the app's name for a configuration: one type from the panels to the comparer and the exports
-Spec = SearchConfig
 DEFAULT_RIGHT = SearchConfig("identity")  # the right panel's first configuration (the left's: SearchConfig())
 # The search API's parameters in their stable order.  Gradio's /search takes them positionally
 # (gradio_client), so this order only ever grows at the end: a strategy parameter registered
@@ -84,7 +83,7 @@ def api_params() -> list[str]:
             + [n for n in strategy if n not in API_ORDER])
 
 
-def spec_from(strategy, mode, values: dict, rerank: str = NO_RERANK, rerank_params: dict | None = None) -> Spec:
+def spec_from(strategy, mode, values: dict, rerank: str = NO_RERANK, rerank_params: dict | None = None) -> SearchConfig:
     """A configuration from the parameter controls' or an API call's values (every strategy's, by
     name; the others are not read): the chosen strategy's typed parameters, so that its label shows
     exactly what was searched, and the re-ranker's (only its own: another key is refused with the
@@ -94,7 +93,7 @@ def spec_from(strategy, mode, values: dict, rerank: str = NO_RERANK, rerank_para
             raise UserError(f"strategy {strategy}: upload {REFINEMENTS.get(strategy).param_help()[name]} first")
     rerank = rerank or NO_RERANK
     given = {k: v for k, v in (rerank_params or {}).items() if v is not None}
-    return Spec(strategy, dataclasses.asdict(strategy_params(strategy, values)), mode, rerank,
+    return SearchConfig(strategy, dataclasses.asdict(strategy_params(strategy, values)), mode, rerank,
                 dataclasses.asdict(reranker_params(rerank, given)))
 
 
@@ -205,7 +204,7 @@ class RetrievalService:
         return self._row_of_id[int(item_id)]
 
     # ------------------------------------------------------------ search
-    def check(self, spec: Spec) -> None:
+    def check(self, spec: SearchConfig) -> None:
         """Refuse a configuration this server does not search: an unknown re-ranker, a parameter it
         does not take, or a size parameter above `max_rerank_size`."""
         spec.check_searchable()
@@ -216,7 +215,7 @@ class RetrievalService:
         `values` by the API's parameter names (`api_params()`), each optional: strategy trained
         (one that needs no file), mode cosine, k 10, the strategy's own defaults, no re-ranker
         (`rerank_params`: see `rerank_params_from`).  A name that is none of them is refused with
-        the valid ones.  → {"metric", "note", "results": RESULT_FIELDS per result}."""
+        the valid ones.  → {"metric", "note", "results": HIT_FIELDS per result}."""
         valid = api_params()
         unknown = [name for name in values if name not in valid]
         if unknown:
@@ -233,9 +232,9 @@ class RetrievalService:
         panel = self.panel(self.query_from_upload(image), spec, k)
         # "relative_path", not "path": gradio_client would take a "path" key for a file to download
         return {"metric": panel.title, "note": panel.note,
-                "results": [{f: x[f] for f in RESULT_FIELDS} for x in panel.results]}
+                "results": [{f: x[f] for f in HIT_FIELDS} for x in panel.results]}
 
-    def panel(self, q: Query, spec: Spec, k: int = 12) -> Panel:
+    def panel(self, q: Query, spec: SearchConfig, k: int = 12) -> Panel:
         """One panel: the top k under `spec` (its re-ranker included) through `SearchConfig.search`,
         a gallery query's own item left out (leave-one-out: it neither appears nor helps its own
         re-ranking), with P@k and AP where the query's class is known."""
@@ -272,27 +271,29 @@ class RetrievalService:
         m = per_query_metrics(labels[rows][None, :], np.array([q.label]), np.array([R]), ks=(1,))
         return float(m["map@r"][0])
 
-    def compare(self, q: Query, right: Spec, k: int = 12, left: Spec | None = None) -> tuple[Panel, Panel]:
+    def compare(self, q: Query, right: SearchConfig, k: int = 12,
+                left: SearchConfig | None = None) -> tuple[Panel, Panel]:
         """The two panels: `left` (default: the trained metric, cosine) and `right`."""
         return self.panel(q, left or SearchConfig(), k), self.panel(q, right, k)
 
-    def export(self, q: Query, right: Spec, k: int = 12, left: Spec | None = None) -> dict:
+    def export(self, q: Query, right: SearchConfig, k: int = 12, left: SearchConfig | None = None) -> dict:
         """The current comparison: the query, both configurations, and both panels' results
-        (RESULT_FIELDS and whether each is of the query's class), P@k and AP, and the overlap of
+        (HIT_FIELDS and whether each is of the query's class), P@k and AP, and the overlap of
         the two lists (Jaccard@k), as the JSON/CSV export writes them."""
         left = left or SearchConfig()
         query = ({"kind": "item", "id": q.self_id, "label": q.label, "class_name": self.item_class(q.self_id)}
                  if q.self_id is not None else {"kind": "upload"})
         pair = self.compare(q, right, k, left)
         panels = [{"side": side, "metric": p.title, "config": cfg.to_dict(), "note": p.note, "p_at_k": p.p_at_k,
-                   "ap": p.ap, "results": [{f: r[f] for f in (*RESULT_FIELDS, "correct")} for r in p.results]}
+                   "ap": p.ap, "results": [{f: r[f] for f in (*HIT_FIELDS, "correct")} for r in p.results]}
                   for side, cfg, p in zip(("left", "right"), (left, right), pair, strict=True)]
         overlap = jaccard([r["id"] for r in pair[0].results], [r["id"] for r in pair[1].results])
         return {"index": str(self.index_dir), "k": int(k), "query": query, "left": left.to_dict(),
                 "right": right.to_dict(), "jaccard_at_k": overlap, "panels": panels}
 
     # ------------------------------------------------------------ why a result moved
-    def why(self, q: Query, item_id: int, right: Spec, left: Spec | None = None, k: int = 12, top: int = 5) -> Why:
+    def why(self, q: Query, item_id: int, right: SearchConfig, left: SearchConfig | None = None, k: int = 12,
+            top: int = 5) -> Why:
         """Gallery item `item_id` as a result of `q`: rank and score under both configurations,
         the score difference over the eigen-directions of M_right − M_left (index/analysis/explain.py)."""
         left = left or SearchConfig()
@@ -303,13 +304,14 @@ class RetrievalService:
                                   k=int(k), top=top)
 
     # ------------------------------------------------------------ the whole test set
-    def per_query_ap(self, spec: Spec, progress=None) -> np.ndarray:
+    def per_query_ap(self, spec: SearchConfig, progress=None) -> np.ndarray:
         """MAP@R of every index item as a query (leave-one-out), under `spec` (its mode as given)
         and its re-ranker; one batched pass without a re-ranker, cached (index/analysis/compare.py)."""
         self.check(spec)
         return self.comparer.ap(spec, progress)
 
-    def comparison(self, right: Spec, left: Spec | None = None, k: int = 12, progress=None) -> Comparison:
+    def comparison(self, right: SearchConfig, left: SearchConfig | None = None, k: int = 12,
+                   progress=None) -> Comparison:
         """Per-query AP under `left` (default: trained, cosine) vs `right` over every query, and
         Jaccard@k of their top-k lists.  `progress(done, total, what)`: called while a side with a
         re-ranker is computed (every query re-ranked: seconds to a minute on the demo index)."""
@@ -318,7 +320,8 @@ class RetrievalService:
             self.check(spec)
         return self.comparer.compare(left, right, k=int(k), progress=progress)
 
-    def disagreements(self, right: Spec, left: Spec | None = None, top: int = 12, progress=None) -> list[dict]:
+    def disagreements(self, right: SearchConfig, left: SearchConfig | None = None, top: int = 12,
+                      progress=None) -> list[dict]:
         if not self.data.manifest.get("count"):
             return []
         return self.comparison(right, left, progress=progress).disagreements("all", top)
@@ -348,7 +351,7 @@ class RetrievalService:
             self._maps[key] = out
         return out
 
-    def map_html(self, spec: Spec, method: str, title: str, q_id: int | None = None) -> str:
+    def map_html(self, spec: SearchConfig, method: str, title: str, q_id: int | None = None) -> str:
         """The gallery in 2-D under `spec`, coloured by class, the query (an item) starred."""
         mode, _ = self.searcher.resolve_mode(spec.strategy, spec.params, spec.mode)
         rows, xy, note = self.map_coords(spec.strategy, spec.params, mode, method)
@@ -401,10 +404,10 @@ class RetrievalService:
             ids.append(int(self.data.items.ids[rows[rng.integers(len(rows))]]))
         return ids
 
-    def metric_report(self, spec: Spec) -> dict:
+    def metric_report(self, spec: SearchConfig) -> dict:
         return self.searcher.metric(spec.strategy, spec.params).report
 
-    def heatmap(self, spec: Spec, max_side: int = 256) -> Image.Image:
+    def heatmap(self, spec: SearchConfig, max_side: int = 256) -> Image.Image:
         """|M′| entries block-averaged down to at most max_side², symmetric colour scale (the
         metric's: a re-ranker does not change it, and is not named)."""
         spec = spec.without_rerank()

@@ -21,7 +21,7 @@ from .controls import (
     plot_html,
 )
 from .handlers import CLASS_COLUMNS, QUERY_COLUMNS, Handlers, api_search, on_rerank, on_strategy
-from .service import DEFAULT_RIGHT, RetrievalService, Spec
+from .service import DEFAULT_RIGHT, RetrievalService
 
 
 def offline_theme():
@@ -292,7 +292,7 @@ def analysis_tab(svc: RetrievalService):
     with gr.Row():
         with gr.Column():
             gr.Markdown("**left panel's metric** (at first M*, trained)")
-            m_left = gr.Image(svc.heatmap(Spec("trained", {}, "cosine")), show_label=False, interactive=False)
+            m_left = gr.Image(svc.heatmap(SearchConfig("trained", {}, "cosine")), show_label=False, interactive=False)
         with gr.Column():
             gr.Markdown("**right panel's metric**")
             m_right = gr.Image(show_label=False, interactive=False)

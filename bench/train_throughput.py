@@ -166,7 +166,7 @@ def source_config(run: Run):
     from training.batches import SourceConfig
 
     cfg = run.cfg
-    return SourceConfig(backbone=run.backbone, splits=run.splits, spec=run.spec, dcfg=run.dcfg,
+    return SourceConfig(backbone=run.backbone, splits=run.splits, transform=run.transform, dcfg=run.dcfg,
                         cache_dir=cfg.cache_dir, progress=False, device=run.device,
                         n_train=cfg.n_train_blocks(len(run.backbone.stages())), bn_freeze=cfg.freezes_bn())
 

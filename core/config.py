@@ -16,7 +16,7 @@ import typing
 from pathlib import Path
 
 from .errors import UserError
-from .params import build_params, convert, field_default, parse_items, tuple_items, unwrap_optional
+from .params import convert, field_default, tuple_items, unwrap_optional
 
 
 def _parse_tuple(elem_type):
@@ -65,12 +65,6 @@ def config_from_args(cls, ns: argparse.Namespace, **override):
     kw = {k: v for k, v in vars(ns).items() if k in names}
     kw.update(override)
     return cls(**kw)
-
-
-def parse_typed_items(cls, items, what: str, prefix: str | None = None):
-    """Build dataclass `cls` from `key=value` strings (or `prefix.key=value`, keeping only
-    those for `prefix`), converting each value to its field's type."""
-    return build_params(cls, parse_items(items, what, prefix), what)
 
 
 # ---------------------------------------------------------------- files

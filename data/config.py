@@ -12,11 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from core.errors import UserError
 from core.params import check_fields, param
 
-DEFAULT_IMAGE_SIZE = 224        # photos, unless the data set's registry entry says otherwise
-ResizeMode = Literal["crop", "resize", "pad"]
-DEFAULT_RESIZE_MODE: ResizeMode = "crop"    # resize the shorter side to size·256/224, then centre-crop
+from .registry import DATASETS, DEFAULT_IMAGE_SIZE, DatasetSpec, ResizeMode
 
 
 @dataclass
@@ -38,10 +37,6 @@ class DataConfig:
 
     def validate(self) -> None:
         """Refuse an impossible setting before anything is read or written."""
-        from core.errors import UserError
-
-        from .registry import DATASETS
-
         DATASETS.get(self.dataset)
         check_fields(self, "", name=lambda n: "--" + n.replace("_", "-"))  # every field's bounds (subclasses' too)
         if not (self.image_size == 0 or 16 <= self.image_size <= 2048):
@@ -51,8 +46,6 @@ class DataConfig:
 
     def dataset_spec(self):
         """The data set's registered `DatasetSpec` (the defaults for a name not registered)."""
-        from .registry import DATASETS, DatasetSpec
-
         return DATASETS.get(self.dataset).spec if self.dataset in DATASETS else DatasetSpec()
 
     def resolved_image_size(self) -> int:
@@ -157,15 +150,11 @@ def with_overrides(recorded: DataConfig, given: dict | DataConfig | None, source
     cfg = dataclasses.replace(recorded, **(here | given))
     if ("data_root" not in given and cfg.data_root and not Path(cfg.data_root).exists()
             and not cfg.dataset_spec().renders):
-        from core.errors import UserError
-
         raise UserError(f"{source} records the data root {cfg.data_root}, which is not there: "
                         "pass --data-root with where the data set is now")
     return cfg
 
 
 def load_data(cfg: DataConfig, progress: bool = True):
-    from .registry import DATASETS
-
     cfg.validate()
     return DATASETS.build(cfg.dataset, cfg, progress)

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from core.errors import UserError
 from core.registry import Registry, Spec
 
-from .config import DEFAULT_IMAGE_SIZE, DEFAULT_RESIZE_MODE, ResizeMode
+DEFAULT_IMAGE_SIZE = 224        # photos, unless the data set's registry entry says otherwise
+ResizeMode = Literal["crop", "resize", "pad"]
+DEFAULT_RESIZE_MODE: ResizeMode = "crop"    # resize the shorter side to size·256/224, then centre-crop
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -63,11 +63,12 @@ def module_file(name: str) -> Path | None:
     return next((f for f in (base.with_suffix(".py"), base / "__init__.py") if f.is_file()), None)
 
 
-def imported_modules(name: str, path: Path) -> set[str]:
-    """The dotted names a module imports, relative imports resolved, function-level ones too."""
+def imported_modules(name: str, path: Path, tree: ast.AST | None = None) -> set[str]:
+    """The dotted names a module imports (its parsed `tree` when given), relative imports
+    resolved, function-level ones too."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(tree or ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -109,3 +110,81 @@ def test_the_plain_http_endpoint_imports_no_gradio_ui():
 def test_the_reach_checker_sees_the_ui():
     names = reached("app.ui")
     assert {"gradio", "app.controls", "app.handlers", "app.service"} <= names
+
+
+# ---------------------------------------------------------------- no circles inside a package
+def runtime_imports(name: str, path: Path) -> set[str]:
+    """What `imported_modules` gives, less the imports under `if TYPE_CHECKING:` (never run)."""
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(n) for block in ast.walk(tree)
+                   if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+                   for n in ast.walk(block)}
+    pruned = ast.Module(body=[n for n in tree.body if id(n) not in typing_only], type_ignores=[])
+    return imported_modules(name, path, pruned)
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Every project module → the modules of its own package that it imports at run time."""
+    files = {}
+    for package in PACKAGES:
+        for f in (ROOT / package).rglob("*.py"):
+            parts = f.relative_to(ROOT).with_suffix("").parts
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return {m: {i for i in runtime_imports(m, f) if i in files and i != m and i.split(".")[0] == m.split(".")[0]}
+            for m, f in files.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
+def test_no_import_circles_inside_a_package():
+    """Modules of one package import each other one way (function-level imports count; imports
+    only a type checker reads do not)."""
+    assert circles(module_graph()) == []
+
+
+def test_the_circle_checker_sees_a_circle(tmp_path):
+    assert circles({"a.x": {"a.y"}, "a.y": {"a.z"}, "a.z": {"a.x"}, "a.w": {"a.x"}}) == [["a.x", "a.y", "a.z"]]
+    f = tmp_path / "m.py"
+    f.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\n"
+                 "def f():\n    from .c import C\n")
+    assert runtime_imports("pkg.m", f) == {"typing", "pkg.c"}

@@ -74,7 +74,7 @@ class SourceConfig:
     """What a batch source is built from; each source reads the values it needs."""
     backbone: Backbone
     splits: DatasetSplits
-    spec: TransformSpec       # the evaluation transform (no augmentation)
+    transform: TransformSpec  # the evaluation transform (no augmentation)
     dcfg: DataConfig          # resolved: concrete image size and resize mode
     cache_dir: str            # cached backbone features and prefix maps
     progress: bool
@@ -108,7 +108,7 @@ def set_trainable(backbone, n_train: int, trainable: bool = True, bn_freeze: boo
 
 class FrozenFeatures:
     def __init__(self, cfg: SourceConfig):
-        self.backbone, self.splits, self.spec, self.dcfg = cfg.backbone, cfg.splits, cfg.spec, cfg.dcfg
+        self.backbone, self.splits, self.transform, self.dcfg = cfg.backbone, cfg.splits, cfg.transform, cfg.dcfg
         self.cache_dir, self.progress = cfg.cache_dir, cfg.progress
         self.cache = {name: self._features(self.splits.get(name)) for name in ("train", "val")}
         self.labels = self.cache["train"][1]
@@ -117,7 +117,7 @@ class FrozenFeatures:
             p.requires_grad_(False)
 
     def _features(self, subset) -> tuple[torch.Tensor, np.ndarray]:
-        f, y, _ = backbone_features(self.backbone, self.splits, subset, self.spec, self.dcfg, self.cache_dir,
+        f, y, _ = backbone_features(self.backbone, self.splits, subset, self.transform, self.dcfg, self.cache_dir,
                                     self.progress)
         return torch.from_numpy(f), y
 
@@ -145,7 +145,7 @@ class PrefixTail:
     """Inputs are the frozen prefix's cached output maps; `encode` runs the trained tail."""
 
     def __init__(self, cfg: SourceConfig):
-        self.backbone, self.splits, self.spec, self.dcfg = cfg.backbone, cfg.splits, cfg.spec, cfg.dcfg
+        self.backbone, self.splits, self.transform, self.dcfg = cfg.backbone, cfg.splits, cfg.transform, cfg.dcfg
         self.n_train = cfg.train_stages()
         self.n_prefix = len(self.backbone.stages()) - self.n_train
         self.cache_dir, self.progress, self.device = cfg.cache_dir, cfg.progress, cfg.device
@@ -155,7 +155,7 @@ class PrefixTail:
         self.labels = self.cache["train"].labels
 
     def _maps(self, subset):
-        return cached_prefix(self.backbone, self.n_prefix, self.splits, subset, self.spec, self.dcfg,
+        return cached_prefix(self.backbone, self.n_prefix, self.splits, subset, self.transform, self.dcfg,
                              self.cache_dir, self.progress, self.device)
 
     def start_epoch(self, epoch: int, model) -> None:
@@ -214,7 +214,7 @@ class ImageBatches:
     epoch's generator), so the worker count does not change the run."""
 
     def __init__(self, cfg: SourceConfig):
-        self.backbone, self.splits, self.spec, self.dcfg = cfg.backbone, cfg.splits, cfg.spec, cfg.dcfg
+        self.backbone, self.splits, self.transform, self.dcfg = cfg.backbone, cfg.splits, cfg.transform, cfg.dcfg
         self.warmup_epochs, self.progress = cfg.warmup_epochs, cfg.progress
         self.n_train = cfg.train_stages()
         self.bn_freeze, self.device = cfg.bn_freeze, cfg.device
@@ -233,8 +233,8 @@ class ImageBatches:
         from model.preprocess import transform_for
 
         if self._loader is None:
-            spec = transform_for(self.backbone, self.dcfg, augment=True)
-            self._loader = make_loader(self.splits.train, spec.build(), workers=self.dcfg.workers,
+            train_transform = transform_for(self.backbone, self.dcfg, augment=True)
+            self._loader = make_loader(self.splits.train, train_transform.build(), workers=self.dcfg.workers,
                                        batch_sampler=self._epoch, persistent=True,
                                        pin_memory=self.device.type == "cuda")
         generator = draw_generator(generator)
@@ -254,9 +254,9 @@ class ImageBatches:
         loader = None
         if subset is self.splits.val:  # every epoch: one loader, its workers kept
             if self._val_loader is None:
-                self._val_loader = subset_loader(subset, self.spec, self.dcfg, self.device, persistent=True)
+                self._val_loader = subset_loader(subset, self.transform, self.dcfg, self.device, persistent=True)
             loader = self._val_loader
-        e, y, _, _ = embed_subset(model, subset, self.spec, self.dcfg, f"embed {subset.name}", self.progress,
+        e, y, _, _ = embed_subset(model, subset, self.transform, self.dcfg, f"embed {subset.name}", self.progress,
                                   device=self.device, loader=loader)
         return e, y
 
@@ -286,12 +286,12 @@ class CachedImages(ImageBatches):
         from model.preprocess import transform_for
 
         super().__init__(cfg)
-        train_spec = transform_for(self.backbone, self.dcfg, augment=True)
-        self.train_cache = cached_images(self.splits, self.splits.train, train_spec, self.dcfg, cfg.cache_dir,
+        train_transform = transform_for(self.backbone, self.dcfg, augment=True)
+        self.train_cache = cached_images(self.splits, self.splits.train, train_transform, self.dcfg, cfg.cache_dir,
                                          self.progress)
-        self.val_cache = cached_images(self.splits, self.splits.val, self.spec, self.dcfg, cfg.cache_dir,
+        self.val_cache = cached_images(self.splits, self.splits.val, self.transform, self.dcfg, cfg.cache_dir,
                                        self.progress)
-        self.augment = BatchAugment(train_spec)
+        self.augment = BatchAugment(train_transform)
         self.row_of = np.full(len(self.labels), -1, np.int64)  # subset index → cache row (-1: unreadable)
         self.row_of[self.train_cache.kept] = np.arange(len(self.train_cache.kept))
         sizes = self.train_cache.sizes.astype(np.float64)
@@ -349,7 +349,7 @@ class CachedImages(ImageBatches):
         bs, out = self.dcfg.eval_batch_size, []
         for i in range(0, len(self.val_cache.labels), bs):
             x = self.val_images[i: i + bs].to(self.device, non_blocking=True).permute(0, 3, 1, 2)
-            x = self.spec.normalize(x).contiguous(memory_format=self.memory_format)
+            x = self.transform.normalize(x).contiguous(memory_format=self.memory_format)
             out.append(model(x).float().cpu())
         return torch.cat(out).numpy(), self.val_cache.labels
 

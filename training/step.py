@@ -12,6 +12,7 @@ import torch
 
 from core.errors import UserError
 
+from .distributed import global_batch, mean_over_ranks, wrap_step
 from .regularizers import BatchContext
 
 
@@ -71,8 +72,6 @@ class Step:
     def distribute(self, dist, find_unused: bool | None = None) -> None:
         """Run the step data-parallel: DDP over its modules (call when every parameter that will ever
         train has requires_grad set; see distributed.wrap_step)."""
-        from .distributed import wrap_step
-
         self.ddp = wrap_step(self, dist, find_unused)
 
     def forward(self, backbone_feats: torch.Tensor, y: torch.Tensor,
@@ -101,8 +100,6 @@ class Step:
                 # this rank holds a class-aligned share [X′_r, X″_r] of one global pair (the sampler); the
                 # graph-consistency term sees the global X′ and X″ (the ranks' shares in rank order, this
                 # rank's rows with W × their gradient, as the losses do): the one-process term
-                from .distributed import global_batch
-
                 halves = (global_batch(halves[0])[0], global_batch(halves[1])[0])
         else:
             loss = self.loss(emb, y)
@@ -149,8 +146,6 @@ class Step:
         self.scaler.update()
         parts = as_floats(packed)
         if self.ddp is not None:
-            from .distributed import mean_over_ranks
-
             parts = mean_over_ranks(parts, self.device)
         check_finite(parts)  # after the mean over ranks: every rank sees the same parts and stops together
         return parts

@@ -128,14 +128,14 @@ class Run:
         for r in self.regs:  # flow metric layers a regularizer brings become the model's heads
             for name, head in r.heads().items():
                 setattr(self.model, name, head)
-        self.spec = transform_for(self.backbone, self.dcfg)
+        self.transform = transform_for(self.backbone, self.dcfg)
         self.label_map = {c: i for i, c in enumerate(train_classes)}
         self.device = dev = self.dist.device if self.dist else resolve_device(cfg.device)
         # the frozen part's outputs are computed (and cached) before anything moves: same bits on any device
         n_train = cfg.n_train_blocks(len(self.backbone.stages()))
         mode = cfg.resolved_mode()
         progress = cfg.progress and self.main
-        sources = SourceConfig(backbone=self.backbone, splits=self.splits, spec=self.spec, dcfg=self.dcfg,
+        sources = SourceConfig(backbone=self.backbone, splits=self.splits, transform=self.transform, dcfg=self.dcfg,
                                cache_dir=cfg.cache_dir, progress=progress, device=dev, n_train=n_train,
                                warmup_epochs=cfg.warmup_epochs, bn_freeze=cfg.freezes_bn())
         with ddp.rank_zero_first():  # one process builds the cache; the others then read it
@@ -183,7 +183,7 @@ class Run:
             self.step.distribute(self.dist, find_unused=True if n_train and cfg.warmup_epochs else None)
         self.checkpoints = Checkpoints(
             self.out, cfg, self.model, self.loss, loss_params, self.regs, opt, self.sched, self.label_map,
-            data_record={"config": self.dcfg.data_fields(), "transform": self.spec.describe()},
+            data_record={"config": self.dcfg.data_fields(), "transform": self.transform.describe()},
             split_record={k: s.classes for k, s in self.splits.subsets().items()})
 
     # ------------------------------------------------------------ the probe

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # the re-rankers' space is built on a gallery; only its type 
     from ..rerankers.space import MetricSpace
 
 # one search result, the same in `index search --json` (every backend) and the app's API
-RESULT_FIELDS = ("rank", "id", "label", "class_name", "score", "relative_path")
+HIT_FIELDS = ("rank", "id", "label", "class_name", "score", "relative_path")
 
 
 @dataclass(eq=False)  # identity semantics: fields hold numpy arrays
@@ -62,7 +62,7 @@ class Hits:
         return None if self.items is None else self._column(self.items.labels)
 
     def results(self) -> list[list[dict]]:
-        """Each query's hits as RESULT_FIELDS dicts (the CLI's JSON and the app's API); a
+        """Each query's hits as HIT_FIELDS dicts (the CLI's JSON and the app's API); a
         gallery without metadata (an on-disk IVF built from bare features) gives rank, row, score."""
         items, names = self.items, self.class_names
         out: list[list[dict]] = []

@@ -6,7 +6,7 @@ import pytest
 from support import panels
 
 from app.limits import DEFAULT_MAX_RERANK_SIZE
-from app.service import RetrievalService, Spec, api_params
+from app.service import RetrievalService, SearchConfig, api_params
 from core.errors import UserError
 from index.rerankers import RERANKERS, SIZE_LIMIT, check_size_limit, size_params
 
@@ -82,7 +82,7 @@ def test_every_rerankers_defaults_pass_the_default_limit(svc):
     assert DEFAULT_MAX_RERANK_SIZE == svc.max_rerank_size == SIZE_LIMIT
     for name in RERANKERS.names():
         check_size_limit(name, {}, DEFAULT_MAX_RERANK_SIZE)
-        svc.check(Spec("trained", {}, "cosine", name, {}))
+        svc.check(SearchConfig("trained", {}, "cosine", name, {}))
     assert all(size_params(n) for n in RERANKERS.names() if n != "none")  # the loop checked every re-ranker's sizes
 
 
@@ -119,10 +119,11 @@ def test_a_size_above_the_server_limit_is_refused_in_the_panels_and_the_compare_
     assert out[4] == "⚠️ re-ranker 'aqe': n must be ≤ 6 (this server's limit), got 9"
     summary, *_ = h.on_compare(item, "all", 4, "outcome", 1.0, progress=None, **values)
     assert summary == "⚠️ re-ranker 'aqe': n must be ≤ 6 (this server's limit), got 9"
-    big = Spec("trained", {}, "cosine", "dba", {"n": 9})
+    big = SearchConfig("trained", {}, "cosine", "dba", {"n": 9})
     q = small.query_from_item(item["id"])
     for call in (lambda: small.panel(q, big, 4), lambda: small.comparison(big), lambda: small.per_query_ap(big),
-                 lambda: small.why(q, int(small.data.items.ids[5]), big), lambda: small.disagreements(Spec(), big)):
+                 lambda: small.why(q, int(small.data.items.ids[5]), big),
+                 lambda: small.disagreements(SearchConfig(), big)):
         with pytest.raises(UserError, match="n must be ≤ 6"):
             call()
 

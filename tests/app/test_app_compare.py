@@ -9,13 +9,13 @@ import pytest
 from support import panels, run_command
 
 from app.compare_view import parse_state, state_query, tick_label, write_exports
-from app.service import Spec
 from core.arrays import l2_normalize
 from core.errors import UserError
 from evaluation.evaluator import evaluate_ranking
 from evaluation.knn import flat_index
-from index.backends.gallery import RESULT_FIELDS
+from index.backends.gallery import HIT_FIELDS
 from index.refinements import REFINEMENTS, shared_params
+from index.search_config import SearchConfig
 
 
 def evaluator_ap(X: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -26,7 +26,7 @@ def evaluator_ap(X: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def test_scatter_points_are_the_evaluators_per_query_ap(svc):
-    cmp = svc.comparison(Spec("identity", {}, "cosine"))  # the left side: trained, cosine
+    cmp = svc.comparison(SearchConfig("identity", {}, "cosine"))  # the left side: trained, cosine
     X, y = np.asarray(svc.data.features), svc.data.items.labels
     # trained cosine = cosine of the embeddings Wφ; identity cosine = cosine of φ
     np.testing.assert_allclose(cmp.ap_a, evaluator_ap(X @ svc.data.W.T, y), atol=1e-6)
@@ -49,7 +49,8 @@ def test_compare_handler_counts_filters_classes_and_steps(svc):
     h = Handlers(svc)
     cfg = panels(left=("trained", "bilinear"), right=("random", "bilinear"))
     summary, svg, rows, ids, cursor, classes = h.on_compare(None, "all", 12, "outcome", 1.0, **cfg)
-    cmp = svc.comparison(Spec("random", {"r": 0.5, "seed": 0}, "bilinear"), Spec("trained", {}, "bilinear"))
+    cmp = svc.comparison(SearchConfig("random", {"r": 0.5, "seed": 0}, "bilinear"),
+                         SearchConfig("trained", {}, "bilinear"))
     c = cmp.counts()
     assert f"{c['improved']:,} improved, {c['worsened']:,} worsened, {c['tied']:,} tied" in summary
     assert "sign test" in summary and "95% CI" in summary and svg.startswith("<svg") and "Jaccard@12" in summary
@@ -70,19 +71,20 @@ def test_maps_are_cached_and_mark_the_query(svc, monkeypatch):
     import app.service as service
 
     q_id = int(svc.data.items.ids[4])
-    a = svc.map_html(Spec("trained", {}, "cosine"), "PCA", "M*", q_id)
+    a = svc.map_html(SearchConfig("trained", {}, "cosine"), "PCA", "M*", q_id)
     assert a.count("<circle") == len(svc.data.items) and "★" in a
     first = svc.map_coords("spectral", {"p": 0.5}, "cosine", "t-SNE")
     assert svc.map_coords("spectral", {"p": 0.5}, "cosine", "t-SNE") is first  # once per strategy
     monkeypatch.setattr(service, "subsample", lambda n: np.arange(min(n, 10)))
-    b = svc.map_html(Spec("identity", {}, "bilinear"), "PCA", "M′", None)
+    b = svc.map_html(SearchConfig("identity", {}, "bilinear"), "PCA", "M′", None)
     assert b.count("<circle") == 10 and f"sub-sampled: 10 of {len(svc.data.items)} points" in b
     with pytest.raises(UserError, match="map method must be one of"):
-        svc.map_html(Spec("identity", {}, "cosine"), "MDS", "M′")
+        svc.map_html(SearchConfig("identity", {}, "cosine"), "MDS", "M′")
 
 
 def test_url_state_round_trips_and_refuses_bad_values():
-    left, right = Spec("spectral", {"p": 0.25}, "bilinear"), Spec("random", {"r": 0.3, "seed": 4}, "bilinear")
+    left = SearchConfig("spectral", {"p": 0.25}, "bilinear")
+    right = SearchConfig("random", {"r": 0.3, "seed": 4}, "bilinear")
     qs = state_query(17, left, right, 8)
     # only each strategy's own parameters; the left side's keys prefixed
     assert qs == "?q=17&left_strategy=spectral&left_p=0.25&left_mode=bilinear&strategy=random&r=0.3&seed=4" \
@@ -90,7 +92,7 @@ def test_url_state_round_trips_and_refuses_bad_values():
     parsed = dict(urllib.parse.parse_qsl(qs[1:]))
     assert parse_state(parsed) == {"q": 17, "left": left, "right": right, "k": 8}
     st = parse_state({"q": "5"})
-    assert (st["left"], st["right"], st["k"]) == (Spec(), Spec("identity"), 12)
+    assert (st["left"], st["right"], st["k"]) == (SearchConfig(), SearchConfig("identity"), 12)
     assert parse_state({}) is None
     for bad, msg in (({"q": "x"}, "must be integers"), ({"q": "1", "k": "99"}, "k must be between"),
                      ({"q": "1", "mode": "l3"}, "mode must be one of"), ({"q": "1", "strategy": "nope"}, "nope"),
@@ -105,12 +107,12 @@ def test_url_state_round_trips_and_refuses_bad_values():
         with pytest.raises(UserError, match=msg):
             parse_state(bad)
     with pytest.raises(UserError, match="cannot be shared"):
-        state_query(1, Spec(), Spec("custom", {"path": "m.npy"}, "bilinear"), 4)
+        state_query(1, SearchConfig(), SearchConfig("custom", {"path": "m.npy"}, "bilinear"), 4)
     with pytest.raises(UserError, match="cannot be shared"):
-        state_query(1, Spec("custom", {"path": "m.npy"}, "bilinear"), Spec(), 4)
+        state_query(1, SearchConfig("custom", {"path": "m.npy"}, "bilinear"), SearchConfig(), 4)
     # each side's re-ranker and its parameters travel in links, and come back as they went
-    rr = Spec("identity", {}, "cosine", "aqe", {"n": 3, "alpha": 1.0})
-    lr = Spec("spectral", {"p": 0.25}, "bilinear", "kreciprocal", {"k1": 10, "k2": 3, "lambda_value": 0.2,
+    rr = SearchConfig("identity", {}, "cosine", "aqe", {"n": 3, "alpha": 1.0})
+    lr = SearchConfig("spectral", {"p": 0.25}, "bilinear", "kreciprocal", {"k1": 10, "k2": 3, "lambda_value": 0.2,
                                                                    "pool": 50})
     qs = state_query(1, lr, rr, 4)
     assert "&rerank=aqe&rerank_n=3&rerank_alpha=1.0&" in qs and "&left_rerank=kreciprocal&left_rerank_k1=10&" in qs
@@ -136,8 +138,9 @@ def test_old_links_open_with_trained_on_the_left(svc):
     item = int(svc.data.items.ids[2])
     old = {"q": str(item), "strategy": "shrink", "alpha": "0.25", "mode": "bilinear", "k": "6"}
     st = parse_state(old)
-    assert st["left"] == Spec("trained", {}, "bilinear") and st["right"] == Spec("shrink", {"alpha": 0.25}, "bilinear")
-    assert parse_state({"q": "3", "strategy": "spectral"})["left"] == Spec("trained", {}, "cosine")
+    assert st["left"] == SearchConfig("trained", {}, "bilinear") \
+        and st["right"] == SearchConfig("shrink", {"alpha": 0.25}, "bilinear")
+    assert parse_state({"q": "3", "strategy": "spectral"})["left"] == SearchConfig("trained", {}, "cosine")
 
     class Req:  # what gr.Request gives the handler
         query_params = old
@@ -222,7 +225,8 @@ def test_two_configurations_end_to_end(svc, tmp_path):
     from app.handlers import Handlers
 
     h = Handlers(svc)
-    left, right = Spec("shrink", {"alpha": 0.3}, "cosine"), Spec("random", {"r": 0.5, "seed": 0}, "bilinear")
+    left = SearchConfig("shrink", {"alpha": 0.3}, "cosine")
+    right = SearchConfig("random", {"r": 0.5, "seed": 0}, "bilinear")
     cfg = panels(left=("shrink", "cosine"), right=("random", "bilinear"), left_params={"alpha": 0.3})
     item = int(svc.data.items.ids[4])
     q = {"kind": "item", "id": item}
@@ -273,8 +277,8 @@ def test_export_equals_cli_search(svc, tmp_path):
     """The exported result lists are `python -m index search`'s for the same (uploaded) query."""
     img = svc.root / svc.data.items.paths[7]
     q = svc.query_from_upload(str(img))
-    right = Spec("random", {"r": 0.4, "seed": 2}, "bilinear")
-    payload = svc.export(q, right, k=6, left=Spec("trained", {}, "bilinear"))
+    right = SearchConfig("random", {"r": 0.4, "seed": 2}, "bilinear")
+    payload = svc.export(q, right, k=6, left=SearchConfig("trained", {}, "bilinear"))
     j, c = write_exports(payload, str(tmp_path))
     exported = json.loads(open(j).read())
     for side, args in (("left", ["--strategy", "trained"]), ("right", ["--strategy", "random", "--r", "0.4",
@@ -285,7 +289,7 @@ def test_export_equals_cli_search(svc, tmp_path):
         assert r.returncode == 0, r.stderr
         cli = json.loads(out.read_text())["queries"][0]["results"]
         panel = next(p for p in exported["panels"] if p["side"] == side)
-        got = [{f: x[f] for f in RESULT_FIELDS} for x in panel["results"]]
+        got = [{f: x[f] for f in HIT_FIELDS} for x in panel["results"]]
         assert [{k: v for k, v in x.items() if k != "score"} for x in got] == \
                [{k: v for k, v in x.items() if k != "score"} for x in cli]
         assert [x["score"] for x in got] == pytest.approx([x["score"] for x in cli], rel=1e-5)

@@ -4,16 +4,16 @@ import numpy as np
 import pytest
 from support import blocks_by_label
 
-from app.service import Query, Spec
+from app.service import Query
 from evaluation.evaluator import per_query_metrics
 from index.backends.search import Searcher
 from index.backends.store import in_memory_index
 from index.search_config import SearchConfig
 
-RERANKED = [Spec("trained", {}, "cosine", "aqe", {"n": 2, "alpha": 3.0}),
-            Spec("identity", {}, "bilinear", "dba", {"n": 2}),
-            Spec("trained", {}, "cosine", "diffusion", {"k": 5, "kq": 3, "truncation": 20}),
-            Spec("spectral", {"p": 0.5}, "cosine", "kreciprocal", {"k1": 4, "k2": 2, "pool": 20})]
+RERANKED = [SearchConfig("trained", {}, "cosine", "aqe", {"n": 2, "alpha": 3.0}),
+            SearchConfig("identity", {}, "bilinear", "dba", {"n": 2}),
+            SearchConfig("trained", {}, "cosine", "diffusion", {"k": 5, "kq": 3, "truncation": 20}),
+            SearchConfig("spectral", {"p": 0.5}, "cosine", "kreciprocal", {"k1": 4, "k2": 2, "pool": 20})]
 IDS = [s.rerank for s in RERANKED]
 
 
@@ -63,7 +63,7 @@ def test_without_a_reranker_the_panel_is_the_plain_search(svc):
     """No re-ranker: an upload's panel is the strategy's search itself, bit for bit, and an item's
     its search with the item left out."""
     q = svc.query_from_item(int(svc.data.items.ids[3]))
-    for spec in (Spec("trained", {}, "cosine"), Spec("random", {"r": 0.5, "seed": 1}, "bilinear")):
+    for spec in (SearchConfig("trained", {}, "cosine"), SearchConfig("random", {"r": 0.5, "seed": 1}, "bilinear")):
         plain = svc.searcher.search(q.feats, spec.strategy, spec.params, spec.mode, 7)
         got = svc.panel(Query(q.feats), spec, k=7)
         assert [r["id"] for r in got.results] == ids_of(svc, plain.rows[0])
@@ -80,7 +80,7 @@ def test_the_compare_tab_reranks_every_query_as_its_panel_does(svc, spec):
     for row in range(len(svc.data.items)):
         q = svc.query_from_item(int(svc.data.items.ids[row]))
         assert ap[row] == pytest.approx(svc.panel(q, spec, k=3).ap)
-    cmp = svc.comparison(spec, Spec("trained", {}, "cosine"), k=4)
+    cmp = svc.comparison(spec, SearchConfig("trained", {}, "cosine"), k=4)
     assert cmp.label_b == SearchConfig.of(spec.strategy, spec.params, spec.mode, spec.rerank,
                                           spec.rerank_params).label()
     np.testing.assert_array_equal(cmp.ap_b, ap[~np.isnan(ap)])
@@ -105,14 +105,14 @@ def test_search_handler_runs_each_panels_reranker_and_links_it(svc):
     item = int(svc.data.items.ids[4])
     values = with_rerank(panels(), "right", "aqe", n=3, alpha=1.0)
     out = Handlers(svc).on_search({"kind": "item", "id": item}, None, 5, **values)
-    right = Spec("identity", {}, "cosine", "aqe", {"n": 3, "alpha": 1.0})
+    right = SearchConfig("identity", {}, "cosine", "aqe", {"n": 3, "alpha": 1.0})
     want = svc.panel(svc.query_from_item(item), right, k=5)
     assert out[2].startswith("### Right: identity · cosine · aqe(n=3, alpha=1.0)")
     assert out[5]["right"] == [r["id"] for r in want.results] and item not in out[5]["right"]
-    assert out[5]["left"] == [r["id"] for r in svc.panel(svc.query_from_item(item), Spec(), k=5).results]
+    assert out[5]["left"] == [r["id"] for r in svc.panel(svc.query_from_item(item), SearchConfig(), k=5).results]
     assert "&rerank=aqe&rerank_n=3&rerank_alpha=1.0&" in out[-1]
     st = parse_state(dict(urllib.parse.parse_qsl(out[-1][1:])))
-    assert st["right"] == right and st["left"] == Spec()
+    assert st["right"] == right and st["left"] == SearchConfig()
     # another re-ranker's controls are not read; a bad value of the chosen one's is a visible message
     other = with_rerank(values, "right", "aqe", n=3, alpha=1.0) | {"right_rerank_dba__n": 7}
     assert Handlers(svc).on_search({"kind": "item", "id": item}, None, 5, **other)[5]["right"] == out[5]["right"]
@@ -130,7 +130,7 @@ def test_compare_why_and_export_handlers_with_a_reranker(svc, tmp_path):
 
     h = Handlers(svc)
     values = with_rerank(panels(right=("trained", "cosine")), "right", "dba", n=2, alpha=3.0)
-    right = Spec("trained", {}, "cosine", "dba", {"n": 2, "alpha": 3.0})
+    right = SearchConfig("trained", {}, "cosine", "dba", {"n": 2, "alpha": 3.0})
     calls = []
 
     def progress(frac, desc=None, unit=None):  # what gr.Progress is called with
@@ -140,14 +140,14 @@ def test_compare_why_and_export_handlers_with_a_reranker(svc, tmp_path):
     summary, _, rows, ids, _, _ = h.on_compare({"kind": "item", "id": item}, "all", 4, "outcome", 1.0,
                                                progress=progress, **values)
     assert summary.startswith("**trained · cosine** (x) vs **trained · cosine · dba(n=2, alpha=3.0)** (y)")
-    cmp = svc.comparison(right, Spec(), k=4)
+    cmp = svc.comparison(right, SearchConfig(), k=4)
     assert ids == [r["id"] for r in cmp.disagreements("all")]
     assert calls and calls[-1][0][0] == calls[-1][0][1] and "dba" in calls[-1][1] and calls[-1][2] == "queries"
     # why: the re-ranked side placed in its list, no eigen-directions, the neighbourhood instead
     q = svc.query_from_item(item)
     shown = [r["id"] for r in svc.panel(q, right, k=4).results]
     html_out, _ = h.on_why({"kind": "item", "id": item}, None, shown[1], 4, **values)
-    why = svc.why(q, shown[1], right, Spec(), k=4)
+    why = svc.why(q, shown[1], right, SearchConfig(), k=4)
     assert why.change is None and why.right.rank == 2 and why.right.reranked and not why.right.beyond
     assert "does not apply" in html_out and "why-strip" not in html_out
     assert html_out.count('class="why-support"') == 1 and "nearest items" in html_out
@@ -197,9 +197,9 @@ def test_gradio_api_takes_an_optional_reranker(svc):
     img = str(svc.root / svc.data.items.paths[2])
     q = svc.query_from_upload(img)
     plain = search(img, "trained", mode="cosine", k=4)  # an old call: no re-ranker
-    assert plain["results"] == [{f: r[f] for f in plain["results"][0]} for r in svc.panel(q, Spec(), 4).results]
+    assert plain["results"] == [{f: r[f] for f in plain["results"][0]} for r in svc.panel(q, SearchConfig(), 4).results]
     got = search(img, "identity", mode="bilinear", k=4, rerank="aqe", rerank_params="n=3, alpha=1")
-    want = svc.panel(q, Spec("identity", {}, "bilinear", "aqe", {"n": 3, "alpha": 1.0}), 4)
+    want = svc.panel(q, SearchConfig("identity", {}, "bilinear", "aqe", {"n": 3, "alpha": 1.0}), 4)
     assert got["metric"] == want.title == "identity · bilinear · aqe(n=3, alpha=1.0)"
     assert [r["id"] for r in got["results"]] == [r["id"] for r in want.results]
     assert search(img, "identity", mode="bilinear", k=4, rerank="aqe", rerank_params='{"n": 3, "alpha": 1}') == got

@@ -6,7 +6,7 @@ import pytest
 from PIL import Image
 from support import panels
 
-from app.service import RetrievalService, Spec
+from app.service import RetrievalService, SearchConfig
 from core.errors import UserError
 from evaluation import evaluate
 
@@ -14,7 +14,7 @@ from evaluation import evaluate
 def test_item_query_leaves_itself_out_and_scores_match_evaluator(svc):
     i = int(svc.data.items.ids[5])
     q = svc.query_from_item(i)
-    left, right = svc.compare(q, Spec("identity", {}, "cosine"), k=6)
+    left, right = svc.compare(q, SearchConfig("identity", {}, "cosine"), k=6)
     for panel in (left, right):
         assert len(panel.results) == 6 and i not in [r["id"] for r in panel.results]
         assert all(r["correct"] == (r["label"] == q.label) for r in panel.results)
@@ -22,28 +22,28 @@ def test_item_query_leaves_itself_out_and_scores_match_evaluator(svc):
     # the panel's AP is this query's MAP@R in the leave-one-out evaluation of the whole gallery
     feats = np.asarray(svc.data.features)
     res = evaluate(feats, svc.data.items.labels, normalize=True, clustering=False)
-    ap_all = svc.per_query_ap(Spec("identity", {}, "cosine"))
+    ap_all = svc.per_query_ap(SearchConfig("identity", {}, "cosine"))
     assert float(np.nanmean(ap_all)) == pytest.approx(res["map@r"])
     assert right.ap == pytest.approx(ap_all[5])
 
 
 def test_strategy_switching_changes_right_panel_only(svc):
     q = svc.query_from_item(int(svc.data.items.ids[0]))
-    trained = Spec("trained", {}, "bilinear")
-    l1, r1 = svc.compare(q, Spec("identity", {}, "bilinear"), k=8, left=trained)
-    l2, r2 = svc.compare(q, Spec("spectral", {"p": 1.5}, "bilinear"), k=8, left=trained)
+    trained = SearchConfig("trained", {}, "bilinear")
+    l1, r1 = svc.compare(q, SearchConfig("identity", {}, "bilinear"), k=8, left=trained)
+    l2, r2 = svc.compare(q, SearchConfig("spectral", {"p": 1.5}, "bilinear"), k=8, left=trained)
     assert [x["id"] for x in l1.results] == [x["id"] for x in l2.results]
     assert "identity" in r1.title and "spectral(p=1.5)" in r2.title
     assert [x["score"] for x in r1.results] != [x["score"] for x in r2.results]
     # cosine under an indefinite M′ falls back to bilinear, and says so
-    _, r3 = svc.compare(q, Spec("diagonal", {"r": 1.0, "seed": 0}, "cosine"), k=4)
+    _, r3 = svc.compare(q, SearchConfig("diagonal", {"r": 1.0, "seed": 0}, "cosine"), k=4)
     assert "bilinear" in r3.title and "indefinite" in r3.note
 
 
 def test_disagreements_are_the_largest_ap_changes(svc):
-    spec = Spec("random", {"r": 1.0, "seed": 0}, "bilinear")
-    rows = svc.disagreements(spec, Spec("trained", {}, "bilinear"), top=5)
-    a = svc.per_query_ap(Spec("trained", {}, "bilinear"))
+    spec = SearchConfig("random", {"r": 1.0, "seed": 0}, "bilinear")
+    rows = svc.disagreements(spec, SearchConfig("trained", {}, "bilinear"), top=5)
+    a = svc.per_query_ap(SearchConfig("trained", {}, "bilinear"))
     b = svc.per_query_ap(spec)
     d = np.abs(np.nan_to_num(b - a))
     assert len(rows) == min(5, int((d > 0).sum()))
@@ -58,7 +58,7 @@ def test_upload_query_any_mode(svc, tmp_path):
     im.save(p)
     q = svc.query_from_upload(str(p))
     assert q.label is None and q.feats.shape == (1, svc.data.dim)
-    panel = svc.panel(q, Spec("trained", {}, "cosine"), k=3)
+    panel = svc.panel(q, SearchConfig("trained", {}, "cosine"), k=3)
     assert panel.results[0]["id"] == int(svc.data.items.ids[2])  # finds the same image first
     assert panel.p_at_k is None and all(r["correct"] is None for r in panel.results)
     q2 = svc.query_from_upload(Image.open(src).convert("CMYK"))
@@ -144,7 +144,7 @@ def test_strategy_choices_come_from_the_registry(svc):
 
 
 def test_pictures_render(svc):
-    spec = Spec("diagonal", {"r": 0.5}, "bilinear")
+    spec = SearchConfig("diagonal", {"r": 0.5}, "bilinear")
     assert svc.heatmap(spec).size[0] > 100
     assert svc.heatmap(spec) is svc.heatmap(spec)  # drawn once per M′
     assert len(svc.examples(4)) == 4
@@ -174,14 +174,14 @@ def test_warm_builds_every_default_strategy_before_the_first_search(tiny_index):
         assert (rm.norms is not None) == bool(rm.report["psd"]), n  # cosine parts exactly where cosine exists
     q = s.query_from_item(int(s.data.items.ids[0]))
     for n in names:
-        s.panel(q, Spec(n, {}, "cosine"), k=3)
+        s.panel(q, SearchConfig(n, {}, "cosine"), k=3)
         assert s.searcher.metric(n, {}) is built[n], n
     # the Compare tab's baseline too, in either mode: a first comparison computes only its M′'s
     from index.refinements import strategy_key
 
     cached = set(s.comparer._cache)
     assert {(strategy_key("trained", {}), mode) for mode in ("cosine", "bilinear")} <= cached
-    s.comparison(Spec("identity", {}, "cosine"))
+    s.comparison(SearchConfig("identity", {}, "cosine"))
     assert set(s.comparer._cache) - cached == {(strategy_key("identity", {}), "cosine")}
 
 

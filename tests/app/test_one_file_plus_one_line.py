@@ -79,13 +79,13 @@ def test_new_strategy_reaches_the_sweep(lift_registered):
 
 def test_new_strategy_reaches_the_app(lift_registered, tiny_index):
     from app.handlers import Handlers
-    from app.service import RetrievalService, Spec
+    from app.service import RetrievalService, SearchConfig
     from app.ui import build_ui
 
     svc = RetrievalService(tiny_index)
     assert "lift" in svc.strategy_choices() and "lift" in svc.strategy_choices(with_files=False)
     q = svc.query_from_item(int(svc.data.items.ids[3]))
-    assert svc.panel(q, Spec("lift", {"gamma": 0.5}, "cosine"), k=3).title == "lift(gamma=0.5) · cosine"
+    assert svc.panel(q, SearchConfig("lift", {"gamma": 0.5}, "cosine"), k=3).title == "lift(gamma=0.5) · cosine"
     ok = Handlers(svc).on_search({"kind": "item", "id": int(svc.data.items.ids[3])}, None, 3,
                                  **panels(right=("lift", "bilinear"), right_params={"gamma": 0.75}))
     assert "Right: lift(gamma=0.75) · bilinear" in ok[2] and len(ok[3]) == 3

@@ -39,12 +39,12 @@ def flipped(svc, feats, depth: int, k: int, own: int | None = None) -> list[int]
 def test_new_reranker_reaches_the_panels_and_their_dropdowns(flip_registered, svc):
     from app.controls import rerank_key
     from app.handlers import Handlers
-    from app.service import Spec
+    from app.service import SearchConfig
     from app.ui import build_ui
 
     item = int(svc.data.items.ids[3])
     q = svc.query_from_item(item)
-    panel = svc.panel(q, Spec("trained", {}, "cosine", "flip", {"depth": 4}), k=3)
+    panel = svc.panel(q, SearchConfig("trained", {}, "cosine", "flip", {"depth": 4}), k=3)
     assert panel.title == "trained · cosine · flip(depth=4)"
     assert [r["id"] for r in panel.results] == flipped(svc, q.feats, 4, 3, own=item)
     values = panels() | {"right_strategy": "trained", "right_rerank": "flip", rerank_key("right", "flip", "depth"): 6}

@@ -11,7 +11,7 @@ import pytest
 from app_helpers import chromium_path, free_port, needs_chromium
 from support import BYTECODE, PRODUCT, ROOT, run_command, run_module
 
-from index.backends.gallery import RESULT_FIELDS
+from index.backends.gallery import HIT_FIELDS
 
 # a served app (threads, sockets) and app subprocesses: make test-fast leaves these out
 pytestmark = pytest.mark.multiprocess
@@ -68,7 +68,7 @@ def test_binds_loopback_only(server):
 
 def assert_same_results(api: list[dict], cli: list[dict]) -> None:
     """Identical fields and values (scores to float tolerance: they crossed JSON differently)."""
-    assert [list(x) for x in api] == [list(x) for x in cli] == [list(RESULT_FIELDS)] * len(cli)
+    assert [list(x) for x in api] == [list(x) for x in cli] == [list(HIT_FIELDS)] * len(cli)
     strip = [[{k: v for k, v in x.items() if k != "score"} for x in rs] for rs in (api, cli)]
     assert strip[0] == strip[1] and len(cli) > 0
     assert [x["score"] for x in api] == pytest.approx([x["score"] for x in cli], rel=1e-5)
@@ -78,7 +78,7 @@ def test_api_search_matches_cli(server, tmp_path, monkeypatch):
     from gradio_client import Client, handle_file
     from gradio_client.exceptions import AppError
 
-    from app.service import Spec
+    from app.service import SearchConfig
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # a re-ranker's caches, if it keeps any
     url, svc, _ = server
@@ -90,7 +90,7 @@ def test_api_search_matches_cli(server, tmp_path, monkeypatch):
                                                                   "mode", "k", "psd", "rerank", "rerank_params"]
     reranked = client.predict(handle_file(str(img)), "random", 0.4, 2, 0.5, 0.5, "bilinear", 6, "abs", "aqe",
                               "n=3, alpha=1", api_name="/search")
-    want = svc.panel(svc.query_from_upload(str(img)), Spec("random", {"r": 0.4, "seed": 2}, "bilinear", "aqe",
+    want = svc.panel(svc.query_from_upload(str(img)), SearchConfig("random", {"r": 0.4, "seed": 2}, "bilinear", "aqe",
                                                            {"n": 3, "alpha": 1.0}), 6)
     assert reranked["metric"] == want.title and [r["id"] for r in reranked["results"]] == [r["id"] for r in
                                                                                             want.results]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from core.errors import UserError
-from index.backends.gallery import RESULT_FIELDS, Gallery, Hits
+from index.backends.gallery import HIT_FIELDS, Gallery, Hits
 from index.backends.ondisk import OnDiskIVF, build_for_index, build_ondisk_ivf
 from index.backends.search import Searcher
 from index.backends.store import Items, read_index, write_index
@@ -73,7 +73,7 @@ def test_every_backend_is_a_gallery(built, backend):
     data = read_index(built / "idx")
     np.testing.assert_array_equal(hits.ids, data.items.ids[hits.rows])
     np.testing.assert_array_equal(hits.labels, data.items.labels[hits.rows])
-    assert [list(r) for r in hits.results()[0]] == [list(RESULT_FIELDS)] * K
+    assert [list(r) for r in hits.results()[0]] == [list(HIT_FIELDS)] * K
     assert g.search(np.load(built / "q.npy"), k=N + 3).k == N  # k is capped at the gallery's size
     assert g.resolve_mode("diagonal", {"r": 0.5}, "cosine")[0] == "bilinear"  # indefinite: no cosine
 
@@ -100,7 +100,7 @@ def test_index_search_gives_the_same_json_on_every_backend(built, flags, capsys)
         assert {k: v for k, v in got.items() if k != "queries"} == {k: v for k, v in want.items() if k != "queries"}, b
         for a, w in zip(got["queries"], want["queries"], strict=True):
             assert a["query"] == w["query"]
-            assert [list(r) for r in a["results"]] == [list(r) for r in w["results"]] == [list(RESULT_FIELDS)] * K
+            assert [list(r) for r in a["results"]] == [list(r) for r in w["results"]] == [list(HIT_FIELDS)] * K
             assert ([{k: v for k, v in r.items() if k != "score"} for r in a["results"]]
                     == [{k: v for k, v in r.items() if k != "score"} for r in w["results"]]), b
             np.testing.assert_allclose([r["score"] for r in a["results"]], [r["score"] for r in w["results"]],

@@ -87,7 +87,7 @@ def test_cache_and_loader_differ_only_in_their_crops(tmp_path, kanji_root):
 def run_sources(run):
     from training.batches import SourceConfig
 
-    return SourceConfig(backbone=run.backbone, splits=run.splits, spec=run.spec, dcfg=run.dcfg,
+    return SourceConfig(backbone=run.backbone, splits=run.splits, transform=run.transform, dcfg=run.dcfg,
                         cache_dir=run.cfg.cache_dir, progress=False, device=run.device)
 
 

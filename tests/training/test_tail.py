@@ -83,7 +83,7 @@ def test_one_step_on_the_cached_prefix_equals_one_step_computing_it(tmp_path, ka
     from data.loader import ImageDataset
 
     rows = cached.source.cache["train"].kept[b]
-    ds = ImageDataset(fly.splits.train, fly.spec.build())
+    ds = ImageDataset(fly.splits.train, fly.transform.build())
     images = torch.stack([ds[int(i)][0] for i in rows])
     n_prefix = fly.source.n_prefix
 
