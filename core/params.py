@@ -63,13 +63,15 @@ def _num(v: float) -> str:
 
 
 def param(default, help_: str, *, bounds: str | None = None, step: float | None = None,
-          nonfinite: bool = False, **metadata):
+          nonfinite: bool = False, named: dict[str, Any] | None = None, **metadata):
     """The one way to declare a parameter or setting: a dataclass field with its default, the help
     that `--help`, `list` and the app show, and optionally
       bounds     an interval ("[0, 1]", "(0, inf)", "[1, inf)") that validation enforces and the
                  app's slider or number box spans (core.params.check_fields);
       step       the app's slider step;
       nonfinite  a float may be NaN or ±inf (by default it must be finite);
+      named      words that stand for values ({"all": WHOLE_GALLERY}): accepted as input, and shown
+                 instead of the value wherever a user sees it (`shown`);
     plus free metadata a registry reads (`flag`, `file`, `label`, `cli`)."""
     md = {"help": help_, **metadata}
     if bounds is not None:
@@ -78,7 +80,22 @@ def param(default, help_: str, *, bounds: str | None = None, step: float | None 
         md["step"] = step
     if nonfinite:
         md["nonfinite"] = True
+    if named:
+        md["named"] = dict(named)
     return field(default=default, metadata=md)
+
+
+def shown(f: dataclasses.Field, value):
+    """How a user sees a field's value: the word declared for it (`param(named=...)`), or the value."""
+    for word, v in f.metadata.get("named", {}).items():
+        if value == v and type(value) is type(v):
+            return word
+    return value
+
+
+def shown_params(params) -> dict:
+    """A parameter dataclass's values as a user sees them (named values as their words)."""
+    return {f.name: shown(f, getattr(params, f.name)) for f in dataclasses.fields(params)}
 
 
 def bounds_of(f: dataclasses.Field) -> Bounds | None:
@@ -220,7 +237,8 @@ def build_params(cls: type, given: dict | None, what: str, *, ignore_unknown: bo
     Unknown keys are refused (with the valid ones) unless `ignore_unknown`; a
     `validate()` method on the dataclass runs last."""
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    names = list(fields)
     kw = {}
     for k, v in (given or {}).items():
         key = str(k).strip().replace("-", "_")
@@ -229,6 +247,10 @@ def build_params(cls: type, given: dict | None, what: str, *, ignore_unknown: bo
                 continue
             raise UserError(f"{what}: no parameter {key!r}; valid: {names or 'none'}")
         if v is None:
+            continue
+        words = fields[key].metadata.get("named", {})
+        if isinstance(v, str) and v.strip().lower() in words:
+            kw[key] = words[v.strip().lower()]
             continue
         kw[key] = convert(v, hints[key], f"{what}: {key}")
     p = cls(**kw)

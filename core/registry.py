@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from .errors import UserError
-from .params import build_params, conforms, field_default, parse_items
+from .params import build_params, conforms, field_default, parse_items, shown
 
 
 @dataclass
@@ -69,6 +69,10 @@ class Entry(Generic[S]):
 
     def param_defaults(self) -> dict:
         return {f.name: field_default(f) for f in dataclasses.fields(self.params)}
+
+    def shown_defaults(self) -> dict:
+        """The defaults as a user sees them (a named value as its word: pool = all)."""
+        return {f.name: shown(f, field_default(f)) for f in dataclasses.fields(self.params)}
 
     def param_help(self) -> dict:
         return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(self.params)}
@@ -168,14 +172,14 @@ class Registry(Generic[S]):
         """Every entry's parameter keys with their defaults, for --*-param help."""
         parts = []
         for e in self.entries():
-            d = e.param_defaults()
+            d = e.shown_defaults()
             if d:
                 parts.append(f"{e.name}: " + ", ".join(f"{k}={v}" for k, v in d.items()))
         return "; ".join(parts) or "none take parameters"
 
     def describe(self) -> list[dict]:
         return [{"name": e.name, "doc": e.doc,
-                 "params": {k: {"default": v, "help": e.param_help()[k]} for k, v in e.param_defaults().items()}}
+                 "params": {k: {"default": v, "help": e.param_help()[k]} for k, v in e.shown_defaults().items()}}
                 for e in self.entries()]
 
     def listing(self) -> str:
@@ -185,7 +189,7 @@ class Registry(Generic[S]):
             lines.append(f"  {e.name:<20} {e.doc}")
             lines += [f"      {line}" for line in e.spec.listing_lines()]
             helps = e.param_help()
-            for k, v in e.param_defaults().items():
+            for k, v in e.shown_defaults().items():
                 h = f"  {helps[k]}" if helps[k] else ""
                 lines.append(f"      {k} = {v!r}{h}")
         return "\n".join(lines)

@@ -171,3 +171,24 @@ def test_every_declared_default_lies_inside_its_bounds():
     for cls in (DataConfig, BuildConfig, TrainConfig):
         check_fields(cls(), cls.__name__)
     assert checked >= 15
+
+
+def test_a_named_value_is_accepted_and_shown_as_its_word():
+    from core.params import shown, shown_params
+
+    @dataclass(frozen=True)
+    class P:
+        pool: int = param(1_000_000_000, "candidates", bounds="[1, inf)", named={"all": 1_000_000_000})
+        k: int = param(5, "k")
+
+    assert build_params(P, {"pool": "all"}, "p").pool == 1_000_000_000
+    assert build_params(P, {"pool": " ALL "}, "p").pool == 1_000_000_000
+    assert build_params(P, {"pool": "30"}, "p").pool == 30
+    with pytest.raises(UserError, match="is not an integer"):
+        build_params(P, {"k": "all"}, "p")  # a word only where the field declares it
+    import dataclasses
+
+    fields = {f.name: f for f in dataclasses.fields(P)}
+    assert shown(fields["pool"], 1_000_000_000) == "all" and shown(fields["pool"], 30) == 30
+    assert shown_params(P()) == {"pool": "all", "k": 5}
+    assert shown_params(P(pool=7)) == {"pool": 7, "k": 5}
