@@ -105,6 +105,7 @@ class Run:
         self.load_splits()
         self.build_model()
         self.device = self.dist.device if self.dist else resolve_device(self.cfg.device)
+        # the frozen part's outputs are computed (and cached) before anything moves: same bits on any device
         probe_source, n_probe = self.build_sources(resuming)
         self.place_on_device()
         # before DDP wraps the step: every rank probes alike, and DDP then starts them from rank 0's state
