@@ -91,7 +91,6 @@ def epoch_ratio(out: Path) -> None:
     """One training epoch (no validation) of each, twice, alternating so machine load hits both alike."""
     import tempfile
 
-    from training.tensorboard import RunBoard
     from training.trainer import Run
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -100,7 +99,6 @@ def epoch_ratio(out: Path) -> None:
             r = Run(TrainConfig(out=f"{tmp}/{key}", loss="proxy_anchor", progress=False, device="cpu", probe_epochs=0,
                                 **kw))  # epoch time only: no probe
             r.setup()
-            r.board = RunBoard(Path(tmp), enabled=False)  # fit() makes it; the epochs are timed alone here
             runs[key] = r
         times = {k: [] for k in runs}
         for rep in range(2):

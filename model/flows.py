@@ -1,30 +1,12 @@
 """Normalizing-flow layers (zuko), built from a plain spec so checkpoints can rebuild them.
 
-Kinds
-  realnvp         affine coupling (RealNVP), alternating checkered masks
-  nice            additive coupling (NICE): log|det J| = 0 by construction
-  glow            FrEIA's GLOWCouplingBlock stack, as the NIR paper's official code builds it
-                  (criteria/nir.py:NormFlow): per block a fixed random permutation (numpy seed
-                  `seed + k`, as FrEIA's PermuteRandom(seed=k)), then two affine couplings on the
-                  contiguous halves, the first half from the second, then the second from the new
-                  first; PyTorch's default initialisation; may take a context
-  glow_checkered  one affine coupling per block on alternating checkered halves, a random
-                  permutation between blocks, near-identity initialisation (NIR's checkered
-                  variant, nir.flow=glow_checkered)
-
-`clamp` > 0 soft-clamps every affine log-scale as FrEIA's "ATAN" clamp does:
-s = clamp · 0.636 · atan(a) (FrEIA/modules/coupling_layers.py, _BaseCouplingBlock), so |s| < clamp.
-clamp = 0 keeps zuko's own bound, s = a / (1 + |a| / ln 1000).
-
-`flow_forward` runs the layers one by one so that, besides y and
-log|det ∂y/∂x|, it can also return the per-dimension "+1" term of paper 000
-(eq. 7): for one coupling layer the Jacobian is triangular with diagonal
-exp(s_t) on transformed dimensions and 1 on pass-through ones, so
-Σ_t log(|∂y_t/∂x_t| + 1) = Σ_transformed log(exp(s_t) + 1) + n_passthrough·log 2.
-A stack's Jacobian is a product of such triangular factors under different
-masks, which is not triangular; we therefore apply the "+1" rule to each
-layer's diagonal and sum over layers (exact for one layer, a per-layer
-surrogate for the stack).
+Kinds: `realnvp` (affine coupling, alternating checkered masks), `nice` (additive coupling,
+log|det J| = 0), `glow` (the NIR official code's FrEIA GLOWCouplingBlock stack: a fixed random
+permutation per block, numpy seed `seed + k`, then two affine couplings on the contiguous
+halves; may take a context) and `glow_checkered` (one affine coupling per block on checkered
+halves, near-identity start).  `clamp` > 0 soft-clamps every affine log-scale as FrEIA's "ATAN"
+clamp does, s = clamp · 0.636 · atan(a); clamp = 0 keeps zuko's bound, s = a / (1 + |a| / ln 1000).
+`flow_forward` also returns paper 000's per-layer "+1" term (docs/fidelity.md).
 """
 from __future__ import annotations
 
@@ -158,7 +140,13 @@ def _checkered_parity(lazy) -> int | None:
 
 
 def flow_forward(flow: Flow, x: torch.Tensor, context: torch.Tensor | None = None, plus_one: bool = False):
-    """(y, log|det ∂y/∂x| per sample, per-layer "+1" term per sample or None)."""
+    """(y, log|det ∂y/∂x| per sample, per-layer "+1" term per sample or None).
+
+    The "+1" term is paper 000's eq. 7, Σ_t log(|∂y_t/∂x_t| + 1), taken per coupling layer and
+    summed over the layers: one layer's Jacobian is triangular with diagonal exp(s_t) on the
+    transformed dimensions and 1 on the pass-through ones, so its term is
+    Σ_transformed log(exp(s_t) + 1) + n_passthrough · log 2.  A stack's Jacobian is not
+    triangular, so this is exact for one layer and a per-layer surrogate for the stack."""
     transform = flow(context).transform if context is not None else flow().transform
     parts = transform.transforms if hasattr(transform, "transforms") else [transform]
     lazies = getattr(flow.transform, "transforms", [flow.transform])

@@ -1,26 +1,19 @@
-"""Where a training step's inputs come from: a batch source.
-
-A source knows its training labels, prepares the model for an epoch (which
-parts train, which stay frozen), turns an epoch's index batches into
-(inputs, labels, skipped images), `encode`s inputs into backbone outputs
-inside the step (so gradients reach whatever part trains), and embeds a
-split for evaluation.
+"""Where a training step's inputs come from: a batch source (`BatchSource`, built from one
+`SourceConfig`).  A source knows its training labels, prepares the model for an epoch (which
+stages train: `set_trainable`, the frozen part in eval mode with its pretrained BatchNorm
+statistics), turns an epoch's index batches into (inputs, labels, skipped images), `encode`s
+inputs into backbone outputs inside the step, and embeds a split for evaluation.
 
   FrozenFeatures  the frozen backbone's features, cached on disk: a step is neck + loss only;
-  PrefixTail      the frozen prefix's output maps, cached on disk (float16, memory-mapped):
-                  a step runs the last N stages (the trained tail), the neck and the loss;
-  CachedImages    fine-tuning on images decoded once into a uint8 cache (memory-mapped), augmented
-                  a batch at a time with torch on the training device; validation reads the cache too;
+  PrefixTail      the frozen prefix's output maps, cached (float16, memory-mapped): a step runs
+                  the trained tail (the last N stages), the neck and the loss;
+  CachedImages    fine-tuning on images decoded once into a uint8 cache, augmented a batch at a
+                  time on the training device;
   ImageBatches    fine-tuning on images decoded and augmented one by one in loader processes
-                  every epoch (data sets too large for the cache, or --image-cache off).
+                  (--image-cache off, or a data set too large for the cache).
 
-`batches(index_batches, generator)` draws the epoch's augmentations from `generator` (a CPU
-torch.Generator seeded by the trainer from (seed, epoch)): the same seed gives the same batches
-whatever the worker count, and a resumed epoch redraws them exactly.
-
-Every source is built from one `SourceConfig` and implements `BatchSource`.  Which stages train is decided in one place,
-`set_trainable`: the frozen part is in eval mode (its BatchNorm statistics stay the
-pretrained ones) and gets no gradient.
+`batches(index_batches, generator)` draws the augmentations from `generator` (seeded by the trainer
+from (seed, epoch)): the same batches whatever the worker count, redrawn exactly on resume.
 """
 from __future__ import annotations
 

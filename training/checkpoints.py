@@ -114,7 +114,8 @@ class Checkpoints:
                  "epoch": epoch, "best": best, "best_epoch": best_epoch, "history": history}
         if with_opt:
             extra["optimizer"] = self.opt.state_dict()
-            extra["scheduler"] = self.sched.state_dict()
+            if self.sched is not None:  # None: a constant learning rate
+                extra["scheduler"] = self.sched.state_dict()
             extra["reg_state"] = {r.name: {k: v.detach().cpu() for k, v in r.module.state_dict().items()}
                                   for r in self.regs}
         return extra
@@ -132,5 +133,6 @@ class Checkpoints:
         for r in self.regs:
             r.module.load_state_dict(ex["reg_state"][r.name])
         self.opt.load_state_dict(ex["optimizer"])
-        self.sched.load_state_dict(ex["scheduler"])
+        if self.sched is not None:
+            self.sched.load_state_dict(ex["scheduler"])
         return ex["epoch"], ex["best"], ex["best_epoch"], ex["history"]

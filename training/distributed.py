@@ -1,49 +1,24 @@
-"""Data-parallel training under `torchrun`: the process group, the samplers, the global batch
-for the losses, and the DDP-wrapped step.
+"""Data-parallel training under `torchrun`: the process group, the global batch for the losses,
+and the DDP-wrapped step.
 
-Launch: `torchrun --nproc_per_node N -m training train …` (and torchrun's multi-node flags):
-RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT come from the environment torchrun sets.  The
-backend is NCCL on CUDA (each process on cuda:LOCAL_RANK) and gloo on the CPU.  Without those
-variables (a plain `python -m training train`) nothing here is used and a run is unchanged.
-
-Gradients.  The trainer wraps one small module (`StepModule`: the model, the loss module and
-every regularizer's module) in `torch.nn.parallel.DistributedDataParallel`; its forward is the
-whole step loss (encode, heads, neck, metric loss, regularizer terms), so DDP sees one forward
-and averages every trained parameter's gradient across ranks after each backward: the model,
-the proxies (SoftTriple centres, ArcFace weights) and the flows stay identical on every rank.
-`find_unused_parameters=True` where a step can leave a trained parameter without gradient: a
-mined loss can come out with no pairs on a rank (no gradient to the neck that step), and the
-backbone's stages change `requires_grad` at the end of a warm-up.  DDP is built once with every
-stage that will ever train marked trainable; a stage frozen for the warm-up is then simply
-unused (DDP leaves the gradient of a parameter unused on every rank as None, so AdamW skips it
-exactly as in one process).
-
-The global batch.  Every rank embeds its own share of the global batch; the losses see all of
-it (training/losses/base.py):
-  * pair and tuple losses (and their miners) go through pytorch-metric-learning's
-    `DistributedLossWrapper` / `DistributedMinerWrapper`: the miner mines the gathered batch,
-    the loss is computed on it and multiplied by the world size W, because the gathered
-    embeddings of the other ranks carry no gradient: DDP's average of W × ∂L/∂(own embeddings)
-    over the W ranks is exactly the one-process gradient;
-  * that ×W would also multiply a proxy's gradient (every rank computes the full ∂L/∂proxy),
-    so losses with parameters gather through `global_batch` instead: the other ranks'
-    embeddings in rank order, this rank's own with its *gradient* (not the loss) scaled by W;
-  * losses that are a plain mean of per-sample terms (ArcFace, SoftTriple) need no gather:
-    the mean of the W per-rank means of B/W samples is the mean over B, and so are the averaged
-    gradients.
-With all of these, W ranks × B/W follow one process × B (tests/training/test_ddp.py).
+Launch: `torchrun --nproc_per_node N -m training train …`; RANK, WORLD_SIZE, LOCAL_RANK and
+MASTER_ADDR/PORT come from the environment torchrun sets.  NCCL on CUDA (cuda:LOCAL_RANK), gloo
+on the CPU.  Without those variables nothing here is used.  Each rank's batches are its block of
+classes of the one-process batches (training/samplers.py).  `StepModule` puts the model, the loss
+and every regularizer's module under one DDP whose forward is the step's loss, so every trained
+parameter's gradient is averaged over the ranks; losses see the global batch through PML's
+distributed wrappers or `global_batch`.  docs/scale-out.md gives the gradient arithmetic that
+makes W ranks × B/W follow one process × B (tests/training/test_ddp.py).
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
 import gc
-import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -51,8 +26,6 @@ from core.errors import UserError
 
 if TYPE_CHECKING:
     from .step import Step
-
-from .samplers import pair_classes
 
 
 # ---------------------------------------------------------------- the process group
@@ -208,78 +181,6 @@ def global_batch(x: torch.Tensor, labels: torch.Tensor | None = None, grad_scale
 def report_as(value: torch.Tensor, shown: torch.Tensor) -> torch.Tensor:
     """A tensor whose value is `shown` and whose gradient is `value`'s."""
     return shown.detach() + (value - value.detach())
-
-
-# ---------------------------------------------------------------- the samplers
-class DistributedMPerClassSampler:
-    """Yields this rank's index lists, one per step; `set_epoch` before each epoch.
-
-    PML's MPerClassSampler has no distributed form (its issues #546 and #336 ask for one).  Each
-    step draws one *global* class-balanced batch, B/m classes × m images, from a generator seeded by
-    (seed, epoch): every rank draws the same global batch and keeps its own disjoint block of
-    classes, so the ranks together see exactly the batch one process would, and a resumed epoch
-    redraws the same batches.  `paired` ("full", or True; "split") draws CGML's pair instead: the
-    same classes (B/m of them when "full", B/(2m) when "split"; training/samplers.py's pair_classes),
-    X′ and X″ with m instances of each (drawn independently), and rank r keeps its block of classes
-    *in both halves*, so its share [X′_r, X″_r] is itself class-aligned and the ranks' X′_r (and
-    X″_r) in rank order are the global X′ (and X″)."""
-
-    def __init__(self, labels, m: int, batch_size: int, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, steps: int | None = None, paired: bool | str | None = False):
-        labels = np.asarray(labels)
-        if batch_size % (m * world_size):
-            raise UserError(f"batch size {batch_size} must be a multiple of m × ranks = {m} × {world_size}")
-        self.classes, inverse = np.unique(labels, return_inverse=True)
-        self.members = [np.nonzero(inverse == c)[0] for c in range(len(self.classes))]
-        self.paired = bool(paired)
-        # classes in one global batch (a CGML pair: in each half, as training/samplers.py draws it)
-        self.per_batch = pair_classes(batch_size, m, paired) if paired else batch_size // m
-        if self.per_batch > len(self.classes):
-            raise UserError(f"a batch of {batch_size} with m = {m} needs {self.per_batch} classes; "
-                            f"there are {len(self.classes)}")
-        if self.per_batch % world_size:
-            raise UserError(f"a batch of {self.per_batch} classes does not split over {world_size} ranks")
-        self.m, self.rank, self.world, self.seed = m, rank, world_size, seed
-        self.steps = steps or max(1, len(labels) // batch_size)
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return self.steps
-
-    def _draw(self, rng, chosen) -> np.ndarray:
-        return np.stack([rng.choice(self.members[c], size=self.m, replace=len(self.members[c]) < self.m)
-                         for c in chosen])
-
-    def global_batches(self):
-        """The global batches of this epoch (the same on every rank): arrays of classes × m indices
-        (paired: 2 × classes × m, X′ then X″)."""
-        rng = np.random.default_rng([self.seed, self.epoch])
-        for _ in range(self.steps):
-            chosen = rng.choice(len(self.classes), size=self.per_batch, replace=False)
-            if self.paired:
-                yield np.stack([self._draw(rng, chosen), self._draw(rng, chosen)])
-            else:
-                yield self._draw(rng, chosen)
-
-    def __iter__(self):
-        share = self.per_batch // self.world
-        mine = slice(self.rank * share, (self.rank + 1) * share)
-        for batch in self.global_batches():
-            part = batch[:, mine] if self.paired else batch[mine]
-            yield part.reshape(-1).tolist()
-
-
-def rank_batches(labels, batch_size: int, m: int, paired: bool | str | None, seed: int, epoch: int, dist: Dist
-                 ) -> list[np.ndarray]:
-    """This rank's index batches for one epoch: as many steps as one process takes
-    (⌈n / batch_size⌉), each this rank's share of the global batch."""
-    steps = max(1, math.ceil(len(labels) / batch_size))
-    s = DistributedMPerClassSampler(labels, m, batch_size, dist.rank, dist.world, seed, steps, paired)
-    s.set_epoch(epoch)
-    return [np.asarray(b, dtype=np.int64) for b in s]
 
 
 # ---------------------------------------------------------------- the wrapped step

@@ -50,6 +50,12 @@ def build_optimizer(cfg, model, loss, regs, n_train: int) -> torch.optim.Optimiz
     return torch.optim.AdamW(groups, weight_decay=cfg.weight_decay, fused=True)
 
 
+def paired_batches(regs) -> str | None:
+    """Two class-aligned batches per step, each "full" or "split", when a regularizer asks for them
+    (regularizers/cgml.py); None: one batch."""
+    return next((getattr(r, "pair_batches", "full") for r in regs if r.paired), None)
+
+
 class Step:
     """`encode` (the batch source's: backbone outputs from the batch inputs) runs under autocast at
     `precision`; the neck, flow heads, losses and regularizers run in fp32 (log-determinants and loss
@@ -62,8 +68,7 @@ class Step:
                  memory_format: torch.memory_format = torch.contiguous_format):
         self.model, self.loss, self.regs, self.opt, self.grad_clip = model, loss, regs, opt, grad_clip
         self.memory_format = memory_format
-        # two class-aligned batches per step, each "full" or "split" (regularizers/cgml.py); None: one batch
-        self.paired = next((getattr(r, "pair_batches", "full") for r in regs if r.paired), None)
+        self.paired = paired_batches(regs)
         self.wants_proxies = any(r.needs_proxies for r in regs)
         self.device, self.precision = device or torch.device("cpu"), precision
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == "fp16")

@@ -1,24 +1,18 @@
 """The training run: frozen backbone (cached features), trained tail (cached frozen prefix) or
-full fine-tuning, one epoch loop, on any device.
+full fine-tuning, on any device, in one process or data-parallel under torchrun.
 
-Parts: a batch source (training/batches.py), the step (training/step.py),
-checkpoints and resume (training/checkpoints.py), evaluation and selection
-(training/selection.py).  Model selection uses MAP@R on the validation classes
-only; the selected checkpoint is evaluated once on the test classes at the end.
-Every epoch writes `latest.pt` atomically, so a run killed at any moment resumes
-from its last complete epoch (`--resume`).  Randomness comes from generators
-seeded by (seed, epoch) and handed down, so a resumed run matches an
-uninterrupted one exactly.
+`Run` reads as its steps: `setup` (data, model, batch source, device placement, the optional
+linear probe, optimizer and step, run folder), `train_epoch` and `end_epoch` (validate, select,
+checkpoint), and `fit` (set up, resume, the epochs, test the selected checkpoint once).  Parts:
+batch sources (training/batches.py), the batch draw (training/samplers.py), the step
+(training/step.py), checkpoints (training/checkpoints.py), selection on validation MAP@R
+(training/selection.py).  Every epoch writes `latest.pt` atomically, and every random stream is
+seeded by (seed, epoch), so `--resume` ends exactly where an uninterrupted run does.
 
-Fine-tuning reads its images from a decoded-image cache and augments a batch at a time on the
-training device (training/batches.py CachedImages; model/augment.py); `--channels-last` and
-`--compile` set how the backbone runs (model/device.py).
-
-Under `torchrun --nproc_per_node N -m training train …` (training/distributed.py) the same run
-is data-parallel: each rank trains on its class-balanced share of every global batch through a
-DDP-wrapped step; rank 0 renders the data and builds the feature, prefix and decoded-image caches
-while the others wait, computes validation once and tells every rank its result, and alone writes
-the run folder (checkpoints, logs, plots, TensorBoard).  `--resume` loads latest.pt on every rank.
+Under `torchrun --nproc_per_node N -m training train …` (training/distributed.py) each rank
+trains on its block of classes of the one-process batches through a DDP-wrapped step; rank 0
+builds the data and caches first, validates and broadcasts the result, and alone writes the run
+folder.  docs/training.md and docs/scale-out.md describe both.
 """
 from __future__ import annotations
 
@@ -52,9 +46,9 @@ from .config import TrainConfig
 from .losses import build_loss, has_proxies
 from .regularizers import build_regularizers
 from .regularizers.skewed_mean import max_proxy_cosine
-from .samplers import epoch_batches
+from .samplers import check_split, epoch_batches, epoch_rng, epoch_seed, epoch_steps
 from .selection import Selection, test_metrics, val_metrics
-from .step import Step, build_optimizer
+from .step import Step, build_optimizer, paired_batches
 from .tensorboard import RunBoard
 
 log = logging.getLogger("training")
@@ -62,17 +56,15 @@ log = logging.getLogger("training")
 
 def epoch_generators(seed: int, epoch: int, device: torch.device | str = "cpu", rank: int | None = None
                      ) -> tuple[np.random.RandomState, torch.Generator, int]:
-    """An epoch's generators, all from (seed, epoch): the sampler's numpy generator, a torch
-    generator for the regularizers, and the seed torch's own generator gets for this epoch
-    (dropout; a loader's worker seeds).  The sampler's stream is the one the global
-    `np.random.seed(s)` gave before generators were passed down, so runs keep their batches.
-    Under torchrun (`rank` given) the torch streams are seeded by (seed, epoch, rank): each rank
+    """An epoch's generators, all from (seed, epoch): the sampler's numpy generator (the same on
+    every rank: samplers.epoch_rng), a torch generator for the regularizers, and the seed torch's
+    own generator gets for this epoch (dropout; a loader's worker seeds).  With `rank` (a torchrun
+    run of several ranks) the regularizers' stream is seeded by (seed, epoch, rank): each rank
     draws its own tangent-plane partners (and, from augment_generator, its own augmentations),
     reproducibly on resume."""
-    s = (seed * 100_003 + epoch) % (2**31)
-    torch_seed = int(_epoch_seeds(seed, epoch, rank)[0])
+    reg_seed = int(_epoch_seeds(seed, epoch, rank)[0])
     # the regularizers draw on the model's device, so their generator lives there
-    return np.random.RandomState(s), torch.Generator(device=device).manual_seed(torch_seed), s
+    return epoch_rng(seed, epoch), torch.Generator(device=device).manual_seed(reg_seed), epoch_seed(seed, epoch)
 
 
 def _epoch_seeds(seed: int, epoch: int, rank: int | None) -> np.ndarray:
@@ -109,52 +101,77 @@ class Run:
 
     # ------------------------------------------------------------ set-up
     def setup(self, resuming: bool = False) -> None:
+        """Everything a run holds, in order; `resuming`: a run with a latest.pt to continue."""
+        self.load_splits()
+        self.build_model()
+        self.device = self.dist.device if self.dist else resolve_device(self.cfg.device)
+        # the frozen part's outputs are computed (and cached) before anything moves: same bits on any device
+        probe_source, n_probe = self.build_sources(resuming)
+        self.place_on_device()
+        # before DDP wraps the step: every rank probes alike, and DDP then starts them from rank 0's state
+        self.probe_entry = self.probe(probe_source, n_probe) if probe_source is not None else None
+        self.build_step()
+        self.open_folder(resuming)
+
+    def load_splits(self) -> None:
+        """The data set's splits (rank 0 renders/verifies it while the others wait), and the concrete
+        size and resize mode, recorded in every checkpoint for downstream commands."""
         cfg = self.cfg
-        with ddp.rank_zero_first():  # rank 0 renders/verifies the data set while the others wait
+        with ddp.rank_zero_first():
             self.splits = load_data(cfg.data_config(), progress=cfg.progress and self.main)
-        train_classes = self.splits.train.classes
-        if len(train_classes) < 2:
+        if len(self.splits.train.classes) < 2:
             raise UserError("training needs at least 2 train classes")
-        # concrete size and resize mode, recorded in every checkpoint for downstream commands
         self.dcfg = resolve(cfg.data_config(), self.splits)
-        with torch_seeded(cfg.seed):  # initial weights: backbone, neck, loss, regularizers
+        self.label_map = {c: i for i, c in enumerate(self.splits.train.classes)}
+
+    def build_model(self) -> None:
+        """Backbone, neck, loss and regularizers, their initial weights from the run's seed; refuses a
+        batch that does not split over the ranks before any cache is built."""
+        cfg = self.cfg
+        with torch_seeded(cfg.seed):
             self.backbone = build_backbone(cfg.backbone, weights=cfg.weights)
             self.model = EmbeddingModel(self.backbone, cfg.embed_dim)
             if cfg.neck_init == "pytorch":
                 self.model.neck.linear.reset_parameters()  # nn.Linear's own default init
             self.model.neck.requires_grad_(cfg.neck_lr_mult > 0)
-            self.loss, loss_params = build_loss(cfg.loss, len(train_classes), cfg.embed_dim, cfg.loss_param)
+            self.loss, self.loss_params = build_loss(cfg.loss, len(self.label_map), cfg.embed_dim, cfg.loss_param)
             self.regs = build_regularizers(cfg, self.loss, self.backbone.dim)
         for r in self.regs:  # flow metric layers a regularizer brings become the model's heads
             for name, head in r.heads().items():
                 setattr(self.model, name, head)
         self.transform = transform_for(self.backbone, self.dcfg)
-        self.label_map = {c: i for i, c in enumerate(train_classes)}
-        self.device = dev = self.dist.device if self.dist else resolve_device(cfg.device)
-        # the frozen part's outputs are computed (and cached) before anything moves: same bits on any device
-        n_train = cfg.n_train_blocks(len(self.backbone.stages()))
-        mode = cfg.resolved_mode()
-        progress = cfg.progress and self.main
+        self.n_train = cfg.n_train_blocks(len(self.backbone.stages()))
+        check_split(len(self.label_map), cfg.batch_size, cfg.m_per_class, paired_batches(self.regs),
+                    self.dist.world if self.dist else 1)
+
+    def build_sources(self, resuming: bool) -> tuple[BatchSource | None, int]:
+        """The run's batch source (rank 0 builds its cache, the others then read it), and the linear
+        probe's frozen-feature source with its epoch count (None, 0 when there is no probe)."""
+        cfg, mode = self.cfg, self.cfg.resolved_mode()
         sources = SourceConfig(backbone=self.backbone, splits=self.splits, transform=self.transform, dcfg=self.dcfg,
-                               cache_dir=cfg.cache_dir, progress=progress, device=dev, n_train=n_train,
-                               warmup_epochs=cfg.warmup_epochs, bn_freeze=cfg.freezes_bn())
-        with ddp.rank_zero_first():  # one process builds the cache; the others then read it
-            kinds: dict[str, Callable[[SourceConfig], BatchSource]] = {
-                "frozen": FrozenFeatures, "tail": PrefixTail, "finetune": ImageBatches}
-            source_type = kinds[mode]
-            if mode == "finetune" and cfg.uses_image_cache(len(self.splits.train) + len(self.splits.val),
-                                                           self.dcfg.resolved_image_size()):
-                source_type = CachedImages
-            if mode == "finetune" and self.main:
-                log.info("fine-tuning crops: %s", "batched, from the decoded-image cache"
-                         if source_type is CachedImages else "per image, in the loader")
+                               cache_dir=cfg.cache_dir, progress=cfg.progress and self.main, device=self.device,
+                               n_train=self.n_train, warmup_epochs=cfg.warmup_epochs, bn_freeze=cfg.freezes_bn())
+        kinds: dict[str, Callable[[SourceConfig], BatchSource]] = {
+            "frozen": FrozenFeatures, "tail": PrefixTail, "finetune": ImageBatches}
+        source_type = kinds[mode]
+        if mode == "finetune" and cfg.uses_image_cache(len(self.splits.train) + len(self.splits.val),
+                                                       self.dcfg.resolved_image_size()):
+            source_type = CachedImages
+        if mode == "finetune" and self.main:
+            log.info("fine-tuning crops: %s", "batched, from the decoded-image cache"
+                     if source_type is CachedImages else "per image, in the loader")
+        n_probe = 0 if resuming else cfg.resolved_probe_epochs()  # a resumed run has had its probe
+        probed = [p for m in (self.model.neck, self.loss, *[r.module for r in self.regs]) for p in m.parameters()]
+        if not any(p.requires_grad for p in probed):
+            n_probe = 0  # nothing for a probe to train: a neck held at its initialisation and a loss without proxies
+        with ddp.rank_zero_first():
             self.source = source_type(sources)
-            n_probe = 0 if resuming else cfg.resolved_probe_epochs()  # a resumed run has had its probe
-            probed = [p for m in (self.model.neck, self.loss, *[r.module for r in self.regs]) for p in m.parameters()]
-            if not any(p.requires_grad for p in probed):
-                # nothing for a probe to train: a neck held at its initialisation and a loss without proxies
-                n_probe = 0
             probe_source = FrozenFeatures(sources) if n_probe else None
+        return probe_source, n_probe
+
+    def place_on_device(self) -> None:
+        """The modules on the training device; the memory layout and compilation of the trained part."""
+        cfg, dev, mode = self.cfg, self.device, self.cfg.resolved_mode()
         for m in (self.model, self.loss, *[r.module for r in self.regs]):  # what a regularizer owns is its module
             m.to(dev)
         # channels_last before the optimizer exists: its state takes the parameters' layout
@@ -169,22 +186,38 @@ class Run:
             # an instance attribute over the method: every call of the source's encode (the step's, and a
             # tail's embed) runs it compiled
             self.source.encode = compiled(self.source.encode, dev)  # type: ignore[method-assign]
-        # before DDP wraps the step: every rank probes alike, and DDP then starts them from rank 0's state
-        self.probe_entry = self.probe(probe_source, n_probe) if probe_source is not None else None
-        opt = build_optimizer(cfg, self.model, self.loss, self.regs, n_train)
+
+    def build_step(self) -> None:
+        """The optimizer, the learning-rate schedule (None: constant), the step (DDP-wrapped under
+        torchrun) and the checkpoints that save them."""
+        cfg = self.cfg
+        opt = build_optimizer(cfg, self.model, self.loss, self.regs, self.n_train)
         self.sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, cfg.epochs))
-                      if cfg.schedule == "cosine" else torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0))
-        self.step = Step(self.model, self.loss, self.regs, opt, cfg.grad_clip, dev, cfg.precision, fmt)
+                      if cfg.schedule == "cosine" else None)
+        self.step = Step(self.model, self.loss, self.regs, opt, cfg.grad_clip, self.device, cfg.precision,
+                         self.memory_format)
         if self.dist:
             # DDP registers the parameters that require grad when it is built: mark every stage that will
             # ever train (the first epoch after the warm-up); a stage frozen in a warm-up epoch is then an
             # unused parameter, whose gradient DDP leaves None (see training/distributed.py)
             self.source.start_epoch(cfg.warmup_epochs, self.model)
-            self.step.distribute(self.dist, find_unused=True if n_train and cfg.warmup_epochs else None)
+            self.step.distribute(self.dist, find_unused=True if self.n_train and cfg.warmup_epochs else None)
         self.checkpoints = Checkpoints(
-            self.out, cfg, self.model, self.loss, loss_params, self.regs, opt, self.sched, self.label_map,
+            self.out, cfg, self.model, self.loss, self.loss_params, self.regs, opt, self.sched, self.label_map,
             data_record={"config": self.dcfg.data_fields(), "transform": self.transform.describe()},
             split_record={k: s.classes for k, s in self.splits.subsets().items()})
+        self.steps_per_epoch = epoch_steps(len(self.source.labels), cfg.batch_size)
+
+    def open_folder(self, resuming: bool) -> None:
+        """The run folder (rank 0): a fresh run drops a replaced run's results and TensorBoard events;
+        config.toml; the TensorBoard writer (a no-op unless --tensorboard, and on ranks other than 0)."""
+        if self.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            if not resuming:
+                (self.out / "metrics.json").unlink(missing_ok=True)
+                shutil.rmtree(self.out / "tb", ignore_errors=True)
+            write_config(self.out, self.cfg)
+        self.board = RunBoard(self.out, self.cfg.tensorboard and self.main)
 
     # ------------------------------------------------------------ the probe
     def probe(self, source: BatchSource, epochs: int) -> dict:
@@ -242,20 +275,19 @@ class Run:
 
     def run_epoch(self, source, step: Step, epoch: int, d=None, board=None, desc: str = "epoch") -> dict:
         """One epoch of `step` over `source`'s batches (the run's, or the probe's), under torchrun
-        when `d` is given; the mean of each loss part over its steps."""
-        rank = d.rank if d else None
-        rng, gen, torch_seed = epoch_generators(self.cfg.seed, epoch, self.device, rank)
+        when `d` is given (this rank's block of classes of each batch one process would draw); the
+        mean of each loss part over its steps."""
+        rank, world = (d.rank, d.world) if d else (0, 1)
+        streams = rank if world > 1 else None  # one rank draws exactly what one process does
+        rng, gen, global_seed = epoch_generators(self.cfg.seed, epoch, self.device, streams)
         source.start_epoch(epoch, self.model)
-        if d:  # this rank's share of each global batch, from (seed, epoch)
-            batches = ddp.rank_batches(source.labels, self.cfg.batch_size, self.cfg.m_per_class,
-                                       step.paired, self.cfg.seed, epoch, d)
-        else:
-            batches = epoch_batches(source.labels, self.cfg.batch_size, self.cfg.m_per_class, step.paired, rng)
+        batches = epoch_batches(source.labels, self.cfg.batch_size, self.cfg.m_per_class, step.paired, rng,
+                                rank, world)
         sums: dict[str, float] = {}
         n = 0
-        with torch_seeded(torch_seed):
-            shown = tqdm(source.batches(batches, augment_generator(self.cfg.seed, epoch, rank)), total=len(batches),
-                         desc=f"{desc} {epoch + 1}", leave=False,
+        with torch_seeded(global_seed):
+            shown = tqdm(source.batches(batches, augment_generator(self.cfg.seed, epoch, streams)),
+                         total=len(batches), desc=f"{desc} {epoch + 1}", leave=False,
                          disable=not (self.cfg.progress and self.main))
             for (x, y, bad), want in zip(shown, map(len, batches), strict=True):
                 self.skipped += len(bad)
@@ -273,12 +305,29 @@ class Run:
                     sums[k] = sums.get(k, 0.0) + v
         return {k: v / max(n, 1) for k, v in sums.items()}
 
+    def end_epoch(self, epoch: int, parts: dict, sel: Selection, seconds: float) -> None:
+        """After epoch `epoch` (0-based) trained: validate (rank 0, every rank gets the result, so all
+        take the same "best" decision), select, log, and save best.pt and latest.pt."""
+        cfg = self.cfg
+        val = ddp.broadcast(val_metrics(self.model, self.source) if self.main else None)
+        if has_proxies(cfg.loss):  # every proxy-loss run, regularized or not, logs the epoch's end value
+            parts["max_proxy_cos"] = float(max_proxy_cosine(self.loss.class_proxies()))
+        improved = sel.record(epoch + 1, parts, val, seconds)
+        self.board.epoch(epoch + 1, val)
+        if self.main:
+            log.info("epoch %d/%d loss %.4f val MAP@R %.4f R@1 %.4f", epoch + 1, cfg.epochs,
+                     parts.get("loss", float("nan")), val["map@r"], val["recall@1"])
+            if improved:
+                self.checkpoints.save("best.pt", epoch + 1, sel.best, sel.best_epoch, sel.history,
+                                      metrics={"val": val})
+            self.checkpoints.save("latest.pt", epoch + 1, sel.best, sel.best_epoch, sel.history, with_opt=True)
+            write_text(self.out / "log.jsonl", "".join(json.dumps(h) + "\n" for h in sel.history))
+
     # ------------------------------------------------------------ the run
     def fit(self) -> dict:
         cfg = self.cfg
-        cfg_device = resolve_device(cfg.device)
         owns_group = not torch.distributed.is_initialized()
-        self.dist = ddp.init_from_env(cfg_device)  # None in a plain process
+        self.dist = ddp.init_from_env(resolve_device(cfg.device))  # None in a plain process
         try:
             result = self._fit()
             if self.dist and owns_group:
@@ -286,35 +335,44 @@ class Run:
                 ddp.barrier()
             return result
         finally:
+            if getattr(self, "board", None) is not None:
+                self.board.close()
             if getattr(self, "source", None) is not None:
                 self.source.close()  # loader workers, helper threads
             if self.dist and owns_group:
                 ddp.leave(getattr(self, "step", None))
 
     def _fit(self) -> dict:
-        cfg = self.cfg
         self.main = self.dist is None or self.dist.rank == 0
-        if self.dist and self.dist.world > 1 and cfg.batch_size % (cfg.m_per_class * self.dist.world):
-            raise UserError(f"batch size {cfg.batch_size} must be a multiple of m_per_class × ranks = "
-                            f"{cfg.m_per_class} × {self.dist.world}")
-        resuming = check_out(cfg)  # before anything is written (every rank sees the same folder)
+        resuming = check_out(self.cfg)  # before anything is written (every rank sees the same folder)
         ddp.barrier()  # no rank writes before every rank has looked
         self.setup(resuming)
-        sel, start = Selection(), 0
-        if self.probe_entry:
-            sel.history.append(self.probe_entry)
-        if resuming:  # every rank loads latest.pt
+        sel, start = self.selection(resuming)
+        self.board.global_step = start * self.steps_per_epoch
+        t0 = time.time()
+        for epoch in range(start, self.cfg.epochs):
+            te = time.time()
+            parts = self.train_epoch(epoch)
+            if self.sched is not None:
+                self.sched.step()
+            self.end_epoch(epoch, parts, sel, time.time() - te)
+            if self.on_epoch_end:
+                self.on_epoch_end(epoch + 1)
+        # the probe is part of the run's cost
+        return self.finish(sel, time.time() - t0 + (self.probe_entry["seconds"] if self.probe_entry else 0.0))
+
+    def selection(self, resuming: bool) -> tuple[Selection, int]:
+        """The model selection the epochs start from, and the first epoch to train: a resumed run's from
+        latest.pt (every rank loads it; it holds the probe's entry), else the probe's candidate, if any."""
+        sel = Selection()
+        if resuming:
             start, sel.best, sel.best_epoch, sel.history = self.checkpoints.restore(
                 read_checkpoint(self.out / "latest.pt"))
             state_like_parameters(self.step.opt)
             log.info("resumed %s at epoch %d (best val MAP@R %.4f)", self.out, start, sel.best)
-        if self.main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            if not resuming:
-                (self.out / "metrics.json").unlink(missing_ok=True)  # a replaced run's results are not this run's
-                shutil.rmtree(self.out / "tb", ignore_errors=True)  # nor its TensorBoard events
-            write_config(self.out, cfg)
-        # (a resumed run has had its probe: restore() brings back its selection)
+            return sel, start
+        if self.probe_entry:
+            sel.history.append(self.probe_entry)
         if self.probe_entry and self.probe_best:
             # the probe's best epoch (the frozen-neck run's selected model) is the first candidate: a
             # trained trunk that never beats it on validation is not kept, so the run never selects a
@@ -322,33 +380,7 @@ class Run:
             sel.best, sel.best_epoch = self.probe_best[0]["map@r"], 0
             if self.main:
                 self.save_probe_candidate(sel)
-        self.board = RunBoard(self.out, cfg.tensorboard and self.main)
-        self.board.global_step = start * len(epoch_batches(self.source.labels, cfg.batch_size, cfg.m_per_class,
-                                                           self.step.paired, np.random.RandomState(0)))
-        t0 = time.time()
-        for epoch in range(start, cfg.epochs):
-            te = time.time()
-            parts = self.train_epoch(epoch)
-            self.sched.step()
-            # validation once (rank 0); every rank gets its result, so all take the same "best" decision
-            val = ddp.broadcast(val_metrics(self.model, self.source) if self.main else None)
-            if has_proxies(cfg.loss):  # every proxy-loss run, regularized or not, logs the epoch's end value
-                parts["max_proxy_cos"] = float(max_proxy_cosine(self.loss.class_proxies()))
-            improved = sel.record(epoch + 1, parts, val, time.time() - te)
-            self.board.epoch(epoch + 1, val)
-            if self.main:
-                log.info("epoch %d/%d loss %.4f val MAP@R %.4f R@1 %.4f", epoch + 1, cfg.epochs,
-                         parts.get("loss", float("nan")), val["map@r"], val["recall@1"])
-                if improved:
-                    self.checkpoints.save("best.pt", epoch + 1, sel.best, sel.best_epoch, sel.history,
-                                          metrics={"val": val})
-                self.checkpoints.save("latest.pt", epoch + 1, sel.best, sel.best_epoch, sel.history,
-                                      with_opt=True)
-                write_text(self.out / "log.jsonl", "".join(json.dumps(h) + "\n" for h in sel.history))
-            if self.on_epoch_end:
-                self.on_epoch_end(epoch + 1)
-        # the probe is part of the run's cost
-        return self.finish(sel, time.time() - t0 + (self.probe_entry["seconds"] if self.probe_entry else 0.0))
+        return sel, 0
 
     def finish(self, sel: Selection, train_seconds: float) -> dict:
         """Load the validation-selected checkpoint and evaluate it once on test (rank 0; every rank
@@ -372,7 +404,6 @@ class Run:
         plot_curves(sel.history, self.out / "curve.png", sel.best_epoch)
         query, _ = self.splits.eval_pair("test")
         self.board.projector(self.model, self.source, query, self.splits.class_names)
-        self.board.close()
         return metrics
 
 

@@ -1,6 +1,6 @@
 """Data-parallel training (training/distributed.py), 2 gloo processes on 127.0.0.1 against one
-process: the same global batches (the distributed m-per-class sampler; one process is its
-1-rank form), synthetic backbone features (the frozen-feature step), a few optimizer steps.
+process: the same global batches (training/samplers.py: each rank its block of classes of the
+one-process batch), synthetic backbone features (the frozen-feature step), a few optimizer steps.
 
   * a proxy loss (Proxy-Anchor: it gathers), a per-sample-mean proxy loss (ArcFace: it does not),
     a mined pair loss (Multi-Similarity through PML's DistributedLossWrapper/MinerWrapper), and
@@ -59,7 +59,8 @@ def data():
 
 def train_steps(spec: dict, rank: int = 0, world: int = 1) -> dict:
     """STEPS steps on this rank's shares of the global batches; what the test compares."""
-    from training.distributed import Dist, DistributedMPerClassSampler
+    from training.distributed import Dist
+    from training.samplers import epoch_batches, epoch_rng
 
     step, model, loss, regs = build(spec)
     counts = []
@@ -70,14 +71,15 @@ def train_steps(spec: dict, rank: int = 0, world: int = 1) -> dict:
             if mod is not None:
                 mod.register_forward_pre_hook(lambda m, args: counts.append((type(m).__name__, len(args[0]))))
     x, y = data()
-    sampler = DistributedMPerClassSampler(y, M, B, rank, world, seed=5, steps=STEPS, paired=step.paired)
+    # STEPS steps: the first two epochs' draws (this rank's shares)
+    batches = [b for e in range(2) for b in epoch_batches(y, B, M, step.paired, epoch_rng(5, e), rank, world)][:STEPS]
     gen = torch.Generator().manual_seed(100 + rank)
     model.train()
     losses, grads = [], {}
     named = {}
     for pre, mod in [("model", model), ("loss", loss), *((f"reg.{r.name}", r.module) for r in regs)]:
         named |= {id(q): f"{pre}.{k}" for k, q in mod.named_parameters()}
-    for idx in sampler:
+    for idx in batches:
         parts = step(lambda t: t, x[idx], torch.from_numpy(y[idx]), gen)
         losses.append(parts)
         if not grads:  # the first step's gradients, as the optimizer used them (averaged over the ranks)
@@ -191,13 +193,13 @@ def test_one_process_is_unchanged_by_the_distributed_code():
 
 def test_batch_sizes_that_do_not_split_are_refused():
     from core.errors import UserError
-    from training.distributed import DistributedMPerClassSampler
+    from training.samplers import epoch_batches, epoch_rng
 
     y = np.repeat(np.arange(10), 4)
-    with pytest.raises(UserError, match="does not split over 2 ranks"):
-        DistributedMPerClassSampler(y, 4, 24, world_size=2, paired="split")  # 3 classes per half
+    with pytest.raises(UserError, match="a batch of 3 classes does not split over 2 ranks"):
+        epoch_batches(y, 24, 4, "split", epoch_rng(0, 0), 0, 2)  # 3 classes per half
     for batches, n in (("full", 16), ("split", 8)):
-        pair = list(DistributedMPerClassSampler(y, 2, 16, rank=1, world_size=2, seed=0, steps=2, paired=batches))
+        pair = epoch_batches(y, 16, 2, batches, epoch_rng(0, 0), 1, 2)
         for idx in pair:  # [X′_1, X″_1]: the same classes in the same order in both halves
             h = len(idx) // 2
             assert (y[idx[:h]] == y[idx[h:]]).all() and len(idx) == n

@@ -55,6 +55,33 @@ def test_same_seed_same_metrics_and_resume_equals_uninterrupted(tmp_path, kanji_
         train(dataclasses.replace(cfg, resume=True, lr=5e-3))
 
 
+def test_a_constant_rate_run_resumes_and_its_tensorboard_steps_continue(tmp_path, kanji_root):
+    """--schedule none has no scheduler to save; a resumed run counts its TensorBoard steps on from
+    the epochs done (steps per epoch × epochs), so the step axis has no gap and no repeat."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from model.checkpoint import read_checkpoint
+
+    full = train(tiny(tmp_path / "a", kanji_root, epochs=2, schedule="none"))
+
+    class Killed(Exception):
+        pass
+
+    def die(epoch):
+        raise Killed
+
+    cfg = tiny(tmp_path / "c", kanji_root, epochs=2, schedule="none", tensorboard=True)
+    with pytest.raises(Killed):
+        train(cfg, on_epoch_end=die)
+    out = tmp_path / "c" / "run"
+    assert "scheduler" not in read_checkpoint(out / "latest.pt")["extra"]
+    first = len(EventAccumulator(str(out / "tb")).Reload().Scalars("train/loss"))
+    resumed = train(dataclasses.replace(cfg, resume=True))
+    assert resumed["test"] == full["test"] and resumed["val"] == full["val"]
+    steps = [e.step for e in EventAccumulator(str(out / "tb")).Reload().Scalars("train/loss")]
+    assert first >= 2 and sorted(steps) == list(range(1, 2 * first + 1))
+
+
 def test_trainer_caches_features_under_a_key_of_transform_and_weights(tmp_path, kanji_root):
     from data import load_data
     from model.backbones import build_backbone

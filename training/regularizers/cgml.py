@@ -1,23 +1,11 @@
 """Graph consistency, CGML (paper 002).
 
-Each step takes two class-aligned batches X′ and X″: the same C classes in the
-same order, n instances per class in each, drawn independently (the trainer's
-paired sampler).  Within each batch an RBF graph S_ij = exp(−‖x_i − x_j‖²/σ)
-over the L2-normalised embeddings, and
-    L_GC = ‖S′X′ − S″X″‖_F,
-total = L_m(X′) + L_m(X″) + λ·L_GC (the trainer adds the two metric losses).
-
-Batch size (`cgml.batches`):
-  full   (default): X′ and X″ are *each* a full --batch-size batch of batch_size/m
-         classes × m (reading the paper's "minibatch of size n = 130 … 13 classes with 10
-         instances each" as each of them), so the metric loss sees batches as large as a
-         plain run's; a step embeds 2 × --batch-size images.  An interpretation: see
-         docs/fidelity.md.
-  split  X′ and X″ together hold --batch-size (batch_size/(2m) classes × m each): a
-         step embeds as many images as a plain step, at the price of metric-loss
-         batches half a plain run's size, which confounds a comparison with the
-         plain run (the minibatch read as X′ ∪ X″).  0.59 MAP@R below full on Binomial
-         (docs/regularizers.md).
+Each step takes two class-aligned batches X′ and X″ (the same C classes in the same order, n
+instances each, drawn independently: training/samplers.py).  Within each, an RBF graph
+S_ij = exp(−‖x_i − x_j‖²/σ) over the L2-normalised embeddings, and L_GC = ‖S′X′ − S″X″‖_F;
+total = L_m(X′) + L_m(X″) + λ·L_GC (the trainer adds the two metric losses).  `cgml.batches`:
+"full" (default) makes each of X′ and X″ a whole --batch-size batch, "split" the two halves of
+one; docs/fidelity.md gives the reading of the paper behind each.
 """
 from __future__ import annotations
 

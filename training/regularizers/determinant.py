@@ -1,32 +1,12 @@
 """Determinant regularization with dueling flow metric layers (paper 000).
 
-Architecture (paper §5.1): backbone → W (the neck) → an activation a → two normalizing flows
-g_min and g_max on the same input u = a(W φ) → L2 normalisation.  g_min is the model's metric
-layer (kept for retrieval); g_max exists only during training and is not saved.
-
-Objective (eq. 11):  loss(real samples) + λ1 · R_{g_min}(Z) − λ2 · R_{g_max}(Z)
-  Z = the batch's flow inputs u_i and their augmented samples; R(Z) is the mean over Z of
-  R(u) = (1/d) Σ_t log(|∂y_t/∂u_t| + 1)        (eq. 7/10, variant=plus_one, the default;
-                                                 taken per coupling layer, see model/flows.py)
-       or (1/d) log |det ∂g(u)/∂u|              (variant=logdet)
-  λ1 = the weight (0.05), λ2 = λ1 unless lambda_max is set.
-Augmentation (§4 "Sample augmentation", augment=feature, the default): u_ij = u_i + ε (u_j − u_i)
-for u_j the nearest other same-class sample of the batch (Euclidean in u), ε = 0.4 (§5.4's best);
-a sample alone in its class gets none.  The augmented samples enter R only: the paper states
-there is no need for the metric loss on them.
-g_max's metric loss (gmax_loss): eq. 11 is minimised over (θ1, θ2, θ3), backbone, g_min and g_max,
-with one loss term, on the network whose outputs "are considered as the features of images"
-(g_min's); θ3 enters only through −λ2 R(Z2).  So by default (none) g_max has no metric loss and
-trains by −λ2 R alone, which is bounded: zuko's affine log-scale is below ln 1000 in magnitude.
-Named variants: detached gives g_max its own copy of the loss (its own proxies) on g_max(u.detach())
-(the copy trains g_max only: the neck and trunk see eq. 11's gradient); attached puts that copy on
-g_max(u), so a second metric loss trains the neck and the trunk too (also at weight 0).
-augment=tangent (not the paper's eq. 11; after §5.4's remark that the augmentation "occurs in
-the tangent hyperplane"): for each unit embedding x and a random same-class y in the batch,
-v = (I − xxᵀ)(y − x), x̃ = normalize(x + ε·v) joins the metric loss with x's label; R is then
-taken on the real samples only.
-Control: weight 0 with epsilon=0 keeps both flows in place; with gmax_loss=none g_max then gets no
-gradient, and the neck and trunk get exactly the gradient of plain training through g_min.
+backbone → W (the neck) → activation a → two normalizing flows g_min and g_max on u = a(Wφ) → L2
+normalisation; g_min is the model's metric layer, g_max exists only during training.  The term is
+λ1·R_{g_min}(Z) − λ2·R_{g_max}(Z) (eq. 11), Z the batch's flow inputs and their augmented samples
+(`augment=feature`: u + ε(u_j − u) toward the nearest same-class sample, ε = 0.4), R the paper's
+"+1" form (eq. 7, per coupling layer: model/flows.py) or `variant=logdet`.  `gmax_loss` (none,
+the paper's; detached; attached) and `augment=tangent` are variants.  docs/fidelity.md maps each
+part to the paper and says where ours differs; docs/regularizers.md has the measurements.
 """
 from __future__ import annotations
 

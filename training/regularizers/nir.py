@@ -1,32 +1,12 @@
 """Non-isotropy regularization, NIR (paper 001), as its official code computes it
 (ExplainableML/NonIsotropicProxyDML, criteria/nir.py with parameters.py's defaults).
 
-A conditional normalizing flow T maps an embedding x to a residual z = T(x | c), where c is
-the L2-normalised proxy of x's class (for SoftTriple, the class's *first* centre; see
-losses/base.py).  The proxies are not detached: gradients reach them through the condition.
-    nll_i = ½‖z_i‖² − log|det ∂z_i/∂x_i|               (−log N(z; 0, I) up to a constant)
-Official objective: mean_i exp(nll_i) + w_align · proxy loss, w_align = 0.01 (parameters.py;
-0.0075 in the CUB200 runs of nir_benchmark_runs.sh): the proxy loss is scaled down, not the flow
-term.  So the term here is mean_i exp(nll_i) at weight 1 (the default), and `w_align` scales the
-base metric loss (Regularizer.base_loss_scale): the total is the official objective itself, so
---grad-clip sees the official gradient's scale.  The nll and exp variants are weighted the other
-way: give them w_align=1 and a --reg-weight.
-The exponential is taken in float32 without a guard, as the official code takes it: the soft
-clamp bounds |log|det|| by blocks · d · clamp, ½‖z‖² is unbounded, so exp overflows only when
-a sample's NLL exceeds ~88; the objective pushes the NLL down, where exp underflows to 0 and that
-sample stops contributing a gradient.
-Flow (official NormFlow): `blocks` FrEIA GLOWCouplingBlocks, each after a fixed random permutation,
-sub-networks of `layers` linear layers of width `hidden` with ReLU between (subnet_fc), soft clamp
-2, conditioned on c in every block (cond_mode 'dense'; 'dense_embed' first maps c through a
-Linear-ReLU-Linear embedder).  Optional input noise (official default 0): x + noise · U[0, 1),
-re-normalised.  The flow and the embedder train at 50× the base learning rate, the proxies at
-twice the rate a proxy loss alone gives them (loss_nir_proxy_lrmulti 4000 vs loss_oproxy_lrmulti
-2000), neither with weight decay.
-Variants: `nll` averages the NLL; `exp` averages exp(nll / d); `flow=glow_checkered layers=3 clamp=0`
-is the checkered flow (one coupling per block on checkered halves, near-identity start, zuko's own
-bound on the log-scales).  Unit embeddings lie on a sphere,
-where a density can be made arbitrarily peaked (the NLL is unbounded below; exp(NLL) is not);
-with `input=raw` the flow models the un-normalised neck output instead.
+A conditional GLOW flow T maps an embedding x to z = T(x | c), c the L2-normalised proxy of x's
+class (not detached); nll_i = ½‖z_i‖² − log|det ∂z_i/∂x_i|.  The term is mean_i exp(nll_i) at
+weight 1, and `w_align` (0.01) scales the base metric loss, so the step's total is the official
+objective.  Variants: `nll`, `exp` (weighted by --reg-weight with w_align=1), the checkered flow,
+`input=raw`.  docs/fidelity.md maps each part (flow, clamp, condition, learning rates) to the
+official code; docs/regularizers.md describes the variants and has the measurements.
 """
 from __future__ import annotations
 
