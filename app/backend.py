@@ -68,7 +68,7 @@ class MilvusRows:
     def __getitem__(self, key):
         if isinstance(key, slice):
             return self._fetch(np.arange(*key.indices(self.shape[0]), dtype=np.int64))
-        if np.isscalar(key):
+        if isinstance(key, (int, np.integer)):
             return self._fetch(np.array([int(key)]))[0]
         rows = np.asarray(key, dtype=np.int64).reshape(-1)
         if ((rows < 0) | (rows >= self.shape[0])).any():
@@ -125,7 +125,8 @@ def open_served(backend: str = "faiss", index=None, *, ivf=None, nprobe: int | N
 
         if not (ivf or index):
             raise UserError("--backend ondisk needs --ivf DIR (or --index IDX, whose IDX/ivf_ondisk is used)")
-        g = OnDiskIVF(ivf or Path(index) / "ivf_ondisk", nprobe=nprobe or None, rerank_factor=rerank_factor)
+        g: OnDiskIVF = OnDiskIVF(ivf or Path(index) / "ivf_ondisk", nprobe=nprobe or None,
+                                 rerank_factor=rerank_factor)
         src = g.manifest.get("source_index")
         if src is None:
             raise UserError(f"the on-disk IVF at {g.path} was built from bare features: the app needs its items; "
@@ -139,6 +140,9 @@ def open_served(backend: str = "faiss", index=None, *, ivf=None, nprobe: int | N
             raise UserError(f"the source index now has {len(items)} items, the on-disk IVF {len(g)}: rebuild it")
         man = dict(g.info) | {"normalize": g.normalize, "factory": g.manifest["factory"], "count": len(g)}
         names = {int(k): v for k, v in meta.get("class_names", {}).items()}
+        # the gallery's own copy of the items, which it would read from the same file at its first
+        # search: one copy of 10⁶ items, not two (OnDiskIVF._metadata is a cached_property)
+        g.__dict__["_metadata"] = (items, names)
         data = IndexData(g.path, man, g.features, items, np.asarray(g.W, dtype=np.float32), g.index, names,
                          meta.get("root", ""))
         served = Served("ondisk", g, data, Searcher(data, rerank_factor=rerank_factor), str(g.path))
@@ -147,12 +151,13 @@ def open_served(backend: str = "faiss", index=None, *, ivf=None, nprobe: int | N
 
         if not (uri and collection):
             raise UserError("--backend milvus needs --uri and --collection")
-        g = MilvusGallery(uri, collection, token, nprobe=nprobe or None, rerank_factor=rerank_factor)
-        man = dict(g.info) | {"factory": f"milvus {g.info.get('index_type', '')}".strip(), "count": len(g),
-                              "trunk_dim": g.dim}
-        data = IndexData(None, man, MilvusRows(g, len(g), g.dim), milvus_items(g),  # type: ignore[arg-type]
-                         np.asarray(g.W, dtype=np.float32), None, dict(g.class_names), "")
-        served = Served("milvus", g, data, Searcher(data, rerank_factor=rerank_factor), f"{uri} · {collection}")
+        m = MilvusGallery(uri, collection, token, nprobe=nprobe or None, rerank_factor=rerank_factor)
+        man = dict(m.info) | {"factory": f"milvus {m.info.get('index_type', '')}".strip(), "count": len(m),
+                              "trunk_dim": m.dim}
+        # no FAISS index: the metric view's searches are never run (the gallery searches)
+        data = IndexData(None, man, MilvusRows(m, len(m), m.dim), milvus_items(m),  # type: ignore[arg-type]
+                         np.asarray(m.W, dtype=np.float32), None, dict(m.class_names), "")  # type: ignore[arg-type]
+        served = Served("milvus", m, data, Searcher(data, rerank_factor=rerank_factor), f"{uri} · {collection}")
     if image_root is not None:
         served.view.root = str(image_root)
     return served

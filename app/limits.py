@@ -8,7 +8,8 @@
 DEFAULT_MAX_RERANK_SIZE = 200
 
 # the Compare tab: every leave-one-out query of a gallery up to this many items; above, a seeded
-# random sample of COMPARE_SAMPLE queries (app/sampled.py: ~0.1 s a query and side at 10⁶ on disk)
+# random sample of COMPARE_SAMPLE queries (app/sampled.py; ~0.1 s a query and side on a 10⁶ on-disk
+# IVF with classes of 1,000: docs/app-and-compare.md)
 COMPARE_ALL_UP_TO = 10_000
-COMPARE_SAMPLE = 500
+COMPARE_SAMPLE = 200
 DEFAULT_CACHE_MB = 256  # the app's one cache (app/cache.py)
