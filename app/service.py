@@ -14,6 +14,7 @@ draws is kept in one bounded cache (app/cache.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -145,10 +146,18 @@ class RetrievalService:
         cannot hold its metric space (its own one-line refusal)."""
         spec.check_searchable()
         check_size_limit(spec.rerank, spec.rerank_params, self.max_rerank_size)
-        if spec.rerank != NO_RERANK and self.backend == "milvus":
-            from index.backends.milvus_store import RERANK_REFUSAL
+        if spec.rerank != NO_RERANK and self.rerank_refusal is not None:
+            raise UserError(self.rerank_refusal)
 
-            raise UserError(RERANK_REFUSAL)
+    @cached_property
+    def rerank_refusal(self) -> str | None:
+        """The backend's own one-line refusal of re-rankers (Milvus keeps its vectors in the
+        database), None where it runs them: asked once, for a metric space that costs nothing."""
+        try:
+            self.gallery.metric_space("trained", {}, "bilinear")
+        except UserError as e:
+            return str(e)
+        return None
 
     def api_search(self, image, values: dict) -> dict:
         """One search of the HTTP APIs (Gradio's /search, POST /api/search): the query image and
@@ -242,7 +251,7 @@ class RetrievalService:
                    "ap": p.ap, "results": [{f: r[f] for f in (*HIT_FIELDS, "correct", "has_image")}
                                            for r in p.results]}
                   for side, cfg, p in zip(("left", "right"), (left, right), pair, strict=True)]
-        return {"index": str(self.index_dir), "backend": self.backend, "k": int(k), "query": query,
+        return {"index": self.served.where, "backend": self.backend, "k": int(k), "query": query,
                 "left": config_dict(left), "right": config_dict(right),
                 "jaccard_at_k": self.overlap(pair[0], pair[1]), "panels": panels}
 
