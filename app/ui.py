@@ -216,7 +216,8 @@ def compare_tab(svc: RetrievalService) -> dict:
     from index.analysis.compare import FILTERS
 
     cmp_ids, cmp_cursor, class_q_ids = gr.State([]), gr.State(-1), gr.State([])
-    gr.Markdown("### Every test query: the left configuration (x) against the right one (y)\n"
+    which_queries = "A seeded sample of the test queries" if svc.sampled() else "Every test query"
+    gr.Markdown(f"### {which_queries}: the left configuration (x) against the right one (y)\n"
                 "Both configurations and k are the Search tab's. Click a point, a disagreement or a "
                 "class's query to open it in the Search tab; keys **n** / **p** step through the "
                 "filtered disagreements. Jaccard@k: how much a query's two top-k lists overlap (1: the same items).")
@@ -227,10 +228,10 @@ def compare_tab(svc: RetrievalService) -> dict:
     with gr.Row():
         cmp_go = gr.Button("Compare on a sample of the test queries" if svc.sampled() else
                            "Compare on every test query", variant="primary", scale=3)
-        seed = gr.Number(0, precision=0, label="sample seed", visible=svc.sampled(), scale=1)
+        seed = gr.Number(0, precision=0, label="sample seed", visible=svc.sampled(), scale=1, elem_id="cmp-seed")
         sample = gr.Number(svc.compare_sample, precision=0, label="sample size (queries)", visible=svc.sampled(),
-                           minimum=1, scale=1)
-    cmp_summary = gr.Markdown()
+                           minimum=1, scale=1, elem_id="cmp-sample")
+    cmp_summary = gr.Markdown(elem_id="cmp-summary")
     with gr.Row():
         scatter = plot_html(svc, "cmp-scatter")
         with gr.Column():
