@@ -168,7 +168,7 @@ def test_an_item_without_an_image_is_shown_as_such(ondisk):
     assert any(r["has_image"] is False for r in api["results"]) and "has_image" in api["results"][0]
 
 
-def test_the_app_opens_each_backend_with_the_index_search_flags(gallery_dir, capsys):
+def test_the_app_opens_each_backend_with_the_index_search_flags(gallery_dir):
     from app.cli import build_parser
 
     args = build_parser().parse_args(["--backend", "ondisk", "--ivf", str(gallery_dir.parent / "ivf"),
