@@ -78,11 +78,11 @@ def test_ondisk_compares_every_query_as_the_index_directory(ram, ondisk):
     assert b.summary_text().startswith(f"{len(a.ids)} queries")  # every query: no sample named
 
 
-def test_above_the_size_compare_reads_a_seeded_sample_with_intervals(gallery_dir, ram):
+def test_above_the_size_compare_reads_a_seeded_sample_with_intervals(ondisk, ram):
     from app.handlers import Handlers
     from index.analysis.compare import bootstrap_ci
 
-    svc = RetrievalService(served=open_served("ondisk", ivf=gallery_dir.parent / "ivf", nprobe=2),
+    svc = RetrievalService(served=open_served("ondisk", ivf=ondisk.served.where, nprobe=2),
                            compare_all_up_to=10, compare_sample=8)
     right = SearchConfig("identity", {}, "cosine")
     whole = ram.comparison(right, k=6)
@@ -168,10 +168,10 @@ def test_an_item_without_an_image_is_shown_as_such(ondisk):
     assert any(r["has_image"] is False for r in api["results"]) and "has_image" in api["results"][0]
 
 
-def test_the_app_opens_each_backend_with_the_index_search_flags(gallery_dir):
+def test_the_app_opens_each_backend_with_the_index_search_flags(ondisk):
     from app.cli import build_parser
 
-    args = build_parser().parse_args(["--backend", "ondisk", "--ivf", str(gallery_dir.parent / "ivf"),
+    args = build_parser().parse_args(["--backend", "ondisk", "--ivf", str(ondisk.served.where),
                                       "--nprobe", "2", "--rerank-factor", "3"])
     served = open_served(args.backend, None, ivf=args.ivf, nprobe=args.nprobe, rerank_factor=args.rerank_factor)
     assert served.gallery.nprobe == 2 and served.gallery.rerank_factor == 3
