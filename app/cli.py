@@ -1,4 +1,5 @@
-"""`python -m app [--index DIR] [--host 127.0.0.1] [--port 7860]`: the retrieval explorer."""
+"""`python -m app [--index DIR] [--backend faiss|ondisk|milvus] [--host 127.0.0.1] [--port 7860]`:
+the retrieval explorer, on any backend `python -m index search` reads."""
 from __future__ import annotations
 
 import logging
@@ -9,7 +10,7 @@ from pathlib import Path
 from core.cli import Parser
 from core.flags import add_shared_args, at_least
 
-from .limits import DEFAULT_MAX_RERANK_SIZE
+from .limits import COMPARE_ALL_UP_TO, COMPARE_SAMPLE, DEFAULT_CACHE_MB, DEFAULT_MAX_RERANK_SIZE
 
 DEMO_INDEX = "artifacts/demo/index"
 DEMO_ANALYSIS = "artifacts/demo/strategies"
@@ -23,7 +24,8 @@ SESSIONS = 1000
 
 def build_parser():
     p = Parser(prog="python -m app", description=__doc__)
-    p.add_argument("--index", default=DEMO_INDEX, help=f"index directory (default: the demo's, {DEMO_INDEX})")
+    p.add_argument("--index", default=DEMO_INDEX, help=f"index directory (default: the demo's, {DEMO_INDEX}; "
+                   "--backend ondisk reads INDEX/ivf_ondisk unless --ivf is given, milvus does not read it)")
     p.add_argument("--checkpoint", help="model for query images (default: the one the index was built with)")
     p.add_argument("--analysis", default=None, help="folder written by `python -m index evaluate` "
                    f"(default: {DEMO_ANALYSIS} for the demo index)")
@@ -43,6 +45,18 @@ def build_parser():
     p.add_argument("--concurrency", type=at_least(1, "--concurrency"), default=DEFAULT_CONCURRENCY,
                    help="searches served at once (queue) (default: %(default)s)")
     p.add_argument("--no-verify", action="store_true", help="skip index checksum verification at start")
+    p.add_argument("--cache-mb", type=at_least(1, "--cache-mb"), default=DEFAULT_CACHE_MB,
+                   help="memory for what the app draws and computes for display (thumbnails, heatmaps, maps, "
+                        "sampled comparisons), least recently used first out (default: %(default)s)")
+    p.add_argument("--compare-all-up-to", type=at_least(1, "--compare-all-up-to"), default=COMPARE_ALL_UP_TO,
+                   help="the Compare tab compares every query of a gallery up to this many items; above, a seeded "
+                        "random sample of the queries, with bootstrap 95%% intervals (default: %(default)s)")
+    p.add_argument("--compare-sample", type=at_least(1, "--compare-sample"), default=COMPARE_SAMPLE,
+                   help="queries in that sample, changeable in the tab (default: %(default)s)")
+    p.add_argument("--image-root", default=None,
+                   help="folder the gallery's relative image paths are under (default: the index's own; a Milvus "
+                        "collection keeps none: without this its thumbnails say the image is not found)")
+    backend_args(p)
     # the app serves single queries: the CPU unless asked (a GPU helps batches, not one image);
     # each of the --concurrency searches in flight gets its share of the cores: a one-image
     # forward pass and a one-query search gain little from more threads, and threads that
@@ -52,6 +66,30 @@ def build_parser():
                                       f"{serving_thread_count(DEFAULT_CONCURRENCY)} at the default concurrency"})
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
+
+
+BACKENDS = ("faiss", "ondisk", "milvus")
+
+
+def backend_args(p) -> None:
+    """The flags of `python -m index search` that choose and tune a backend: each means the same here."""
+    g = p.add_argument_group("backends other than the index directory's FAISS index")
+    g.add_argument("--backend", choices=BACKENDS, default="faiss",
+                   help="faiss: --index's own index in RAM; ondisk: an on-disk IVF (see `index ivf-build`); "
+                        "milvus: a collection written by `index export --to milvus`, which does not re-rank "
+                        "(default: %(default)s)")
+    g.add_argument("--ivf", help="ondisk: the on-disk IVF directory (default: INDEX/ivf_ondisk)")
+    g.add_argument("--nprobe", type=int, default=0,
+                   help="ondisk, and milvus IVF_* collections: inverted lists probed; 0 = 32 (at most nlist) "
+                        "for ondisk, Milvus's own for milvus (default: %(default)s)")
+    g.add_argument("--rerank-factor", type=int, default=10,
+                   help="ondisk, and milvus in cosine mode or on a non-FLAT collection: candidates fetched per "
+                        "result for the exact re-rank under M′, × 4 in cosine mode (default: %(default)s)")
+    g.add_argument("--uri", help="Milvus: a file path ending in .db (Milvus Lite, embedded) or "
+                                 "http://host:19530 (a server or cluster)")
+    g.add_argument("--collection", help="Milvus collection name")
+    g.add_argument("--token", help="Milvus token, 'user:password' or an API key "
+                                   "(default: $MILVUS_TOKEN, else none)")
 
 
 def serving_thread_count(concurrency: int) -> int:
@@ -74,9 +112,10 @@ def launch(args, block: bool = True):
     from .service import RetrievalService
     from .ui import CSS, KEYS_JS, build_ui, offline_theme
 
-    if not Path(args.index).is_dir():
-        hint = " Run `make demo` (or `python -m demo --no-ui`) to build it." if args.index == DEMO_INDEX else ""
-        raise UserError(f"index directory not found: {args.index}.{hint}")
+    if args.backend == "faiss" or (args.backend == "ondisk" and not args.ivf):
+        if not Path(args.index).is_dir():
+            hint = " Run `make demo` (or `python -m demo --no-ui`) to build it." if args.index == DEMO_INDEX else ""
+            raise UserError(f"index directory not found: {args.index}.{hint}")
     if args.second_index and not Path(args.second_index).is_dir():
         raise UserError(f"--second-index directory not found: {args.second_index}")
     if args.second_index and not 0 < args.port < 65535:
@@ -92,9 +131,22 @@ def launch(args, block: bool = True):
     sites = [(args.index, args.checkpoint, analysis, args.label, args.port)]
     if args.second_index:
         sites.append((args.second_index, None, args.second_analysis, args.second_label, args.port + 1))
-    services = [RetrievalService(ix, ck, an, verify=not args.no_verify, device=args.device,
-                                 max_rerank_size=args.max_rerank_size) for ix, ck, an, _, _ in sites]
-    names = [label or Path(ix).name for ix, _, _, label, _ in sites]
+    from .backend import open_served
+
+    def serve(ix, ck, an, first: bool) -> RetrievalService:
+        # the second index is always an index directory in RAM; the backend flags are the first's
+        kind = args.backend if first else "faiss"
+        served = open_served(kind, ix if kind != "milvus" else None, ivf=args.ivf if first else None,
+                             nprobe=args.nprobe or None, rerank_factor=args.rerank_factor, uri=args.uri,
+                             collection=args.collection,
+                             token=args.token if args.token is not None else os.environ.get("MILVUS_TOKEN", ""),
+                             verify=not args.no_verify, image_root=args.image_root if first else None)
+        return RetrievalService(ix, ck, an, device=args.device, max_rerank_size=args.max_rerank_size, served=served,
+                                cache_mb=args.cache_mb, compare_all_up_to=args.compare_all_up_to,
+                                compare_sample=args.compare_sample)
+    services = [serve(ix, ck, an, i == 0) for i, (ix, ck, an, _, _) in enumerate(sites)]
+    names = [label or (Path(ix).name if svc.backend == "faiss" else svc.served.where)
+             for (ix, _, _, label, _), svc in zip(sites, services, strict=True)]
     max_kb = max(1, int(args.max_upload_mb * 1024))
     from .rest import add_rest_routes
 

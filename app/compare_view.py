@@ -14,6 +14,7 @@ import html
 import json
 import tempfile
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -163,28 +164,33 @@ def subsample(n: int, seed: int = 0, cap: int = MAX_MAP_POINTS) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(n, cap, replace=False))
 
 
-def project_2d(X: np.ndarray, method: str, seed: int = 0) -> np.ndarray:
-    """2-D coordinates of the rows of X: t-SNE (on a 50-d PCA, as scikit-learn advises),
-    PCA, or UMAP where installed."""
+def project_2d(X: np.ndarray, method: str, seed: int = 0) -> tuple[np.ndarray, Callable | None, str]:
+    """The app's one 2-D projection (the Compare tab's maps and the gallery map): (coordinates of
+    the rows of X, a function placing new rows on the same map or None, the method used).
+    t-SNE (on a 50-d PCA, as scikit-learn advises; it places no new rows), PCA, or UMAP where
+    installed, else PCA, and the method used says so."""
     if method not in MAP_METHODS:
         raise UserError(f"map method must be one of {MAP_METHODS}, got {method!r}")
     from sklearn.decomposition import PCA
 
     X = np.asarray(X, dtype=np.float32)
-    if method == "PCA":
-        return PCA(n_components=2, random_state=seed).fit_transform(X)
     if method == "UMAP":
         try:
             import umap  # optional
         except ImportError:
-            raise UserError("UMAP is not installed (pip install umap-learn); use t-SNE or PCA") from None
-        return umap.UMAP(n_components=2, random_state=seed).fit_transform(X)
+            method = "PCA"
+        else:
+            reducer = umap.UMAP(n_components=2, random_state=seed)
+            return reducer.fit_transform(X), reducer.transform, "UMAP"
+    if method == "PCA":
+        pca = PCA(n_components=2, random_state=seed).fit(X)
+        return pca.transform(X), pca.transform, "PCA"
     from sklearn.manifold import TSNE
 
     if X.shape[1] > 50 and len(X) > 50:
         X = PCA(n_components=50, random_state=seed).fit_transform(X)
     perplexity = float(min(30, max(2, (len(X) - 1) / 3)))
-    return TSNE(n_components=2, init="pca", random_state=seed, perplexity=perplexity).fit_transform(X)
+    return TSNE(n_components=2, init="pca", random_state=seed, perplexity=perplexity).fit_transform(X), None, "t-SNE"
 
 
 def class_colours(labels: np.ndarray) -> list[str]:

@@ -11,10 +11,11 @@ from pathlib import Path
 import gradio as gr
 
 from index.refinements import MODES, SharedParam, shared_params
-from index.rerankers import RERANKERS
+from index.rerankers import RERANKERS, WHOLE_GALLERY
 from index.search_config import NO_RERANK, SearchConfig
 
-from .service import RetrievalService, api_params
+from .params import ALL, api_params
+from .service import RetrievalService
 
 
 def UploadImage(**kw) -> gr.Image:
@@ -64,7 +65,7 @@ def param_control(sp: SharedParam, api: bool = False, visible: bool = True):
     """The control for one strategy parameter, from its registry metadata: a file upload,
     a slider over its bounds (where both ends are finite; the bounds validation enforces), else a
     number or text box.  `api`: a plain value."""
-    label = sp.name if api else f"{sp.name}: {sp.describe()}"
+    label = sp.name if api else f"{sp.name}: {sp.describe()}".replace(str(WHOLE_GALLERY), ALL)
     bounds = sp.metadata.get("bounds")
     if sp.metadata.get("file"):
         return gr.File(label=label, file_types=list(sp.metadata["file"]), type="filepath", visible=visible)
@@ -74,6 +75,9 @@ def param_control(sp: SharedParam, api: bool = False, visible: bool = True):
                          visible=visible)
     if typing.get_origin(sp.type) is typing.Literal:  # a fixed set of values: choose, don't type
         return gr.Dropdown(list(typing.get_args(sp.type)), value=sp.default, label=label, visible=visible)
+    if sp.type is int and isinstance(sp.default, int) and sp.default >= WHOLE_GALLERY:
+        # the whole gallery: "all" (app.params.spec_from reads it back), or a number
+        return gr.Textbox(ALL, label=f"{label} ('{ALL}' or a number)", visible=visible)
     if sp.type in (int, float):  # out-of-bounds values reach validation, which names the bounds
         return gr.Number(sp.default, precision=0 if sp.type is int else None, label=label, visible=visible)
     return gr.Textbox(sp.default, label=label, visible=visible)

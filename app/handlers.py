@@ -11,7 +11,8 @@ from index.search_config import NO_RERANK, SearchConfig
 
 from .compare_view import parse_state, state_query, write_exports
 from .controls import SIDES, rerank_controls, rerank_key, visible_params
-from .service import Panel, RetrievalService, jaccard, spec_from
+from .params import config_label, shown, spec_from
+from .service import Panel, RetrievalService
 from .why_view import why_html
 
 
@@ -49,7 +50,8 @@ def gallery_items(svc: RetrievalService, panel: Panel) -> list:
     out = []
     for r in panel.results:
         mark = "" if r["correct"] is None else ("✓ " if r["correct"] else "✗ ")
-        out.append((svc.thumbnail(r["id"]), f"{mark}{r['class_name']} {r['score']:.2f}"))
+        pictured = "" if r.get("has_image", True) else " · no image"
+        out.append((svc.thumbnail(r["id"]), f"{mark}{r['class_name']} {r['score']:.2f}{pictured}"))
     return out
 
 
@@ -110,8 +112,8 @@ class Handlers:
             lspec, rspec = configs_from(cfg)
             left, right = self.svc.compare(q, rspec, k, left=lspec)
             known = "" if q.label is None else f" Query class: **{self.svc.class_name(q.label)}**."
-            overlap = jaccard([x["id"] for x in left.results], [x["id"] for x in right.results])
-            status = (f"Searched {self.svc.data.manifest['count']} gallery images.{known} Overlap of the two top "
+            overlap = self.svc.overlap(left, right)
+            status = (f"Searched {len(self.svc.data.items):,} gallery items.{known} Overlap of the two top "
                       f"{k} (Jaccard@{k}): {overlap:.2f}. Click a result to see why it moved.")
             ids = {"left": [x["id"] for x in left.results], "right": [x["id"] for x in right.results]}
             reports = "\n\n".join(report_md(side, s, self.svc.metric_report(s))
@@ -166,20 +168,25 @@ class Handlers:
         for side in SIDES:
             c = st[side]
             sides += [c.strategy, c.mode, *(c.params.get(sp.name, gr.update()) for sp in shared_params()), c.rerank,
-                      *(c.rerank_params.get(sp.name, gr.update()) if name == c.rerank else gr.update()
+                      *(shown(c.rerank_params.get(sp.name, gr.update())) if name == c.rerank else gr.update()
                         for name, sp in rerank_controls())]
         return ({"kind": "item", "id": st["q"]}, self.svc.thumbnail(st["q"], size=200), st["k"], *sides,
                 f"Opened the shared comparison of gallery item {st['q']}.")
 
     # ------------------------------------------------------------ the Compare tab
-    def _comparison(self, k, cfg, progress=None):
+    def _comparison(self, k, cfg, progress=None, seed=0, sample=None):
+        """The Compare tab's comparison; `seed` and `sample` (its size) are read where the gallery
+        is above the size compared whole (`RetrievalService.sampled`)."""
         lspec, rspec = configs_from(cfg)
-        return self.svc.comparison(rspec, lspec, k=int(k), progress=tracker(progress))
+        seed = 0 if seed is None or seed == "" else int(seed)
+        sample = None if sample is None or sample == "" else int(sample)
+        return self.svc.comparison(rspec, lspec, k=int(k), progress=tracker(progress), seed=seed, sample=sample)
 
-    def on_compare(self, qstate, which, k, colour, max_jaccard, progress=COMPARE_PROGRESS, **cfg):
+    def on_compare(self, qstate, which, k, colour, max_jaccard, seed=0, sample=None, progress=COMPARE_PROGRESS,
+                   **cfg):
         """→ summary, AP scatter, disagreements table, their ids, cursor, per-class table."""
         try:
-            cmp = self._comparison(k, cfg, progress)
+            cmp = self._comparison(k, cfg, progress, seed, sample)
         except UserError as e:
             gr.Warning(str(e))
             return f"⚠️ {e}", "", [], [], -1, []
@@ -191,20 +198,20 @@ class Handlers:
                     round(r["jaccard"], 3) if "jaccard" in r else None] for r in cmp.per_class()]
         return summary, self.svc.scatter_html(cmp, q_id, colour, max_j), dis_rows, ids, -1, classes
 
-    def on_filter(self, which, k, max_jaccard, progress=FILTER_PROGRESS, **cfg):
+    def on_filter(self, which, k, max_jaccard, seed=0, sample=None, progress=FILTER_PROGRESS, **cfg):
         try:
             max_j = None if max_jaccard is None or float(max_jaccard) >= 1 else float(max_jaccard)
-            rows, ids = disagreement_table(self._comparison(k, cfg, progress), which, max_j)
+            rows, ids = disagreement_table(self._comparison(k, cfg, progress, seed, sample), which, max_j)
         except UserError as e:
             gr.Warning(str(e))
             return [], [], -1
         return rows, ids, -1
 
-    def on_class(self, k, evt: gr.SelectData, **cfg):
+    def on_class(self, k, seed, sample, evt: gr.SelectData, **cfg):
         """A per-class table row → that class's queries (table, ids)."""
         label = int(evt.row_value[1])
         try:
-            rows = self._comparison(k, cfg).class_queries(label)
+            rows = self._comparison(k, cfg, None, seed, sample).class_queries(label)
         except UserError as e:
             gr.Warning(str(e))
             return [], []
@@ -230,8 +237,8 @@ class Handlers:
             lspec, rspec = configs_from(cfg)
             q_id = qstate.get("id") if qstate and qstate.get("kind") == "item" else None
             # the metric's map: a re-ranker changes rankings, not the metric, and is not named
-            return (self.svc.map_html(lspec, method, f"left: {lspec.without_rerank().label()}", q_id),
-                    self.svc.map_html(rspec, method, f"right: {rspec.without_rerank().label()}", q_id))
+            return (self.svc.map_html(lspec, method, f"left: {config_label(lspec.without_rerank())}", q_id),
+                    self.svc.map_html(rspec, method, f"right: {config_label(rspec.without_rerank())}", q_id))
         except UserError as e:
             gr.Warning(str(e))
             return gr.update(), gr.update()
@@ -246,7 +253,8 @@ class Handlers:
         items = [(self.svc.thumbnail(x["id"]),
                   f"{x['class_name']} ΔAP {x['delta']:+.2f} ({x['ap_a']:.2f}→{x['ap_b']:.2f})")
                  for x in rows]
-        msg = (f"{len(rows)} test queries with the largest AP change from {lspec.label()} to {rspec.label()}. "
+        msg = (f"{len(rows)} test queries with the largest AP change from {config_label(lspec)} to "
+               f"{config_label(rspec)}. "
                "Click one to search with it.") if rows else "The two configurations agree on every query."
         return items, [x["id"] for x in rows], msg
 
@@ -276,7 +284,7 @@ def disagreement_table(cmp, which: str, max_jaccard: float | None = None) -> tup
 
 
 def report_md(side: str, spec: SearchConfig, rep: dict) -> str:
-    return (f"**{side}: M = {spec.without_rerank().label()}**  \n"
+    return (f"**{side}: M = {config_label(spec.without_rerank())}**  \n"
             f"tr(M) = {rep['trace']:.4g} · ‖M‖_F = {rep['frobenius']:.4g} · "
             f"‖M_off‖_F = {rep['offdiag_frobenius']:.4g}  \n"
             f"principle 1 tr/‖·‖_F = {rep['trace_over_frobenius']:.4g} · principle 2 ‖·‖_F/tr = "

@@ -3,8 +3,8 @@
 Gradio's own API (`/search`, for `gradio_client`) takes an upload, a queue join and
 an event stream per query: about 55 ms of the app's CPU and more in the client
 (bench/app_load.py measures both).  This endpoint is one multipart POST answered
-with the same JSON (`metric`, `note`, `results` with HIT_FIELDS), for curl and
-for clients that are not Python:
+with the same JSON (`metric`, `note`, `results` with HIT_FIELDS and `has_image`), for
+curl and for clients that are not Python:
 
   curl -F image=@q.png -F strategy=random -F r=0.4 -F seed=2 -F mode=bilinear -F k=6 \\
        -F rerank=aqe -F rerank_params="n=3, alpha=1" http://127.0.0.1:7860/api/search

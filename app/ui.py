@@ -21,7 +21,8 @@ from .controls import (
     plot_html,
 )
 from .handlers import CLASS_COLUMNS, QUERY_COLUMNS, Handlers, api_search, on_rerank, on_strategy
-from .service import DEFAULT_RIGHT, RetrievalService
+from .params import DEFAULT_RIGHT
+from .service import RetrievalService
 
 
 def offline_theme():
@@ -61,13 +62,19 @@ class Shared:
         return [self.qstate, self.query, self.tabs]
 
 
+BACKEND_NAMES = {"faiss": "the index directory's FAISS index, in RAM", "ondisk": "an on-disk IVF",
+                 "milvus": "a Milvus collection"}
+
+
 def header_md(svc: RetrievalService, name: str | None, others) -> str:
     man = svc.data.manifest
     trace = float(np.square(svc.data.W.astype(np.float64)).sum())  # tr(WᵀW) = ‖W‖²_F: how far the neck moved
+    classes = man.get("classes") or len(np.unique(svc.data.items.labels))
     text = (f"## Metric refinement explorer{f': {name}' if name else ''}\n"
-            f"Gallery: **{man['count']}** images of **{man['classes']}** "
+            f"Gallery: **{len(svc.data.items):,}** items of **{classes:,}** "
             f"classes ({man.get('dataset', '?')} {man.get('split', '')}), backbone "
-            f"`{man.get('backbone')}`, trunk d = {man['trunk_dim']}, embedding k = {man['embed_dim']}, "
+            f"`{man.get('backbone')}`, trunk d = {svc.data.W.shape[1]}, embedding k = {svc.data.W.shape[0]}, "
+            f"searched in {BACKEND_NAMES[svc.backend]}, "
             f"tr(M*) = {trace:.4g}. Each panel ranks under a configuration you choose (a refinement strategy, "
             "its parameters, a mode): at first the **trained** metric M* = WᵀW on the left, the identity on the right.")
     if others:
@@ -209,12 +216,22 @@ def compare_tab(svc: RetrievalService) -> dict:
     from index.analysis.compare import FILTERS
 
     cmp_ids, cmp_cursor, class_q_ids = gr.State([]), gr.State(-1), gr.State([])
-    gr.Markdown("### Every test query: the left configuration (x) against the right one (y)\n"
+    which_queries = "A seeded sample of the test queries" if svc.sampled() else "Every test query"
+    gr.Markdown(f"### {which_queries}: the left configuration (x) against the right one (y)\n"
                 "Both configurations and k are the Search tab's. Click a point, a disagreement or a "
                 "class's query to open it in the Search tab; keys **n** / **p** step through the "
                 "filtered disagreements. Jaccard@k: how much a query's two top-k lists overlap (1: the same items).")
-    cmp_go = gr.Button("Compare on every test query", variant="primary")
-    cmp_summary = gr.Markdown()
+    if svc.sampled():
+        gr.Markdown(f"_This gallery has more than {svc.compare_all_up_to:,} items: the comparison reads a random "
+                    "sample of the queries, drawn with the seed below; its size and each figure's bootstrap 95% "
+                    "interval are shown with it._")
+    with gr.Row():
+        cmp_go = gr.Button("Compare on a sample of the test queries" if svc.sampled() else
+                           "Compare on every test query", variant="primary", scale=3)
+        seed = gr.Number(0, precision=0, label="sample seed", visible=svc.sampled(), scale=1, elem_id="cmp-seed")
+        sample = gr.Number(svc.compare_sample, precision=0, label="sample size (queries)", visible=svc.sampled(),
+                           minimum=1, scale=1, elem_id="cmp-sample")
+    cmp_summary = gr.Markdown(elem_id="cmp-summary")
     with gr.Row():
         scatter = plot_html(svc, "cmp-scatter")
         with gr.Column():
@@ -244,17 +261,18 @@ def compare_tab(svc: RetrievalService) -> dict:
     return dict(cmp_ids=cmp_ids, cmp_cursor=cmp_cursor, class_q_ids=class_q_ids, cmp_go=cmp_go,
                 cmp_summary=cmp_summary, scatter=scatter, which=which, prev_btn=prev_btn, next_btn=next_btn,
                 dis_table=dis_table, class_table=class_table, class_queries=class_queries, method=method,
-                maps_go=maps_go, map_a=map_a, map_b=map_b, colour=colour, max_jaccard=max_jaccard)
+                maps_go=maps_go, map_a=map_a, map_b=map_b, colour=colour, max_jaccard=max_jaccard, seed=seed,
+                sample=sample)
 
 
 def wire_compare(h: Handlers, sh: Shared, c: dict, cmp_tab, search_on) -> None:
     cfg = sh.configs
     cmp_out = [c["cmp_summary"], c["scatter"], c["dis_table"], c["cmp_ids"], c["cmp_cursor"], c["class_table"]]
     for ev in (c["cmp_go"].click, cmp_tab.select, c["colour"].change, c["max_jaccard"].release):
-        ev(h.on_compare, [sh.qstate, c["which"], sh.k, c["colour"], c["max_jaccard"]], cmp_out, inputs_kwargs=cfg,
-           api_visibility="private")
-    c["which"].change(h.on_filter, [c["which"], sh.k, c["max_jaccard"]], [c["dis_table"], c["cmp_ids"],
-                                                                         c["cmp_cursor"]],
+        ev(h.on_compare, [sh.qstate, c["which"], sh.k, c["colour"], c["max_jaccard"], c["seed"], c["sample"]],
+           cmp_out, inputs_kwargs=cfg, api_visibility="private")
+    c["which"].change(h.on_filter, [c["which"], sh.k, c["max_jaccard"], c["seed"], c["sample"]],
+                      [c["dis_table"], c["cmp_ids"], c["cmp_cursor"]],
                       inputs_kwargs=cfg, api_visibility="private")
 
     def open_clicked(evt: PointClick):
@@ -270,7 +288,8 @@ def wire_compare(h: Handlers, sh: Shared, c: dict, cmp_tab, search_on) -> None:
     for btn, step in ((c["next_btn"], 1), (c["prev_btn"], -1)):
         search_on(btn.click(lambda ids, cur, s=step: h.on_step(ids, cur, s), [c["cmp_ids"], c["cmp_cursor"]],
                             [*sh.opened, c["cmp_cursor"]], api_visibility="private").then)
-    c["class_table"].select(h.on_class, [sh.k], [c["class_queries"], c["class_q_ids"]], inputs_kwargs=cfg,
+    c["class_table"].select(h.on_class, [sh.k, c["seed"], c["sample"]], [c["class_queries"], c["class_q_ids"]],
+                            inputs_kwargs=cfg,
                             api_visibility="private")
     c["maps_go"].click(h.on_maps, [sh.qstate, c["method"]], [c["map_a"], c["map_b"]], inputs_kwargs=cfg,
                        api_visibility="private")

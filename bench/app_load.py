@@ -1,13 +1,17 @@
 """Load: N concurrent clients × Q queries against the app on loopback.
 
   python bench/app_load.py [--index artifacts/demo/index] [--clients 4] [--queries 50]
-                           [--client gradio|gradio-rest|http]
+                           [--client gradio|gradio-rest|http] [--strategies spectral:cosine]
+                           [--backend faiss|ondisk] [--ivf DIR] [--nprobe N]
 
 Starts the app (`python -m app`) on a free loopback port in its own process, waits until it
 answers and has warmed its default strategies (--settle seconds), runs each client in its own
 process (a gradio_client.Client on Gradio's /search, the same endpoint through Gradio's HTTP
 API with httpx, or plain HTTP POSTs to /api/search), and
-reports errors and the p50 / p95 latency per query.
+reports errors and the p50 / p95 latency per query, the app's start-up seconds (launch until
+its page answers: every index read, the page built) and its resident memory (VmRSS, its
+anonymous part RssAnon and its file-backed part RssFile, after start-up and after the load;
+VmHWM, the peak).  Query images are the gallery's items that have one.
 Queries cycle through gallery images and strategies; random and diagonal restraint get a new
 seed on every query (a new M′ each time) unless --no-new-seeds.
 """
@@ -32,6 +36,16 @@ STRATS = [("trained", "cosine"), ("identity", "cosine"), ("diagonal", "bilinear"
           ("shrink", "cosine"), ("spectral", "cosine")]
 
 
+def memory_mb(pid: int) -> dict:
+    """VmRSS, RssAnon, RssFile and VmHWM of a process, in MB (Linux /proc)."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key = line.split(":")[0]
+        if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
+            out[key] = round(int(line.split()[1]) / 1024, 1)
+    return out
+
+
 def gradio_args(strat: str, mode: str, seed: int) -> list:
     """Gradio's /search after the image, in its stable order (app.service.api_params): strategy, r,
     seed, alpha, p, mode, k, psd, rerank, rerank_params."""
@@ -43,7 +57,7 @@ def client(job) -> tuple[list[tuple[str, float]], list[str], float]:
     ([(strategy, seconds)], errors, the client's CPU seconds)."""
     from gradio_client import Client, handle_file
 
-    url, images, ci, queries, kind, new_seeds = job
+    url, images, ci, queries, kind, new_seeds, strats = job
     if kind == "gradio":
         c = Client(url, verbose=False)
 
@@ -84,7 +98,7 @@ def client(job) -> tuple[list[tuple[str, float]], list[str], float]:
     lat, errors = [], []
     cpu0 = time.process_time()
     for q in range(queries):
-        strat, mode = STRATS[(ci + q) % len(STRATS)]
+        strat, mode = strats[(ci + q) % len(strats)]
         t = time.perf_counter()
         try:
             r = search(images[(ci * queries + q) % len(images)], strat, mode, q if new_seeds else 0)
@@ -118,14 +132,24 @@ def main():
                     help="the app's --threads (default: the app's own default, cores ÷ --concurrency)")
     ap.add_argument("--settle", type=float, default=10.0,
                     help="seconds to wait after the app answers, while it warms its strategies (default: %(default)s)")
+    ap.add_argument("--strategies", default=",".join(f"{s}:{m}" for s, m in STRATS),
+                    help="the strategy:mode pairs queries cycle through; random, diagonal, shrink and spectral at "
+                         "r = alpha = p = 0.5 (default: %(default)s)")
+    ap.add_argument("--backend", choices=("faiss", "ondisk"), default="faiss", help="the app's --backend "
+                    "(default: %(default)s)")
+    ap.add_argument("--ivf", default=None, help="the app's --ivf (ondisk; default: INDEX/ivf_ondisk)")
+    ap.add_argument("--nprobe", type=int, default=0, help="the app's --nprobe (default: %(default)s, the app's own)")
     ap.add_argument("--out", default="bench/results/app_load.json")
     args = ap.parse_args()
-    from index.backends.store import read_index
+    strats = [tuple(x.split(":")) for x in args.strategies.split(",")]
 
     port = free_port()
     # the app in its own process, as users run it: the clients' HTTP work does not share its GIL
+    backend = ["--backend", args.backend, *(["--ivf", args.ivf] if args.ivf else []),
+               *(["--nprobe", str(args.nprobe)] if args.nprobe else [])]
+    started = time.perf_counter()
     server = subprocess.Popen([sys.executable, "-m", "app", "--index", args.index, "--port", str(port),
-                               "--concurrency", str(args.concurrency),
+                               "--concurrency", str(args.concurrency), *backend,
                                *([] if args.app_threads is None else ["--threads", str(args.app_threads)])], cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}/"
@@ -138,17 +162,22 @@ def main():
             if server.poll() is not None or time.time() > deadline:
                 server.kill()
                 raise SystemExit(f"the app did not start:\n{server.stderr.read()[-2000:]}") from None
-            time.sleep(0.5)
+            time.sleep(0.2)
+    startup_s = time.perf_counter() - started
     time.sleep(args.settle)
-    data = read_index(args.index, verify=False)
-    root = Path(data.root)
-    images = [str(root / data.items.paths[i]) for i in range(0, len(data.items), 97)][:200]
+    memory_started = memory_mb(server.pid)
+    import json
+
+    meta = json.loads((Path(args.index) / "metadata.json").read_text())  # not the features: only the paths
+    root, paths = Path(meta.get("root", "")), meta["paths"]
+    pictured = [p for p in paths if p]
+    images = [str(root / p) for p in pictured[:: max(1, len(pictured) // 200)]][:200]
     server_cpu0 = cpu_seconds(server.pid)
     t0 = time.perf_counter()
     # each client in its own process, as separate users are: client threads would share one GIL
     # with each other's HTTP and SSE handling and measure the bench as much as the app
     with ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn")) as pool:
-        runs = list(pool.map(client, [(url, images, ci, args.queries, args.client, args.new_seeds)
+        runs = list(pool.map(client, [(url, images, ci, args.queries, args.client, args.new_seeds, strats)
                               for ci in range(args.clients)]))
     by_strategy = {}
     for r in runs:
@@ -159,6 +188,7 @@ def main():
     server_cpu = cpu_seconds(server.pid) - server_cpu0
     client_cpu = sum(r[2] for r in runs)
     wall = time.perf_counter() - t0
+    memory_loaded = memory_mb(server.pid)
     server.terminate()
     server.wait(timeout=30)
     res = {"clients": args.clients, "queries_per_client": args.queries, "ok": len(lat), "errors": len(errors),
@@ -170,9 +200,11 @@ def main():
            # where the 2 cores went, per query: the app's process (Gradio + our handler) and the clients'
            "server_cpu_ms_per_query": 1e3 * server_cpu / max(len(lat), 1),
            "client_cpu_ms_per_query": 1e3 * client_cpu / max(len(lat), 1),
-           "gallery": int(data.manifest["count"]), "concurrency": args.concurrency,
+           "gallery": len(paths), "concurrency": args.concurrency,
            "client": args.client, "new_seeds": args.new_seeds,
-           "app_threads": args.app_threads}
+           "app_threads": args.app_threads, "backend": args.backend, "strategies": args.strategies,
+           "startup_s": round(startup_s, 2), "memory_mb_started": memory_started,
+           "memory_mb_after_load": memory_loaded, "loadavg_1_5_15": list(os.getloadavg())}
     write_json(args.out, res)
     print(res)
 

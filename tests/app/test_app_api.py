@@ -6,7 +6,8 @@ import pytest
 from support import panels
 
 from app.limits import DEFAULT_MAX_RERANK_SIZE
-from app.service import RetrievalService, SearchConfig, api_params
+from app.params import api_params
+from app.service import RetrievalService, SearchConfig
 from core.errors import UserError
 from index.rerankers import RERANKERS, SIZE_LIMIT, check_size_limit, size_params
 

@@ -182,8 +182,14 @@ def test_reranker_controls_show_only_the_chosen_ones(svc):
         assert group.visible is False  # none takes no parameter
     pools = by_label["pool: the query's first-search candidates ranked by d*, clipped to the gallery: the default "
                      "ranks every item, as the official code does; a smaller pool is a variant that leaves the rest "
-                     "out (kreciprocal; default: 1000000000)"]
-    assert len(pools) == 2 and all(p.visible is False and p.value == 1_000_000_000 for p in pools)
+                     "out (kreciprocal; default: all) ('all' or a number)"]
+    # the whole gallery reads "all" in the control, and "all" searches the whole gallery
+    assert len(pools) == 2 and all(p.visible is False and p.value == "all" for p in pools)
+    from app.params import config_label, spec_from
+
+    cfg = spec_from("trained", "cosine", {}, "kreciprocal", {"pool": "all"})
+    assert cfg.rerank_params["pool"] == RERANKERS.params("kreciprocal", {}).pool  # the default: every item
+    assert "all" in config_label(cfg) and "1000000000" not in config_label(cfg)
 
 
 # ---------------------------------------------------------------- the HTTP APIs

@@ -154,7 +154,7 @@ def test_gallery_map_stars_the_query_where_its_point_is(svc):
     """The scatter is drawn once; the query's star lands on its projected point."""
     q = svc.query_from_item(int(svc.data.items.ids[3]))
     plain, starred = np.asarray(svc.gallery_map()), np.asarray(svc.gallery_map(q))
-    proj, base, to_pixel = svc._pca
+    proj, base, to_pixel = svc.map_base()
     assert plain.shape == starred.shape == np.asarray(base).shape and plain.shape[1] > 100
     x, y = (int(round(v)) for v in to_pixel(proj(svc.searcher.prepare_queries(q.feats))[0]))
     assert tuple(starred[y, x]) == (0, 0, 0)  # the star's black centre

@@ -67,7 +67,10 @@ def test_binds_loopback_only(server):
 
 
 def assert_same_results(api: list[dict], cli: list[dict]) -> None:
-    """Identical fields and values (scores to float tolerance: they crossed JSON differently)."""
+    """Identical fields and values (scores to float tolerance: they crossed JSON differently); the
+    app's results say besides whether each has an image."""
+    assert all(x["has_image"] is True for x in api)
+    api = [{k: v for k, v in x.items() if k != "has_image"} for x in api]
     assert [list(x) for x in api] == [list(x) for x in cli] == [list(HIT_FIELDS)] * len(cli)
     strip = [[{k: v for k, v in x.items() if k != "score"} for x in rs] for rs in (api, cli)]
     assert strip[0] == strip[1] and len(cli) > 0
@@ -285,3 +288,33 @@ def test_starting_the_app_writes_nothing_into_the_source_tree(tiny_index, tmp_pa
                        timeout=300)
     assert r.returncode == 0, r.stderr
     assert tree() - before == set()
+
+
+def test_the_app_serves_an_ondisk_ivf_with_the_index_search_flags(tiny_index, tmp_path):
+    """`python -m app --backend ondisk --ivf DIR --nprobe N`: the page names the backend and
+    POST /api/search answers as `index search --backend ondisk` with the same flags does."""
+    import httpx
+
+    from app.cli import build_parser, launch
+    from index.backends.ondisk import build_for_index
+
+    ivf = build_for_index(tiny_index, tmp_path / "ivf", nlist=2)
+    port = free_port()
+    demo, svc = launch(build_parser().parse_args(["--backend", "ondisk", "--ivf", str(ivf), "--nprobe", "1",
+                                                  "--port", str(port), "--threads", "1"]), block=False)
+    try:
+        page = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/config", timeout=30).read())
+        header = next(c["props"]["value"] for c in page["components"]
+                      if c.get("props", {}).get("elem_id") == "index-header")
+        assert "an on-disk IVF" in header and svc.backend == "ondisk" and svc.gallery.nprobe == 1
+        img = svc.root / svc.data.items.paths[7]
+        r = httpx.post(f"http://127.0.0.1:{port}/api/search", files={"image": img.read_bytes()},
+                       data={"strategy": "spectral", "p": "0.5", "k": "5"}, timeout=60)
+        assert r.status_code == 200, r.text
+        out = tmp_path / "cli.json"
+        c = run_command("index", "search", "--backend", "ondisk", "--ivf", str(ivf), "--nprobe", "1", "--image",
+                        str(img), "--strategy", "spectral", "--p", "0.5", "--k", "5", "--json", str(out), cwd=tmp_path)
+        assert c.returncode == 0, c.stderr
+        assert_same_results(r.json()["results"], json.loads(out.read_text())["queries"][0]["results"])
+    finally:
+        demo.close()

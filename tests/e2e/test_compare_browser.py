@@ -142,3 +142,32 @@ def test_a_reranker_per_panel(server, tmp_path, monkeypatch):
                          "(y)").wait_for(timeout=120000)
         assert page.locator("#cmp-scatter circle[data-id]").count() == len(svc.data.items)
     assert (tmp_path / "why_rerank.png").stat().st_size > 10_000
+
+
+@needs_chromium
+def test_above_the_size_the_compare_tab_reads_a_seeded_sample(tiny_index, tmp_path):
+    """`--compare-all-up-to` below the gallery's size: the Compare tab shows its seed and sample size,
+    both settable, and its summary names the sample and the bootstrap intervals."""
+    from app_helpers import free_port
+
+    from app.cli import build_parser, launch
+
+    port = free_port()
+    demo, svc = launch(build_parser().parse_args(["--index", str(tiny_index), "--port", str(port), "--threads", "1",
+                                                  "--compare-all-up-to", "10", "--compare-sample", "8"]),
+                       block=False)
+    try:
+        with browser_page(1400, 1100) as page:
+            page.goto(f"http://127.0.0.1:{port}/", wait_until="load")
+            page.get_by_role("tab", name="Compare").click()
+            summary = page.locator("#cmp-summary")
+            summary.get_by_text(re.compile(r"sample of 8 of \d+ queries \(seed 0\)")).wait_for(timeout=60000)
+            assert "bootstrap 95% intervals" in summary.inner_text()
+            assert page.locator("#cmp-scatter circle[data-id]").count() == 8
+            page.locator("#cmp-seed input").fill("5")
+            page.locator("#cmp-sample input").fill("6")
+            page.get_by_role("button", name="Compare on a sample of the test queries").click()
+            summary.get_by_text(re.compile(r"sample of 6 of \d+ queries \(seed 5\)")).wait_for(timeout=60000)
+            page.screenshot(path=str(tmp_path / "sampled_compare.png"), full_page=True)
+    finally:
+        demo.close()

@@ -1,0 +1,147 @@
+"""The Compare tab on any backend and at any size: per-query AP (MAP@R, leave-one-out) of two
+configurations over every query up to a size (app/limits.py's COMPARE_ALL_UP_TO gallery items,
+`--compare-all-up-to`), above it over a seeded random sample of the queries (COMPARE_SAMPLE,
+`--compare-sample`), each figure with its bootstrap 95% interval.
+
+Each query is searched through the gallery (`Gallery.search`, its own row dropped from a
+one-deeper list; with a re-ranker `SearchConfig.search` with the row left out) to depth
+max(R, NEIGHBOURS): its AP reads the top R, Jaccard@k the top NEIGHBOURS, as
+index/analysis/compare.py's whole-index comparison does.  Its features are read by row from
+the backend (memory-mapped file or the collection), only the sample's.  The faiss backend up
+to that size keeps the batched whole-index comparison (`Comparer`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from core.errors import UserError
+from evaluation.evaluator import per_query_metrics, relevant_counts
+from index.analysis.compare import NEIGHBOURS, Comparison, Progress, bootstrap_ci, jaccard_at_k
+from index.search_config import NO_RERANK, SearchConfig
+
+from .backend import Served
+from .cache import AppCache
+
+CHUNK = 32                  # queries searched together
+
+
+@dataclass
+class SampledComparison(Comparison):
+    """A `Comparison` over `len(ids)` queries drawn (seeded) from `population`; population 0:
+    every query was compared."""
+    population: int = 0
+
+    def intervals(self) -> dict[str, tuple[float, float]]:
+        """Bootstrap 95% intervals (numpy's Generator(seed)) of MAP@R left and right, the mean AP
+        difference and the mean Jaccard@k."""
+        out = {"map_a": bootstrap_ci(self.ap_a, self.seed), "map_b": bootstrap_ci(self.ap_b, self.seed),
+               "mean_delta": bootstrap_ci(self.delta, self.seed)}
+        if self.jaccard is not None:
+            out["mean_jaccard"] = bootstrap_ci(self.jaccard, self.seed)
+        return out
+
+    def summary(self) -> dict:
+        s = super().summary() | {"sampled": bool(self.population), "population": self.population}
+        return s | {"ci95_" + k: v for k, v in self.intervals().items()} if self.population else s
+
+    def summary_text(self) -> str:
+        text = super().summary_text()
+        if not self.population:
+            return text
+        iv = self.intervals()
+        cis = " · ".join(f"{name} [{iv[key][0]:.4f}, {iv[key][1]:.4f}]" for key, name in
+                         (("map_a", "MAP@R left"), ("map_b", "MAP@R right"), ("mean_jaccard", f"Jaccard@{self.k}"))
+                         if key in iv)
+        return (f"sample of {len(self.ids):,} of {self.population:,} queries (seed {self.seed}) · {text} · "
+                f"bootstrap 95% intervals: {cis}")
+
+
+def sample_rows(valid: np.ndarray, size: int, seed: int) -> np.ndarray:
+    """`size` of the rows `valid`, drawn without replacement by numpy's Generator(seed), in order."""
+    if size < 1:
+        raise UserError(f"the sample size must be ≥ 1, got {size}")
+    if len(valid) <= size:
+        return valid
+    return np.sort(np.random.default_rng(seed).choice(valid, size, replace=False))
+
+
+class GalleryComparer:
+    """Per-query AP through the gallery's own search, per configuration and sample, cached."""
+
+    def __init__(self, served: Served, cache: AppCache):
+        self.served, self.cache = served, cache
+        self._R: np.ndarray | None = None
+
+    @property
+    def R(self) -> np.ndarray:
+        """Each item's relevant count (other items of its class)."""
+        if self._R is None:
+            y = self.served.view.items.labels
+            self._R = relevant_counts(y, y, same_set=True)
+        return self._R
+
+    def rows(self, sample: int | None, seed: int) -> tuple[np.ndarray, int]:
+        """(query rows, population): every query (population 0) when `sample` is None, else
+        `sample` of them drawn with `seed` (population: how many they were drawn from)."""
+        valid = np.nonzero(self.R > 0)[0]
+        if sample is None:
+            return valid, 0
+        rows = sample_rows(valid, int(sample), int(seed))
+        return rows, (len(valid) if len(rows) < len(valid) else 0)
+
+    def side(self, cfg: SearchConfig, rows: np.ndarray, progress: Progress | None) -> tuple[np.ndarray, np.ndarray]:
+        """(AP, top NEIGHBOURS rows) of the queries `rows` under `cfg` (mode resolved)."""
+        key = ("side", cfg.key(), rows.tobytes())
+        return self.cache.get(key, lambda: self._side(cfg, rows, progress))
+
+    def _side(self, cfg: SearchConfig, rows: np.ndarray, progress: Progress | None):
+        g, view = self.served.gallery, self.served.view
+        y, R = view.items.labels, self.R
+        n = len(y)
+        ap = np.full(len(rows), np.nan)
+        top = np.full((len(rows), NEIGHBOURS), -1, dtype=np.int64)
+        missing = int(y.min(initial=0)) - 1  # the label of "no item"
+        what = f"searching {len(rows):,} queries under {cfg.label()}"
+        for a in range(0, len(rows), CHUNK):
+            part = rows[a: a + CHUNK]
+            depth = int(min(n - 1, max(int(R[part].max(initial=0)), NEIGHBOURS)))
+            feats = np.asarray(view.features[part], dtype=np.float32)
+            if cfg.rerank == NO_RERANK:
+                hits = g.search(feats, cfg.strategy, cfg.params, cfg.mode, depth + 1, what="index features")
+                found = drop_rows(hits.rows, part, depth)
+            else:
+                found = cfg.search(g, feats, depth, self_ids=part, what="index features").rows
+            nbr = np.where(found >= 0, y[np.maximum(found, 0)], missing)
+            ap[a: a + len(part)] = per_query_metrics(nbr, y[part], R[part], ks=(1,))["map@r"]
+            m = min(NEIGHBOURS, found.shape[1])
+            top[a: a + len(part), :m] = found[:, :m]
+            if progress is not None:
+                progress(a + len(part), len(rows), what)
+        return ap, top
+
+    def compare(self, left: SearchConfig, right: SearchConfig, k: int = 10, seed: int = 0, sample: int | None = None,
+                progress: Progress | None = None) -> SampledComparison:
+        rows, population = self.rows(sample, seed)
+        sides = []
+        for cfg in (left, right):
+            cfg.check_searchable()
+            mode = self.served.gallery.resolve_mode(cfg.strategy, cfg.params, cfg.mode)[0]
+            c = cfg.normalized().with_mode(mode)
+            sides.append((c, *self.side(c, rows, progress)))
+        (ca, a, top_a), (cb, b, top_b) = sides
+        k = max(1, min(int(k), NEIGHBOURS))
+        items = self.served.view.items
+        return SampledComparison(ca.label(), cb.label(), items.ids[rows], items.labels[rows], a, b,
+                                 dict(self.served.view.class_names), int(seed), jaccard_at_k(top_a, top_b, k), k,
+                                 population)
+
+
+def drop_rows(found: np.ndarray, own: np.ndarray, depth: int) -> np.ndarray:
+    """Each query's list without its own row (`own[i]`), cut to `depth` (−1 padded)."""
+    out = np.full((len(found), depth), -1, dtype=np.int64)
+    for i, (r, o) in enumerate(zip(found, own, strict=True)):
+        kept = r[(r != o) & (r >= 0)][:depth]
+        out[i, : len(kept)] = kept
+    return out
