@@ -173,7 +173,9 @@ def evaluate_model(args, argv) -> dict:
         backbone = model.backbone
         fn = backbone if trunk else model
     else:
-        cfg = config_from_args(DataConfig, args)
+        from model.backbones.registry import sized_for
+
+        cfg = sized_for(config_from_args(DataConfig, args), args.backbone)
         backbone = fn = build_backbone(args.backbone, weights=args.weights)
         trunk = True
     splits = load_data(cfg, progress=args.progress)

@@ -162,7 +162,10 @@ class TrainConfig(DataConfig):
         return self.image_cache == "on" or image_cache_bytes(n_images, image_size) <= IMAGE_CACHE_AUTO_BYTES
 
     def data_config(self) -> DataConfig:
-        return DataConfig.from_dict(dataclasses.asdict(self))
+        """The data settings; `--image-size 0` on a photo data set means the backbone's own input size."""
+        from model.backbones.registry import sized_for
+
+        return sized_for(DataConfig.from_dict(dataclasses.asdict(self)), self.backbone)
 
     def validate(self) -> None:
         """Refuse an impossible configuration, all of it, before anything is read or written."""

