@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from core.errors import UserError
 from core.registry import Registry, Spec
 
 from .base import Backbone
@@ -44,6 +45,9 @@ BACKBONES = Registry("backbone", spec=BackboneSpec)
 def build_backbone(name: str, weights: str | None = None) -> Backbone:
     """`weights`: None (the backbone's default), "imagenet", "hub" (timm: the local Hugging Face
     cache), "none", or a file path."""
+    if weights == "hub" and not BACKBONES.get(name).family:
+        raise UserError(f"--weights hub reads timm's weights for timm:NAME backbones; {name} takes imagenet, none "
+                        "or a file path")
     return BACKBONES.build(name, weights=weights)
 
 

@@ -37,6 +37,8 @@ def test_family_names_resolve_and_bad_ones_are_refused():
         build_backbone("timm:no_such_net", "none")
     with pytest.raises(UserError, match="--weights hub"):
         build_backbone(NAME, "imagenet")
+    with pytest.raises(UserError, match="for timm:NAME backbones"):
+        build_backbone("resnet18", "hub")
 
 
 @pytest.mark.parametrize("name, expected", [
