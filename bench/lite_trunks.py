@@ -102,6 +102,34 @@ def cost_row(backbone: str, kanji_root: str, args) -> dict:
                 "stages": [name for name, _ in r.backbone.stages()]}
 
 
+def speed_rows(backbones: list[str], kanji_root: str, rounds: int = 3) -> dict:
+    """Forward images/s of each trunk on the same 960 kanji test images (64 px, batches of 120),
+    the backbones alternating for `rounds` rounds so that machine load hits each alike; the median."""
+    import statistics
+
+    import torch
+
+    from data import DataConfig, load_data
+    from data.loader import ImageDataset
+    from model.backbones import build_backbone
+    from model.preprocess import transform_for
+
+    cfg = DataConfig(dataset="kanji", data_root=kanji_root)
+    splits = load_data(cfg, progress=False)
+    nets = {b: build_backbone(b).eval() for b in backbones}
+    ds = ImageDataset(splits.test, transform_for(nets[backbones[0]], cfg).build())
+    x = torch.stack([ds[i][0] for i in range(960)])
+    times: dict[str, list[float]] = {b: [] for b in backbones}
+    with torch.inference_mode():
+        for _ in range(rounds + 1):  # the first round warms up
+            for b, bb in nets.items():
+                t = time.perf_counter()
+                for i in range(0, len(x), 120):
+                    bb(x[i: i + 120])
+                times[b].append(time.perf_counter() - t)
+    return {b: {"images_per_s": len(x) / statistics.median(t[1:]), "seconds": t[1:]} for b, t in times.items()}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default="kanji,imagefolder", help="data sets (default: %(default)s)")
@@ -112,6 +140,8 @@ def main():
                     help="the tail's epochs after its probe (default: %(default)s)")
     ap.add_argument("--cost", default="efficientnet_lite0,timm:vit_tiny_patch16_224,timm:convnext_atto",
                     help="backbones whose tail cost to time on kanji ('' for none) (default: %(default)s)")
+    ap.add_argument("--speed", action="store_true", help="also time the --backbones' forward pass on 960 kanji "
+                                                         "images, alternating (default: off)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     ap.add_argument("--cache-dir", default=str(ROOT / "cache" / "features"),
                     help="feature caches (default: %(default)s)")
@@ -151,6 +181,11 @@ def main():
             done[key] = cost_row(b, args.kanji_root, args) | {"date": str(datetime.date.today()), "command": command}
             print(key, done[key], flush=True)
             save()
+    if args.speed:
+        for b, r in speed_rows([x for x in args.backbones.split(",") if x], args.kanji_root).items():
+            done[f"speed/{b}"] = r | {"date": str(datetime.date.today()), "command": command}
+            print(f"speed/{b}", done[f"speed/{b}"], flush=True)
+        save()
     write_text(out / "results.md", table(done, args.threads))
     print(table(done, args.threads))
 
@@ -163,11 +198,17 @@ def table(done: dict, threads: int) -> str:
              "and the tail's prefix maps, as the demo does; training rows: the run, reading those caches).", "",
              "| data | backbone | model | test MAP@R | test R@1 | s |", "|---|---|---|---|---|---|"]
     for key, r in done.items():
-        if key.startswith("cost/"):
+        if key.startswith(("cost/", "speed/")):
             continue
         d, b, row = key.split("/")
         lines.append(f"| {d} | {b} | {names[row]} | {r['map@r'] * 100:.2f} | {r['recall@1'] * 100:.2f} | "
                      f"{r['seconds']:.0f} |")
+    speed = {k[6:]: v for k, v in done.items() if k.startswith("speed/")}
+    if speed:
+        ref = next(iter(speed.values()))["images_per_s"]
+        lines += ["", "| backbone | trunk forward images/s (kanji, 64 px, batch 120, median of 3 alternating rounds) "
+                      "| against the first |", "|---|---|---|"]
+        lines += [f"| {b} | {r['images_per_s']:.0f} | {r['images_per_s'] / ref:.2f}× |" for b, r in speed.items()]
     cost = {k[5:]: v for k, v in done.items() if k.startswith("cost/")}
     if cost:
         lines += ["", "| backbone (kanji, 64 px, tail = last 2 stages) | prefix map per image | bytes per image | "
