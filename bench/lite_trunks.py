@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -159,7 +160,7 @@ def main():
     import json
 
     done = json.loads(rows_path.read_text()) if rows_path.is_file() else {}
-    command = f"python bench/lite_trunks.py {' '.join(sys.argv[1:])}"
+    command = f"python bench/lite_trunks.py {shlex.join(sys.argv[1:])}"
 
     def save():
         write_json(rows_path, done)
@@ -196,11 +197,14 @@ def table(done: dict, threads: int) -> str:
     lines = [f"Seed 0, test classes, ProxyAnchor; {os.cpu_count()} CPU cores shared with other jobs, torch threads "
              f"{threads}; s: wall seconds of the row (raw: one pass over every split that also stores the features "
              "and the tail's prefix maps, as the demo does; training rows: the run, reading those caches).", "",
+             "Measured by (product installed from this checkout; dates in rows.json):", "",
+             *[f"- {d} `{c}`" for d, c in dict.fromkeys((r["date"], r["command"]) for r in done.values())], "",
              "| data | backbone | model | test MAP@R | test R@1 | s |", "|---|---|---|---|---|---|"]
-    for key, r in done.items():
-        if key.startswith(("cost/", "speed/")):
-            continue
-        d, b, row = key.split("/")
+    order = {"kanji": 0, "imagefolder": 1, "raw": 0, "frozen": 1, "tail": 2}
+    rows = sorted((k.split("/") for k in done if not k.startswith(("cost/", "speed/"))),
+                  key=lambda k: (order.get(k[0], 9), k[1], order[k[2]]))
+    for d, b, row in rows:
+        r = done[f"{d}/{b}/{row}"]
         lines.append(f"| {d} | {b} | {names[row]} | {r['map@r'] * 100:.2f} | {r['recall@1'] * 100:.2f} | "
                      f"{r['seconds']:.0f} |")
     speed = {k[6:]: v for k, v in done.items() if k.startswith("speed/")}
