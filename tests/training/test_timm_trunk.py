@@ -94,3 +94,10 @@ def test_index_from_a_timm_checkpoint_serves_search_and_the_app(tmp_path, kanji_
     panel = svc.panel(q, SearchConfig("trained", {}, "cosine"), k=3)
     assert panel.results[0]["id"] == int(svc.data.items.ids[2])  # the query image finds itself first
     assert build_ui(svc) is not None
+
+
+def test_a_tail_as_long_as_the_vit_is_refused_in_one_line(tmp_path, kanji_root):
+    from core.errors import UserError
+
+    with pytest.raises(UserError, match=r"trains 1 … 3 of timm:dml_test_vit's 4 stages, got --train-blocks 4"):
+        Run(tiny(tmp_path, kanji_root, train_blocks=4)).setup()
