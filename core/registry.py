@@ -5,7 +5,8 @@ An entry is a name, a builder, a parameter dataclass, a one-line doc and the reg
 typed metadata (its `Spec`, e.g. a regularizer's default weight).  From the entries come
 argparse `choices`, `--help` text that lists every name with its doc, typed `key=value`
 parsing that refuses unknown keys with the valid ones, and the `list` subcommands' output.
-A new choice is one module with `@REG.register(...)` plus one import line.
+A new choice is one module with `@REG.register(...)` plus one import line.  A name ending in
+":" registers a family: "timm:" takes any "timm:NAME", and its builder gets `variant=NAME`.
 """
 from __future__ import annotations
 
@@ -66,6 +67,16 @@ class Entry(Generic[S]):
     @property
     def what(self) -> str:
         return f"{self.kind} {self.name!r}"
+
+    @property
+    def family(self) -> bool:
+        """A family of names ("timm:" takes "timm:NAME"), not one name."""
+        return self.name.endswith(":")
+
+    @property
+    def shown(self) -> str:
+        """The name as a user writes it: "timm:NAME" for a family."""
+        return f"{self.name}NAME" if self.family else self.name
 
     def param_defaults(self) -> dict:
         return {f.name: field_default(f) for f in dataclasses.fields(self.params)}
@@ -146,9 +157,21 @@ class Registry(Generic[S]):
         return iter(self.names())
 
     def get(self, name: str) -> Entry[S]:
-        if name not in self._entries:
-            raise UserError(f"unknown {self.kind} {name!r}; choose from {', '.join(self.names())}")
-        return self._entries[name]
+        """The entry of `name`, or of its family ("timm:NAME" → "timm:")."""
+        if name in self._entries and not name.endswith(":"):
+            return self._entries[name]
+        head, sep, variant = name.partition(":")
+        if sep and variant.strip() and head + ":" in self._entries:
+            return self._entries[head + ":"]
+        if sep and head + ":" in self._entries:
+            raise UserError(f"{self.kind} {name!r} names no member of the family; write {head}:NAME")
+        shown = ", ".join(e.shown for e in self.entries())
+        raise UserError(f"unknown {self.kind} {name!r}; choose from {shown}")
+
+    def check_name(self, name: str) -> str:
+        """`name` itself, once it names an entry or a member of a family."""
+        self.get(name)
+        return name
 
     __getitem__ = get
 
@@ -161,12 +184,15 @@ class Registry(Generic[S]):
         return build_params(e.params, given, f"{self.kind} {name!r}", ignore_unknown=ignore_unknown)
 
     def build(self, name: str, *args, **kwargs):
-        return self.get(name).builder(*args, **kwargs)
+        e = self.get(name)
+        if e.family:
+            return e.builder(*args, variant=name.partition(":")[2].strip(), **kwargs)
+        return e.builder(*args, **kwargs)
 
     # ------------------------------------------------------------ help
     def help_text(self) -> str:
         """'a: doc; b: doc' for argparse help (argparse folds the lines)."""
-        return "; ".join(f"{e.name}: {e.doc}" for e in self.entries())
+        return "; ".join(f"{e.shown}: {e.doc}" for e in self.entries())
 
     def params_help(self) -> str:
         """Every entry's parameter keys with their defaults, for --*-param help."""
@@ -178,7 +204,7 @@ class Registry(Generic[S]):
         return "; ".join(parts) or "none take parameters"
 
     def describe(self) -> list[dict]:
-        return [{"name": e.name, "doc": e.doc,
+        return [{"name": e.shown, "doc": e.doc,
                  "params": {k: {"default": v, "help": e.param_help()[k]} for k, v in e.shown_defaults().items()}}
                 for e in self.entries()]
 
@@ -186,7 +212,7 @@ class Registry(Generic[S]):
         """Human-readable listing for the `list` subcommands."""
         lines = [f"{self.plural}:"]
         for e in self.entries():
-            lines.append(f"  {e.name:<20} {e.doc}")
+            lines.append(f"  {e.shown:<20} {e.doc}")
             lines += [f"      {line}" for line in e.spec.listing_lines()]
             helps = e.param_help()
             for k, v in e.shown_defaults().items():
@@ -208,8 +234,8 @@ class Registry(Generic[S]):
                     self.get(v)
                 return names
             return parser.add_argument(flag, type=_argtype(check), metavar="NAME,...", help=text, **kw)
-        return parser.add_argument(flag, type=_argtype(self.get, lambda e: e.name),
-                                   metavar="{" + ",".join(self.names()) + "}", help=text, **kw)
+        return parser.add_argument(flag, type=_argtype(self.check_name),
+                                   metavar="{" + ",".join(e.shown for e in self.entries()) + "}", help=text, **kw)
 
 
 def _argtype(fn, post=lambda v: v):

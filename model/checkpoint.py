@@ -29,6 +29,7 @@ def save_checkpoint(path, model: EmbeddingModel, *, config: dict | None = None,
         "version": VERSION,
         "backbone": model.backbone.name,
         "backbone_weights": str(model.backbone.weights),
+        "backbone_preprocessing": model.backbone.preprocessing(),
         "trunk_dim": model.trunk_dim,
         "embed_dim": model.embed_dim,
         "heads": model.heads_spec(),
@@ -88,6 +89,8 @@ def model_from_checkpoint(ck: dict) -> EmbeddingModel:
     heads = {k: FlowHead(FlowSpec.from_dict(v)) for k, v in ck.get("heads", {}).items()}
     model = EmbeddingModel(backbone, ck["embed_dim"], **heads)
     backbone.weights = ck.get("backbone_weights", "none")
+    if ck.get("backbone_preprocessing"):  # as trained, whatever the installed timm's configuration says now
+        backbone.set_preprocessing(ck["backbone_preprocessing"])
     sd = ck["state_dict"]
     own = model.state_dict()
     bad = [k for k in own if k not in sd or tuple(own[k].shape) != tuple(sd[k].shape)]

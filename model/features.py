@@ -114,6 +114,8 @@ def cache_key(backbone, splits, subset, spec, prefix: int | None = None) -> str:
          "data": subset_identity(splits, subset), "split": subset.name, "transform": spec.describe()}
     if prefix is not None:
         d["prefix_stages"] = prefix
+        if backbone.prefix_dtype != torch.float16:  # float16, the default, leaves the keys as they are
+            d["prefix_dtype"] = str(backbone.prefix_dtype)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -172,8 +174,9 @@ def _rows_to_memmap(path: Path, loader, rows, n_max: int, desc: str, progress: b
 
 @dataclass
 class PrefixCache:
-    """Output maps of a backbone's frozen prefix for one subset, float16 and memory-mapped."""
-    maps: np.ndarray        # N × C × H × W float16 (np.memmap): rows of the kept images
+    """Output maps of a backbone's frozen prefix for one subset, in its `prefix_dtype` (float16 for
+    the convolutional backbones, float32 for timm's), memory-mapped."""
+    maps: np.ndarray        # N × C × H × W (a ViT's: N × tokens × C) (np.memmap): rows of the kept images
     labels: np.ndarray
     kept: np.ndarray        # indices into the subset
     path: Path
@@ -200,7 +203,7 @@ def cached_prefix(backbone, n_stages: int, splits, subset, spec: TransformSpec, 
                   cache_dir: str, progress: bool = True, device: torch.device | None = None) -> PrefixCache:
     """The first `n_stages` stages' outputs for every image of `subset`, computed once (the prefix is
     frozen and sees no augmentation, so its output is a pure function of the image) and stored
-    as float16 .npy, memory-mapped on read so RAM stays bounded by the batch."""
+    as .npy in the backbone's `prefix_dtype`, memory-mapped on read so RAM stays bounded by the batch."""
     d = _prefix_dir(backbone, n_stages, splits, subset, spec, cache_dir)
     if not (d / "meta.json").is_file():
         device = device or torch.device("cpu")
@@ -208,7 +211,7 @@ def cached_prefix(backbone, n_stages: int, splits, subset, spec: TransformSpec, 
         loader = make_loader(subset, spec.build(), batch_size=dcfg.eval_batch_size, workers=dcfg.workers)
 
         def rows(images):
-            return backbone.run_stages(images.to(device), 0, n_stages).to("cpu", torch.float16).numpy(), None
+            return backbone.run_stages(images.to(device), 0, n_stages).to("cpu", backbone.prefix_dtype).numpy(), None
 
         with atomic_dir(d) as tmp:
             out = _rows_to_memmap(tmp / "maps.npy", loader, rows, len(subset), f"prefix {subset.name}", progress)
@@ -335,7 +338,7 @@ def _features_and_prefix(backbone, n_stages: int, d: Path, subset, spec: Transfo
 
         def fn(images):
             h = backbone.run_stages(images, 0, n_stages)
-            r = h.to("cpu", torch.float16).numpy()
+            r = h.to("cpu", backbone.prefix_dtype).numpy()
             if rows["out"] is None:
                 rows["out"] = np.lib.format.open_memmap(tmp / "maps.npy", mode="w+", dtype=r.dtype,
                                                         shape=(len(subset), *r.shape[1:]))

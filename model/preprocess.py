@@ -41,6 +41,7 @@ class TransformSpec:
     augment: bool = False           # random resized crop (training only)
     resize_mode: str = ""           # crop | resize | pad ("" = implied by resize: the format before pad)
     flip: bool = False              # with augment: random horizontal flip (photos; never glyphs)
+    interpolation: str = "bilinear"  # of every resize: the backbone's (timm's pretrained configuration)
 
     @property
     def mode(self) -> str:
@@ -54,26 +55,30 @@ class TransformSpec:
             d.pop("resize_mode")
         if not self.flip:  # evaluation transforms never flip: keys made before the field stay valid
             d.pop("flip")
+        if self.interpolation == "bilinear":  # likewise: spelled out only where it is another
+            d.pop("interpolation")
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> TransformSpec:
         return cls(int(d["image_size"]), int(d["resize"]), tuple(d["mean"]), tuple(d["std"]),
-                   bool(d.get("augment", False)), str(d.get("resize_mode", "")), bool(d.get("flip", False)))
+                   bool(d.get("augment", False)), str(d.get("resize_mode", "")), bool(d.get("flip", False)),
+                   str(d.get("interpolation", "bilinear")))
 
     def geometry(self) -> list:
         """The transforms that decide which pixels reach the input (on uint8 images)."""
         s = self.image_size
+        ip = T.InterpolationMode(self.interpolation)
         if self.augment:
-            geo = [T.RandomResizedCrop(s, scale=CROP_SCALE, ratio=CROP_RATIO_RANGE, antialias=True)]
+            geo = [T.RandomResizedCrop(s, scale=CROP_SCALE, ratio=CROP_RATIO_RANGE, interpolation=ip, antialias=True)]
             if self.flip:
                 geo.append(T.RandomHorizontalFlip())
         elif self.mode == "pad":
-            geo = [PadToSquare(), T.Resize((s, s), antialias=True)]
+            geo = [PadToSquare(), T.Resize((s, s), interpolation=ip, antialias=True)]
         elif self.mode == "resize":
-            geo = [T.Resize((s, s), antialias=True)]
+            geo = [T.Resize((s, s), interpolation=ip, antialias=True)]
         else:
-            geo = [T.Resize(self.resize, antialias=True), T.CenterCrop(s)]
+            geo = [T.Resize(self.resize, interpolation=ip, antialias=True), T.CenterCrop(s)]
         return geo
 
     def build(self):
@@ -97,12 +102,17 @@ def transform_for(backbone, dcfg, augment: bool = False) -> TransformSpec:
     resize mode (crop: resize to 256/224 of the size, then centre crop, as for photos; resize: plain
     resize, for square centred glyphs; pad: pad to a square with the border, then resize).
     `augment`: the training transform, the field's usual one for the data set: random resized crop,
-    plus a horizontal flip unless the data set says its images are not mirror-symmetric (glyphs)."""
+    plus a horizontal flip unless the data set says its images are not mirror-symmetric (glyphs).
+    The backbone sets the normalisation, the interpolation and, in crop mode, the crop's share
+    (`crop_pct`: 224/256 unless its pretrained configuration says another)."""
     from data.registry import DATASETS
 
     size = dcfg.resolved_image_size()
     mode = dcfg.resolved_resize_mode()
-    resize = int(round(size * CROP_RATIO)) if mode == "crop" else size
+    crop_pct = float(getattr(backbone, "crop_pct", 1 / CROP_RATIO))
+    ratio = CROP_RATIO if abs(crop_pct - 1 / CROP_RATIO) < 1e-9 else 1 / crop_pct
+    resize = int(round(size * ratio)) if mode == "crop" else size
     flip = augment and DATASETS.get(dcfg.dataset).spec.flip
-    return TransformSpec(size, resize, tuple(backbone.mean), tuple(backbone.std), augment,
-                         "pad" if mode == "pad" else "", bool(flip))
+    pad = "pad" if mode == "pad" else ""
+    return TransformSpec(size, resize, tuple(backbone.mean), tuple(backbone.std), augment, pad, bool(flip),
+                         str(getattr(backbone, "interpolation", "bilinear")))

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
+from core.errors import UserError
 from model.features import backbone_features, cached_images, cached_prefix, embed_subset
 
 if TYPE_CHECKING:
@@ -140,7 +141,11 @@ class PrefixTail:
     def __init__(self, cfg: SourceConfig):
         self.backbone, self.splits, self.transform, self.dcfg = cfg.backbone, cfg.splits, cfg.transform, cfg.dcfg
         self.n_train = cfg.train_stages()
-        self.n_prefix = len(self.backbone.stages()) - self.n_train
+        n = len(self.backbone.stages())
+        self.n_prefix = n - self.n_train
+        if not 0 < self.n_train < n:  # (the configuration checks this where the stages are known without a build)
+            raise UserError(f"--mode tail trains 1 … {n - 1} of {self.backbone.name}'s {n} stages, got --train-blocks "
+                            f"{self.n_train}" + (" (all of them is --mode finetune)" if n > 1 else ""))
         self.cache_dir, self.progress, self.device = cfg.cache_dir, cfg.progress, cfg.device
         self.warmup_epochs, self.bn_freeze = cfg.warmup_epochs, cfg.bn_freeze
         self.memory_format = torch.contiguous_format  # of the maps `embed` gives the tail (the trainer's choice)
@@ -172,7 +177,8 @@ class PrefixTail:
         c = self.cache[subset.name] if subset.name in self.cache else self._maps(subset)
         bs, out = self.dcfg.eval_batch_size, []
         for i in range(0, len(c.labels), bs):
-            x = torch.from_numpy(np.asarray(c.maps[i: i + bs], dtype=np.float32)).to(self.device)
+            # a copy: float32 maps (timm trunks) would otherwise be a read-only view of the memory map
+            x = torch.from_numpy(np.array(c.maps[i: i + bs], dtype=np.float32)).to(self.device)
             x = x.contiguous(memory_format=self.memory_format)
             out.append(model.embed_features(model.head_trunk(self.encode(x))).float().cpu())
         e = torch.cat(out).numpy() if out else np.zeros((0, model.embed_dim), np.float32)

@@ -173,7 +173,9 @@ def evaluate_model(args, argv) -> dict:
         backbone = model.backbone
         fn = backbone if trunk else model
     else:
-        cfg = config_from_args(DataConfig, args)
+        from model.backbones.registry import sized_for
+
+        cfg = sized_for(config_from_args(DataConfig, args), args.backbone)
         backbone = fn = build_backbone(args.backbone, weights=args.weights)
         trunk = True
     splits = load_data(cfg, progress=args.progress)
@@ -262,8 +264,8 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
                     "(default: %(default)s)")
     BACKBONES.add_argument(se, "--backbone", default=None,
                            help="a pretrained backbone whose raw trunk features to evaluate")
-    se.add_argument("--weights", default=None, help="backbone weights: imagenet | none | PATH "
-                    "(default: the backbone's own)")
+    se.add_argument("--weights", default=None, help="backbone weights: imagenet | hub (timm:NAME, from the local "
+                    "Hugging Face cache) | none | PATH (default: the backbone's own)")
     se.add_argument("--split", default="test", help="split to evaluate (default: %(default)s)")
     se.add_argument("--ks", type=_ks, default=DEFAULT_KS, help="Recall@K values (default: 1,2,4,8)")
     se.add_argument("--no-normalize", action="store_true", help="compare raw vectors by L2 distance")

@@ -22,7 +22,9 @@ IMAGE_CACHE_AUTO_BYTES = 16 * 2**30
 class TrainConfig(DataConfig):
     out: str = param("runs/default", "run folder (checkpoints, logs, plots)")
     backbone: str = param("efficientnet_lite0", "backbone")
-    weights: str | None = param(None, "backbone weights: imagenet | none | PATH")
+    weights: str | None = param(None, "backbone weights: imagenet | hub (timm:NAME: timm's weights from the local "
+                                      "Hugging Face cache, offline) | none | PATH (safetensors or a state dict); "
+                                      "default: the backbone's own (`list backbones`)")
     embed_dim: int = param(128, "embedding size (rows of W)", bounds="[1, inf)")
     loss: str = param("proxy_anchor", "metric loss")
     loss_param: tuple[str, ...] = param((), "loss parameters key=value,...")
@@ -160,11 +162,15 @@ class TrainConfig(DataConfig):
         return self.image_cache == "on" or image_cache_bytes(n_images, image_size) <= IMAGE_CACHE_AUTO_BYTES
 
     def data_config(self) -> DataConfig:
-        return DataConfig.from_dict(dataclasses.asdict(self))
+        """The data settings; `--image-size 0` on a photo data set means the backbone's own input size."""
+        from model.backbones.registry import sized_for
+
+        return sized_for(DataConfig.from_dict(dataclasses.asdict(self)), self.backbone)
 
     def validate(self) -> None:
         """Refuse an impossible configuration, all of it, before anything is read or written."""
         from model.backbones import BACKBONES
+        from model.backbones.registry import stage_count
         from model.device import resolve_device
 
         from .losses import LOSSES, has_proxies
@@ -173,7 +179,7 @@ class TrainConfig(DataConfig):
         DataConfig.validate(self)
         BACKBONES.get(self.backbone)
         resolve_device(self.device)
-        n_stages = len(BACKBONES.get(self.backbone).spec.stages)
+        n_stages = stage_count(self.backbone)  # 0 for timm:NAME: its stages are known once it is built
         LOSSES.params(self.loss, self.loss_param)
         checks = [
             (bool(self.cache_dir.strip()), "--cache-dir must name a folder: training keeps the trunk's features, "

@@ -22,18 +22,40 @@ class Backbone(nn.Module):
     last one ending in the global pooling, so that running them in turn is the
     forward pass.  Partial fine-tuning freezes a prefix of them.  They are looked up
     from the trunk on demand, so the state-dict keys (and checkpoints) stay the trunk's.
+
+    Preprocessing: `mean`, `std`; `interpolation` and `crop_pct` (the centre crop's share of the
+    resized side) of its resize; `input_size`, the size it was trained at (0: none).
+    `prefix_dtype`: the dtype a tail's cached prefix maps are stored in.
     """
 
     def __init__(self, name: str, trunk: nn.Module, dim: int, mean, std, weights: str,
-                 stages_fn: Callable[[Any], list] | None = None):
+                 stages_fn: Callable[[Any], list] | None = None, *, input_size: int = 0,
+                 interpolation: str = "bilinear", crop_pct: float = 224 / 256,
+                 prefix_dtype: torch.dtype = torch.float16):
         super().__init__()
         self.name = name
         self.trunk = trunk
         self.dim = int(dim)
         self.mean = tuple(float(m) for m in mean)
         self.std = tuple(float(s) for s in std)
-        self.weights = weights  # "imagenet", "none" or a file path: where the weights came from
+        self.weights = weights  # "imagenet", "hub", "none" or a file path: where the weights came from
         self._stages_fn = stages_fn
+        self.input_size = int(input_size)
+        self.interpolation = interpolation
+        self.crop_pct = float(crop_pct)
+        self.prefix_dtype = prefix_dtype
+
+    def preprocessing(self) -> dict:
+        """What a checkpoint records to rebuild this backbone's input pipeline."""
+        return {"mean": list(self.mean), "std": list(self.std), "interpolation": self.interpolation,
+                "crop_pct": self.crop_pct, "input_size": self.input_size}
+
+    def set_preprocessing(self, d: dict) -> None:
+        self.mean = tuple(float(m) for m in d.get("mean", self.mean))
+        self.std = tuple(float(s) for s in d.get("std", self.std))
+        self.interpolation = str(d.get("interpolation", self.interpolation))
+        self.crop_pct = float(d.get("crop_pct", self.crop_pct))
+        self.input_size = int(d.get("input_size", self.input_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.trunk(x)
@@ -65,6 +87,23 @@ class Backbone(nn.Module):
             h.update(k.encode())
             h.update(v.detach().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()[:16]
+
+
+class Part(nn.Module):
+    """A stage made of some of the trunk's modules and parameters (`owned`, registered here so the
+    stage's parameters and state are its own) and a function `fn` that runs them as the trunk does."""
+
+    _fn: Callable[[torch.Tensor], torch.Tensor]
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], **owned):
+        super().__init__()
+        for k, v in owned.items():
+            if v is not None:
+                setattr(self, k, v)
+        object.__setattr__(self, "_fn", fn)  # a closure over the trunk, not a submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._fn(x)
 
 
 class Pooled(nn.Module):

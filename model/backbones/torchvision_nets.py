@@ -64,7 +64,7 @@ def _build(name: str, weights: str) -> Backbone:
         net.aux2 = None
     net.fc = nn.Identity()
     return Backbone(name, net, dim, IMAGENET_MEAN, IMAGENET_STD, weights,
-                    stages_fn=googlenet_stages if name == "googlenet" else resnet_stages)
+                    stages_fn=googlenet_stages if name == "googlenet" else resnet_stages, input_size=224)
 
 
 def _pool(net):
@@ -109,7 +109,7 @@ def googlenet_stages(net) -> list:
 @BACKBONES.register(
     "resnet18",
     doc="torchvision ResNet-18; ImageNet weights from --weights PATH or the torch cache; 512-d",
-    stages=RESNET_STAGES,
+    stages=RESNET_STAGES, input_size=224,
 )
 def resnet18(weights: str | None = None) -> Backbone:
     weights = weights or "imagenet"
@@ -119,7 +119,7 @@ def resnet18(weights: str | None = None) -> Backbone:
 @BACKBONES.register(
     "resnet50",
     doc="torchvision ResNet-50; ImageNet weights from --weights PATH or the torch cache; 2048-d",
-    stages=RESNET_STAGES,
+    stages=RESNET_STAGES, input_size=224,
 )
 def resnet50(weights: str | None = None) -> Backbone:
     weights = weights or "imagenet"
@@ -129,7 +129,7 @@ def resnet50(weights: str | None = None) -> Backbone:
 @BACKBONES.register(
     "googlenet",
     doc="torchvision GoogLeNet (Inception v1); ImageNet weights from --weights PATH or the torch cache; 1024-d",
-    stages=("stem", "inception3", "inception4", "inception5"),
+    stages=("stem", "inception3", "inception4", "inception5"), input_size=224,
 )
 def googlenet(weights: str | None = None) -> Backbone:
     weights = weights or "imagenet"
