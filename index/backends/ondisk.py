@@ -16,6 +16,7 @@ demos/demo_ondisk_ivf.py):
       ivf.ivfdata    the inverted lists (codes + row ids), memory-mapped read-only
       W.npy          the neck W (k × d; identity when none is given), so M* = WᵀW and
                      every strategy can be searched from DIR alone
+      cosine/SLUG/   one strategy's cosine lists (cosine.json, ivf.index, ivf.ivfdata, L.npy)
 
 Codec: SQ8 by default.  The lists only propose candidates; every returned score is
 recomputed exactly under M′ from the memory-mapped float32 features (reading only the
@@ -38,9 +39,9 @@ for restraints (diagonal r = 0.5 is indefinite, random zeroes off-diagonal pairs
 M′q points in directions where a high centroid score does not bound the scores of
 the cell's members as tightly (negative eigen-directions reward being far from the
 query).  So the nprobe needed for a given recall grows with how far M′ is from the
-identity; bench/ondisk_bench.py measures it.  Cosine mode (PSD M′ only) fetches
-candidates by the inner product and divides by ‖x‖_M′ in the exact re-rank, so it
-fetches 4 × more candidates, as index.backends.search's approximate path does.
+identity; bench/ondisk_bench.py measures it.  Cosine mode (PSD M′ only) takes its
+candidates from the strategy's cosine lists, an IVF over Lx/‖Lx‖ (M′ = LᵀL), where the
+inner product is the cosine itself (docs/scale-out.md, "Cosine mode").
 
 OnDiskIVF is a `gallery.Gallery`; `search_metric` searches under any symmetric M′.  Re-rankers
 run over it as over an index directory (`metric_space`): a `search.Searcher` over the
