@@ -344,7 +344,7 @@ def run_phase(name: str, wd: Path, reuse: bool = False, **kw) -> dict:
 def markdown(results: dict) -> str:
     md = ["Synthetic unit vectors, d = 128, 1000 classes, W: 32 × 128; 200 queries; k = 10. "
           "IVF-SQ8 with on-disk lists; candidates re-ranked exactly under M′ from the memory-mapped features.",
-          "Cosine mode searches the trained strategy's cosine lists (an IVF-SQ8 over Wx/‖Wx‖, 32-d).",
+          "Cosine mode searches the trained strategy's cosine lists (an IVF-SQ8 over Lx/‖Lx‖, M* = LᵀL, 32-d).",
           "", "| N | nlist | build s | peak RSS MB (anon) | features MB | index on disk MB | cosine lists: build s, "
           "peak RSS MB (anon), MB on disk | gen s |",
           "|---|---|---|---|---|---|---|---|"]
