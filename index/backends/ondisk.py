@@ -329,7 +329,11 @@ def build_cosine_lists(path, strategy: str = "trained", params: dict | None = No
     rows = _RowFile(ivf.path / man["features"]["path"])
     n, nlist = len(ivf), int(man["nlist"])
     unit = _unit_rows(L)
-    index = faiss.index_factory(L.shape[0], f"IVF{nlist},{man['codec']}", faiss.METRIC_INNER_PRODUCT)
+    try:
+        index = faiss.index_factory(L.shape[0], f"IVF{nlist},{man['codec']}", faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as e:
+        raise UserError(f"cannot make cosine lists IVF{nlist},{man['codec']} in rank M′ = {L.shape[0]} "
+                        f"dimensions: {e}") from None
     sample = np.sort(np.random.default_rng(seed).choice(n, min(n, int(man["train_size"])), replace=False))
     t0 = time.perf_counter()
     index.train(unit(rows.take(sample)))
@@ -353,7 +357,14 @@ class _CosineLists:
 
     def __init__(self, path: Path, base: dict):
         self.path = path
-        self.manifest = man = json.loads((path / COSINE_MANIFEST).read_text())
+        try:
+            man = json.loads((path / COSINE_MANIFEST).read_text())
+        except (OSError, ValueError) as e:
+            man = {"error": str(e)}
+        if not isinstance(man, dict) or not isinstance(man.get("files"), dict):
+            raise UserError(f"cosine lists {path} have no readable {COSINE_MANIFEST}: rebuild them with "
+                            f"ivf-build --ivf {path.parent.parent} --cosine-for STRATEGY")
+        self.manifest = man
         # the lists depend on the features and M′ alone (and share the base lists' nlist, so nprobe)
         if man.get("features_fingerprint") != base["features"]["fingerprint"] or man.get("nlist") != base["nlist"]:
             cmd = cosine_command(path.parent.parent, man.get("strategy", "STRATEGY"), man.get("params", {}))

@@ -164,6 +164,9 @@ def test_cosine_lists_missing_or_stale_are_refused_in_one_line(spread, tmp_path)
     with pytest.raises(UserError, match=r"were built for another on-disk IVF: rebuild them with `python -m index "
                                         r"ivf-build --ivf .* --cosine-for trained`"):
         OnDiskIVF(tmp_path / "ivf").search_metric(Q, ivf.metric(M, "cosine"), K)
+    (tmp_path / "ivf" / "cosine" / "trained" / "cosine.json").write_text("{")
+    with pytest.raises(UserError, match="have no readable cosine.json: rebuild them with ivf-build --ivf"):
+        OnDiskIVF(tmp_path / "ivf").search_metric(Q, ivf.metric(M, "cosine"), K)
 
 
 def test_cosine_refuses_an_indefinite_metric(built):
