@@ -12,7 +12,7 @@ the file pages it has mapped, e.g. the memory-mapped features and lists) is its 
 a sampler thread also records the peak anonymous RSS (RssAnon, every 20 ms).
   gen     features.npy written in chunks
   build   build_ondisk_ivf: train on a sample, one shard per 10⁶ rows, merge_ondisk
-  cosine  build_cosine_lists for trained: the same route over Wx/‖Wx‖ (k = 32 dimensions)
+  cosine  build_cosine_lists for trained: the same route over Lx/‖Lx‖ (M* = LᵀL, 32 dimensions)
   truth   exact top-10 per strategy, streaming the features in chunks (batched brute force)
   search  recall@10 per strategy × nprobe (all queries); then single-query ms/query, 1 FAISS
           thread, interleaved with exact FAISS Flat over the same features in RAM (the ratio
