@@ -1,6 +1,6 @@
 """IVF with on-disk inverted lists (index/backends/ondisk.py) on synthetic data.
 
-  python bench/ondisk_bench.py --n 1000000 [--workdir /tmp/ondisk_bench] [--out bench/results/ondisk]
+  python bench/ondisk_bench.py --n 1000000 [--threads 1] [--workdir /tmp/ondisk_bench] [--out bench/results/ondisk]
 
 Data: N unit vectors in d = 128 from 1000 classes (centre + noise, rows in random
 class order); the class centres vary mostly in a 32-d subspace U, and the neck W
@@ -12,10 +12,14 @@ the file pages it has mapped, e.g. the memory-mapped features and lists) is its 
 a sampler thread also records the peak anonymous RSS (RssAnon, every 20 ms).
   gen     features.npy written in chunks
   build   build_ondisk_ivf: train on a sample, one shard per 10⁶ rows, merge_ondisk
+  cosine  build_cosine_lists for trained: the same route over Lx/‖Lx‖ (M* = LᵀL, 32 dimensions)
   truth   exact top-10 per strategy, streaming the features in chunks (batched brute force)
   search  recall@10 per strategy × nprobe (all queries); then single-query ms/query, 1 FAISS
           thread, interleaved with exact FAISS Flat over the same features in RAM (the ratio
-          is the figure to read: the machine is shared) when RAM allows it
+          is the figure to read: the machine is shared) when RAM allows it.  Cosine (from its
+          cosine lists) against the inner-product search (trained, bilinear), each at its
+          smallest nprobe reaching a recall target, timed interleaved; and cosine from inner-
+          product candidates of the base lists (no cosine lists), for comparison
   cold    the features' and lists' pages evicted (posix_fadvise DONTNEED on our own files),
           then single queries on a freshly opened index: ms/query and MB read from disk
 Results are merged by N into OUT/results.json and OUT/results.md.
@@ -35,7 +39,8 @@ import faiss
 import numpy as np
 
 from core.atomic import write_json, write_text
-from index.backends.ondisk import OnDiskIVF, build_ondisk_ivf, default_nlist
+from index.backends.gallery import exact_top
+from index.backends.ondisk import OnDiskIVF, build_cosine_lists, build_ondisk_ivf, default_nlist
 from index.refinements import refine
 
 D, K_EMB, CLASSES, SUB, K = 128, 32, 1000, 32, 10
@@ -140,6 +145,17 @@ def phase_build(wd: Path, n: int, nlist: int) -> dict:
             "features_bytes": (wd / "features.npy").stat().st_size}
 
 
+def phase_cosine(wd: Path, n: int) -> dict:
+    mon = AnonPeak()
+    W = np.load(wd / "W.npy").astype(np.float64)
+    t = time.perf_counter()
+    out = build_cosine_lists(wd / "ivf", "trained", M=W.T @ W)   # the bench's IVF keeps no neck: M* given
+    build_s = time.perf_counter() - t
+    man = json.loads((out / "cosine.json").read_text())
+    return {"build_s": build_s, **mon.stop(), "rank": man["rank"],
+            "bytes": sum(f.stat().st_size for f in out.iterdir())}
+
+
 def phase_truth(wd: Path, n: int) -> dict:
     W, Q = np.load(wd / "W.npy"), np.load(wd / "queries.npy")
     ms = metrics(W)
@@ -167,7 +183,25 @@ def phase_truth(wd: Path, n: int) -> dict:
             "exact_stream_ms_per_query": (time.perf_counter() - t) / (len(Q) * len(ms)) * 1e3}
 
 
-def phase_search(wd: Path, n: int, nprobes: list[int], single: int) -> dict:
+def recall_of(got: np.ndarray, truth: np.ndarray) -> float:
+    return float(np.mean([len(set(a) & set(b)) / K for a, b in zip(got, truth, strict=True)]))
+
+
+def cosine_from_ip_candidates(ivf: OnDiskIVF, qm, Q: np.ndarray, kc: int, nprobe: int) -> np.ndarray:
+    """Cosine without cosine lists: kc candidates by the inner product with M′q/‖q‖_M′ from the
+    base lists (blind to 1/‖x‖_M′), re-ranked exactly; the rows of the top K."""
+    qt = qm.transform(ivf.prepare_queries(Q))
+    _, cand = ivf._search(qt, kc, params=faiss.SearchParametersIVF(nprobe=nprobe))
+    out = []
+    for q, c in zip(qt, cand, strict=True):
+        c = np.sort(c[c >= 0])
+        X = np.asarray(ivf.features[c])
+        out.append(exact_top(q, c, X, qm.norms(X), K)[0])
+    return np.stack(out)
+
+
+def phase_search(wd: Path, n: int, nprobes: list[int], single: int, threads: int = 2,
+                 targets: tuple[float, ...] = (0.95, 0.99)) -> dict:
     from threadpoolctl import threadpool_limits
 
     mon = AnonPeak()
@@ -175,24 +209,22 @@ def phase_search(wd: Path, n: int, nprobes: list[int], single: int) -> dict:
     ivf = OnDiskIVF(wd / "ivf")
     nprobes = [p for p in nprobes if p <= ivf.manifest["nlist"]]
     qms = [(s, ivf.metric(M, s[2])) for s, M in metrics(W)]
-    faiss.omp_set_num_threads(2)
+    faiss.omp_set_num_threads(threads)
     recall = {}
     for (s, qm), tr in zip(qms, truth, strict=True):
         for p in nprobes:
-            got = ivf.search_metric(Q, qm, K, nprobe=p).rows
-            recall[f"{label(s)}|{p}"] = float(np.mean([len(set(a) & set(b)) / K for a, b in zip(got, tr, strict=True)]))
+            recall[f"{label(s)}|{p}"] = recall_of(ivf.search_metric(Q, qm, K, nprobe=p).rows, tr)
     out = {"recall": recall, "nprobes": nprobes}
-    # cosine candidates come by the inner product, blind to 1/‖x‖_M′: recall vs a larger pool
     p_mid = nprobes[len(nprobes) // 2]
     (cs, cqm), ctr = [(sq, t) for sq, t in zip(qms, truth, strict=True) if sq[0][2] == "cosine"][0]
-    out["cosine_pool"] = {}
-    for f in (10, 40, 160):
+    (bs, bqm), = [sq for sq in qms if sq[0][0] == "trained" and sq[0][2] == "bilinear"]
+    # cosine from the base lists' inner-product candidates (blind to 1/‖x‖_M′) against a wider pool
+    out["cosine_ip_candidates"] = {}
+    for kc in (400, 1600, 6400):
         t = time.perf_counter()
-        got = ivf.search_metric(Q, cqm, K, nprobe=p_mid, rerank_factor=f).rows
-        recall = float(np.mean([len(set(a) & set(b)) / K for a, b in zip(got, ctr, strict=True)]))
-        out["cosine_pool"][f] = {"recall": recall,
-                                 "candidates": cqm.candidate_count(K, n, f), "nprobe": p_mid,
-                                 "batch_ms_per_query": (time.perf_counter() - t) / len(Q) * 1e3}
+        got = cosine_from_ip_candidates(ivf, cqm, Q, min(kc, n), p_mid)
+        out["cosine_ip_candidates"][kc] = {"recall": recall_of(got, ctr), "nprobe": p_mid,
+                                           "batch_ms_per_query": (time.perf_counter() - t) / len(Q) * 1e3}
     # single queries: FAISS on 1 thread and numpy BLAS on 1 thread, as a serving process runs
     faiss.omp_set_num_threads(1)
     blas = threadpool_limits(1, "blas")
@@ -204,6 +236,30 @@ def phase_search(wd: Path, n: int, nprobes: list[int], single: int) -> dict:
             for i in range(single):
                 ivf.search_metric(Q[i: i + 1], qm, K, nprobe=p)
             ms[f"{label(s)}|{p}"] = (time.perf_counter() - t) / single * 1e3
+    # cosine vs the inner-product search at the same recall: each at its smallest nprobe reaching
+    # the target, single queries interleaved so that the shared machine's load hits both alike
+    out["cosine_vs_ip"] = {}
+    for target in targets:
+        pick = {}
+        for name, s in (("cosine", cs), ("ip", bs)):
+            ok = [p for p in nprobes if out["recall"][f"{label(s)}|{p}"] >= target]
+            pick[name] = ok[0] if ok else None
+        if None in pick.values():
+            out["cosine_vs_ip"][str(target)] = {"not_reached": [k for k, v in pick.items() if v is None]}
+            continue
+        t_c = t_b = 0.0
+        for i in range(single):
+            q = Q[i: i + 1]
+            t = time.perf_counter()
+            ivf.search_metric(q, cqm, K, nprobe=pick["cosine"])
+            t_c += time.perf_counter() - t
+            t = time.perf_counter()
+            ivf.search_metric(q, bqm, K, nprobe=pick["ip"])
+            t_b += time.perf_counter() - t
+        out["cosine_vs_ip"][str(target)] = {
+            "cosine_nprobe": pick["cosine"], "cosine_recall": out["recall"][f"{label(cs)}|{pick['cosine']}"],
+            "ip_nprobe": pick["ip"], "ip_recall": out["recall"][f"{label(bs)}|{pick['ip']}"],
+            "cosine_ms": t_c / single * 1e3, "ip_ms": t_b / single * 1e3, "ratio": t_c / t_b}
     out |= {"ms_per_query": ms, **mon.stop()}
     avail = status_meminfo("MemAvailable")
     need = (wd / "features.npy").stat().st_size
@@ -265,10 +321,14 @@ def phase_cold(wd: Path, n: int, nprobe: int, single: int) -> dict:
             "mb_read_per_query": (disk_read_bytes() - r1) / single / 2**20, "open_mb_read": (r1 - r0) / 2**20}
 
 
-PHASES = {"gen": phase_gen, "build": phase_build, "truth": phase_truth, "search": phase_search, "cold": phase_cold}
+PHASES = {"gen": phase_gen, "build": phase_build, "cosine": phase_cosine, "truth": phase_truth,
+          "search": phase_search, "cold": phase_cold}
 
 
-def run_phase(name: str, wd: Path, **kw) -> dict:
+def run_phase(name: str, wd: Path, reuse: bool = False, **kw) -> dict:
+    if reuse and (wd / f"{name}.json").is_file():
+        print(f"{wd.name}: {name} reused from {wd / f'{name}.json'}", file=sys.stderr, flush=True)
+        return json.loads((wd / f"{name}.json").read_text())
     print(f"[{time.strftime('%H:%M:%S')}] {wd.name}: {name} …", file=sys.stderr, flush=True)
     t = time.perf_counter()
     r = subprocess.run([sys.executable, __file__, "--phase", name, "--workdir", str(wd), "--kw", json.dumps(kw)],
@@ -284,13 +344,18 @@ def run_phase(name: str, wd: Path, **kw) -> dict:
 def markdown(results: dict) -> str:
     md = ["Synthetic unit vectors, d = 128, 1000 classes, W: 32 × 128; 200 queries; k = 10. "
           "IVF-SQ8 with on-disk lists; candidates re-ranked exactly under M′ from the memory-mapped features.",
-          "", "| N | nlist | build s | peak RSS MB (anon) | features MB | index on disk MB | gen s |",
-          "|---|---|---|---|---|---|---|"]
+          "Cosine mode searches the trained strategy's cosine lists (an IVF-SQ8 over Lx/‖Lx‖, M* = LᵀL, 32-d).",
+          "", "| N | nlist | build s | peak RSS MB (anon) | features MB | index on disk MB | cosine lists: build s, "
+          "peak RSS MB (anon), MB on disk | gen s |",
+          "|---|---|---|---|---|---|---|---|"]
     for n, r in sorted(results.items(), key=lambda kv: int(kv[0])):
-        b = r["build"]
+        b, c = r["build"], r["cosine"]
         md.append(f"| {int(n):,} | {r['nlist']} | {b['build_s']:.0f} | "
                   f"{b['peak_rss_mb']:.0f} ({b['peak_anon_rss_mb']:.0f}) "
-                  f"| {b['features_bytes'] / 2**20:.0f} | {b['index_bytes'] / 2**20:.0f} | {r['gen']['gen_s']:.0f} |")
+                  f"| {b['features_bytes'] / 2**20:.0f} | {b['index_bytes'] / 2**20:.0f} "
+                  f"| {c['build_s']:.0f}, {c['peak_rss_mb']:.0f} ({c['peak_anon_rss_mb']:.0f}), "
+                  f"{c['bytes'] / 2**20:.0f} "
+                  f"| {r['gen']['gen_s']:.0f} |")
     for n, r in sorted(results.items(), key=lambda kv: int(kv[0])):
         s = r["search"]
         md += ["", f"N = {int(n):,}: recall@10 vs exact / single-query ms (1 thread, warm page cache); search-phase "
@@ -301,9 +366,21 @@ def markdown(results: dict) -> str:
             lb = label(st)
             md.append(f"| {lb} | " + " | ".join(f"{s['recall'][f'{lb}|{p}']:.3f} / {s['ms_per_query'][f'{lb}|{p}']:.2f}"
                                                 for p in s["nprobes"]) + " |")
-        md += ["", "Cosine (trained) candidate pool: " + "; ".join(
-            f"{v['candidates']} candidates → recall {v['recall']:.3f} ({v['batch_ms_per_query']:.2f} ms/query batched)"
-            for v in s["cosine_pool"].values()) + f" at nprobe {next(iter(s['cosine_pool'].values()))['nprobe']}."]
+        md += ["", "Cosine (trained) at the same recall as the inner-product search (trained, bilinear): each at "
+               "its smallest nprobe reaching the target, single queries interleaved in one run.", "",
+               "| recall target | cosine nprobe | cosine recall / ms | inner product nprobe "
+               "| inner product recall / ms | ratio (cosine / inner product) |", "|---|---|---|---|---|---|"]
+        for target, v in s["cosine_vs_ip"].items():
+            if "not_reached" in v:
+                md.append(f"| {target} | not reached by {', '.join(v['not_reached'])} | | | | |")
+                continue
+            md.append(f"| {target} | {v['cosine_nprobe']} | {v['cosine_recall']:.3f} / {v['cosine_ms']:.2f} "
+                      f"| {v['ip_nprobe']} | {v['ip_recall']:.3f} / {v['ip_ms']:.2f} | {v['ratio']:.2f} |")
+        md += ["", "Cosine (trained) from the base lists' inner-product candidates instead (no cosine lists): "
+               + "; ".join(
+            f"{kc} candidates → recall {v['recall']:.3f} ({v['batch_ms_per_query']:.2f} ms/query batched)"
+            for kc, v in s["cosine_ip_candidates"].items())
+            + f" at nprobe {next(iter(s['cosine_ip_candidates'].values()))['nprobe']}."]
         if isinstance(s.get("flat"), str):
             md += ["", f"Exact Flat reference: {s['flat']}."]
         else:
@@ -330,6 +407,10 @@ def main():
                     help="scratch folder for data and index (default: %(default)s)")
     ap.add_argument("--out", default="bench/results/ondisk", help="results folder (default: %(default)s)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch data (default: deleted after the run)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="reuse the phases a kept WORKDIR/N… already holds results of (default: run every phase)")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="FAISS threads of the batched recall searches; single queries use 1 (default: %(default)s)")
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     ap.add_argument("--kw", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -342,11 +423,13 @@ def main():
     nlist = args.nlist or default_nlist(args.n)
     nprobes = [int(p) for p in args.nprobe.split(",")]
     r = {"nlist": nlist}
-    r["gen"] = run_phase("gen", wd, n=args.n)
-    r["build"] = run_phase("build", wd, n=args.n, nlist=nlist)
-    r["truth"] = run_phase("truth", wd, n=args.n)
-    r["search"] = run_phase("search", wd, n=args.n, nprobes=nprobes, single=args.single)
-    r["cold"] = run_phase("cold", wd, n=args.n, nprobe=nprobes[len(nprobes) // 2], single=min(args.single, 20))
+    re = args.reuse
+    r["gen"] = run_phase("gen", wd, re, n=args.n)
+    r["build"] = run_phase("build", wd, re, n=args.n, nlist=nlist)
+    r["cosine"] = run_phase("cosine", wd, re, n=args.n)
+    r["truth"] = run_phase("truth", wd, re, n=args.n)
+    r["search"] = run_phase("search", wd, re, n=args.n, nprobes=nprobes, single=args.single, threads=args.threads)
+    r["cold"] = run_phase("cold", wd, re, n=args.n, nprobe=nprobes[len(nprobes) // 2], single=min(args.single, 20))
     out = Path(args.out)
     path = out / "results.json"
     results = json.loads(path.read_text()) if path.is_file() else {}

@@ -16,6 +16,7 @@ demos/demo_ondisk_ivf.py):
       ivf.ivfdata    the inverted lists (codes + row ids), memory-mapped read-only
       W.npy          the neck W (k × d; identity when none is given), so M* = WᵀW and
                      every strategy can be searched from DIR alone
+      cosine/SLUG/   one strategy's cosine lists (cosine.json, ivf.index, ivf.ivfdata, L.npy)
 
 Codec: SQ8 by default.  The lists only propose candidates; every returned score is
 recomputed exactly under M′ from the memory-mapped float32 features (reading only the
@@ -38,9 +39,9 @@ for restraints (diagonal r = 0.5 is indefinite, random zeroes off-diagonal pairs
 M′q points in directions where a high centroid score does not bound the scores of
 the cell's members as tightly (negative eigen-directions reward being far from the
 query).  So the nprobe needed for a given recall grows with how far M′ is from the
-identity; bench/ondisk_bench.py measures it.  Cosine mode (PSD M′ only) fetches
-candidates by the inner product and divides by ‖x‖_M′ in the exact re-rank, so it
-fetches 4 × more candidates, as index.backends.search's approximate path does.
+identity; bench/ondisk_bench.py measures it.  Cosine mode (PSD M′ only) takes its
+candidates from the strategy's cosine lists, an IVF over Lx/‖Lx‖ (M′ = LᵀL), where the
+inner product is the cosine itself (docs/scale-out.md, "Cosine mode").
 
 OnDiskIVF is a `gallery.Gallery`; `search_metric` searches under any symmetric M′.  Re-rankers
 run over it as over an index directory (`metric_space`): a `search.Searcher` over the
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import datetime as _dt
 import hashlib
 import json
@@ -58,6 +60,7 @@ import logging
 import mmap
 import os
 import sys
+import time
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -71,7 +74,8 @@ from core.atomic import atomic_dir
 from core.errors import UserError
 from core.manifest import read_manifest
 
-from ..metric import QueryMetric
+from ..metric import PSD_TOL, QueryMetric
+from ..refinements import shared_params, strategy_params
 from .gallery import Hits, NeckGallery, exact_top
 from .search import Searcher
 from .store import IndexData, Items
@@ -84,6 +88,7 @@ log = logging.getLogger("index")
 FORMAT = "dml-ondisk-ivf"
 VERSION = 1
 INDEX_FILE, DATA_FILE, NECK_FILE, MANIFEST = "ivf.index", "ivf.ivfdata", "W.npy", "ondisk.json"
+COSINE_DIR, COSINE_MANIFEST, FACTOR_FILE = "cosine", "cosine.json", "L.npy"   # PATH/cosine/SLUG/…
 DEFAULT_NPROBE = 32
 _QUERY_BLOCK = 256  # queries re-ranked together: one sorted read of their candidates' rows
 
@@ -161,6 +166,33 @@ def default_nlist(n: int) -> int:
     return int(max(1, min(nl, n // 39)))
 
 
+def _write_lists(index, rows: _RowFile, tmp: Path, shard_rows: int, batch_rows: int, transform=None) -> int:
+    """Fill the trained `index` with every row (through `transform`, if given), one shard of
+    `shard_rows` at a time, and merge the shards' lists into tmp/DATA_FILE; writes tmp/INDEX_FILE.
+    Returns the number of shards."""
+    n = rows.shape[0]
+    shard_files: list[str] = []
+    for s0 in range(0, n, shard_rows):
+        s1 = min(n, s0 + shard_rows)
+        shard = faiss.clone_index(index)
+        for b0 in range(s0, s1, batch_rows):
+            b1 = min(s1, b0 + batch_rows)
+            x = rows.read(b0, b1)
+            shard.add_with_ids(x if transform is None else transform(x), np.arange(b0, b1, dtype=np.int64))
+        shard_files.append(str(tmp / f"shard{len(shard_files):04d}.index"))
+        faiss.write_index(shard, shard_files[-1])
+        del shard
+        log.info("shard %d: rows %d–%d", len(shard_files), s0, s1)
+    # merge_ondisk maps the shards and keeps their lists mapped until the process ends;
+    # the shard files are deleted here (their space returns when the process exits)
+    with _c_stdout_to_stderr():
+        merge_ondisk(index, shard_files, str(tmp / DATA_FILE))
+    faiss.write_index(index, str(tmp / INDEX_FILE))
+    for f in shard_files:
+        os.unlink(f)
+    return len(shard_files)
+
+
 # ---------------------------------------------------------------- build
 def build_ondisk_ivf(features, out, *, W: np.ndarray | None = None, nlist: int | None = None, codec: str = "SQ8",
                      shard_rows: int = 1_000_000, train_size: int | None = None, normalize: bool = False,
@@ -206,32 +238,15 @@ def build_ondisk_ivf(features, out, *, W: np.ndarray | None = None, nlist: int |
     out = Path(out)
     features_abs = rows.path.resolve()
     with atomic_dir(out) as tmp:
-        shard_files: list[str] = []
-        for s0 in range(0, n, shard_rows):
-            s1 = min(n, s0 + shard_rows)
-            shard = faiss.clone_index(index)
-            for b0 in range(s0, s1, batch_rows):
-                b1 = min(s1, b0 + batch_rows)
-                shard.add_with_ids(rows.read(b0, b1), np.arange(b0, b1, dtype=np.int64))
-            shard_files.append(str(tmp / f"shard{len(shard_files):04d}.index"))
-            faiss.write_index(shard, shard_files[-1])
-            del shard
-            log.info("shard %d: rows %d–%d", len(shard_files), s0, s1)
-        # merge_ondisk maps the shards and keeps their lists mapped until the process ends;
-        # the shard files are deleted below (their space returns when the process exits)
-        with _c_stdout_to_stderr():
-            merge_ondisk(index, shard_files, str(tmp / DATA_FILE))
-        faiss.write_index(index, str(tmp / INDEX_FILE))
+        shards = _write_lists(index, rows, tmp, shard_rows, batch_rows)
         del index, ivf, lists
         np.save(tmp / NECK_FILE, W)
-        for f in shard_files:
-            os.unlink(f)
         manifest = {
             "format": FORMAT, "version": VERSION,
             "created_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "count": int(n), "dim": int(d), "embed_dim": int(W.shape[0]), "nlist": int(nlist), "codec": codec,
             "factory": factory,
-            "normalize": bool(normalize), "shards": len(shard_files), "train_size": int(train_size),
+            "normalize": bool(normalize), "shards": shards, "train_size": int(train_size),
             "features": {"path": os.path.relpath(features_abs, out.resolve()), "shape": [int(n), int(d)],
                          "fingerprint": _fingerprint(rows)},
             "files": {f: {"bytes": (tmp / f).stat().st_size} for f in (INDEX_FILE, DATA_FILE, NECK_FILE)},
@@ -242,17 +257,132 @@ def build_ondisk_ivf(features, out, *, W: np.ndarray | None = None, nlist: int |
     return out
 
 
-def build_for_index(index_dir, out=None, **kw) -> Path:
+def build_for_index(index_dir, out=None, cosine_for: tuple[str, dict] | None = ("trained", {}), **kw) -> Path:
     """An on-disk IVF over an index directory's features.npy (default DIR: INDEX/ivf_ondisk,
-    dropped with the directory whenever `add`/`remove` rewrite it)."""
+    dropped with the directory whenever `add`/`remove` rewrite it), with the cosine lists of
+    `cosine_for` (strategy, parameters; default trained, the app's default search; None: none)."""
     index_dir = Path(index_dir)
     try:
         man = json.loads((index_dir / "manifest.json").read_text())
         normalize = bool(man["normalize"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"{index_dir} is not a readable index directory: {e}") from None
-    return build_ondisk_ivf(index_dir / "features.npy", out or index_dir / "ivf_ondisk", normalize=normalize,
-                            W=load_npy(index_dir / "W.npy", "neck W"), source_index=index_dir, **kw)
+    out = build_ondisk_ivf(index_dir / "features.npy", out or index_dir / "ivf_ondisk", normalize=normalize,
+                           W=load_npy(index_dir / "W.npy", "neck W"), source_index=index_dir, **kw)
+    if cosine_for is not None:
+        build_cosine_lists(out, *cosine_for, shard_rows=kw.get("shard_rows", 1_000_000), seed=kw.get("seed", 0))
+    return out
+
+
+# ---------------------------------------------------------------- cosine lists
+def psd_factor(M: np.ndarray) -> np.ndarray:
+    """L (r × d, float64) with LᵀL = M for a PSD M, r = rank M: then ‖x‖_M = ‖Lx‖ and the
+    cosine under M is the cosine of Lq and Lx.  Eigen-directions below PSD_TOL are dropped."""
+    ev, V = np.linalg.eigh(np.asarray(M, dtype=np.float64))
+    keep = ev > PSD_TOL * max(float(np.abs(ev).max()), 1e-300)
+    return np.ascontiguousarray((V[:, keep] * np.sqrt(ev[keep])).T)
+
+
+def _unit_rows(L: np.ndarray):
+    """x ↦ Lx/‖Lx‖ in float32.  A row with Lx = 0 has no cosine and stays 0, as does one whose
+    ‖Lx‖ is within float32 rounding of 0 (≤ 10⁻⁵ ‖L‖₂ ‖x‖): its direction would be noise."""
+    Lt = np.ascontiguousarray(L.T, dtype=np.float32)
+    floor = 1e-5 * float(np.linalg.norm(L, 2)) if L.size else 0.0
+
+    def f(x: np.ndarray) -> np.ndarray:
+        z = x @ Lt
+        nz = np.linalg.norm(z, axis=1, keepdims=True)
+        keep = nz > floor * np.linalg.norm(x, axis=1, keepdims=True)
+        return np.ascontiguousarray(np.where(keep, z / np.maximum(nz, 1e-30), 0), dtype=np.float32)
+    return f
+
+
+def cosine_slug(strategy: str, params: dict) -> str:
+    """The folder name of a strategy's cosine lists: its name, and a hash of its parameters."""
+    if not params:
+        return strategy
+    return f"{strategy}-{hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:10]}"
+
+
+def cosine_command(path, strategy: str, params: dict) -> str:
+    """The command that builds a strategy's cosine lists for the on-disk IVF at `path`."""
+    flags = {sp.name: sp.flag for sp in shared_params()}
+    given = "".join(f" {flags.get(k, '--' + k)} {v}" for k, v in params.items())
+    return f"python -m index ivf-build --ivf {path} --cosine-for {strategy}{given}"
+
+
+def build_cosine_lists(path, strategy: str = "trained", params: dict | None = None, *, M: np.ndarray | None = None,
+                       shard_rows: int = 1_000_000, batch_rows: int = 65536, seed: int = 0) -> Path:
+    """Cosine lists of one strategy beside the on-disk IVF at `path` (PATH/cosine/SLUG): an IVF,
+    with the base lists' nlist and codec, over z = Lx/‖Lx‖ (M′ = LᵀL), so cosine under M′ is the
+    inner product of unit r-vectors and the lists propose candidates by the score itself.
+    `M`: M′ itself (default: the strategy's, from the IVF's neck W), any PSD matrix, recorded
+    under the strategy's name.  Written atomically; rebuilding replaces them."""
+    ivf = OnDiskIVF(path)
+    params = dataclasses.asdict(strategy_params(strategy, params))  # every parameter, defaults filled
+    # cosine's QueryMetric refuses an indefinite M′ in one line
+    M = (ivf.strategy_metric(strategy, params, "cosine") if M is None else ivf.metric(M, "cosine")).M
+    L = psd_factor(M)
+    if L.shape[0] == 0:
+        raise UserError(f"M′ of {strategy} is zero: cosine is undefined")
+    man = ivf.manifest
+    rows = _RowFile(ivf.path / man["features"]["path"])
+    n, nlist = len(ivf), int(man["nlist"])
+    unit = _unit_rows(L)
+    try:
+        index = faiss.index_factory(L.shape[0], f"IVF{nlist},{man['codec']}", faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as e:
+        raise UserError(f"cannot make cosine lists IVF{nlist},{man['codec']} in rank M′ = {L.shape[0]} "
+                        f"dimensions: {e}") from None
+    sample = np.sort(np.random.default_rng(seed).choice(n, min(n, int(man["train_size"])), replace=False))
+    t0 = time.perf_counter()
+    index.train(unit(rows.take(sample)))
+    out = ivf.path / COSINE_DIR / cosine_slug(strategy, params)
+    with atomic_dir(out) as tmp:
+        _write_lists(index, rows, tmp, shard_rows, batch_rows, transform=unit)
+        del index
+        np.save(tmp / FACTOR_FILE, L)
+        (tmp / COSINE_MANIFEST).write_text(json.dumps({
+            "format": FORMAT + "-cosine", "version": VERSION, "strategy": strategy, "params": params,
+            "rank": int(L.shape[0]), "nlist": nlist, "codec": man["codec"],
+            "features_fingerprint": man["features"]["fingerprint"],
+            "build_s": round(time.perf_counter() - t0, 1),
+            "files": {f: {"bytes": (tmp / f).stat().st_size} for f in (INDEX_FILE, DATA_FILE, FACTOR_FILE)},
+        }, indent=2))
+    return out
+
+
+class _CosineLists:
+    """One strategy's cosine lists, opened: the IVF over Lx/‖Lx‖ and the factor L."""
+
+    def __init__(self, path: Path, base: dict):
+        self.path = path
+        try:
+            man = json.loads((path / COSINE_MANIFEST).read_text())
+        except (OSError, ValueError) as e:
+            man = {"error": str(e)}
+        if not isinstance(man, dict) or not isinstance(man.get("files"), dict):
+            raise UserError(f"cosine lists {path} have no readable {COSINE_MANIFEST}: rebuild them with "
+                            f"ivf-build --ivf {path.parent.parent} --cosine-for STRATEGY")
+        self.manifest = man
+        # the lists depend on the features and M′ alone (and share the base lists' nlist, so nprobe)
+        if man.get("features_fingerprint") != base["features"]["fingerprint"] or man.get("nlist") != base["nlist"]:
+            cmd = cosine_command(path.parent.parent, man.get("strategy", "STRATEGY"), man.get("params", {}))
+            raise UserError(f"cosine lists {path} were built for another on-disk IVF: rebuild them with `{cmd}`")
+        for f, want in man["files"].items():
+            if not (path / f).is_file() or (path / f).stat().st_size != want["bytes"]:
+                raise UserError(f"cosine list file {path / f} is missing or not {want['bytes']} bytes")
+        self.L = load_npy(path / FACTOR_FILE, "cosine factor L")
+        self.M = self.L.T @ self.L
+        self.unit = _unit_rows(self.L)
+        with _c_stdout_to_stderr():
+            index = faiss.read_index(str(path / INDEX_FILE), faiss.IO_FLAG_ONDISK_SAME_DIR | faiss.IO_FLAG_READ_ONLY)
+        self.index = index
+        self.search = getattr(index, "search_numpy", index.search)
+
+    def matches(self, M: np.ndarray) -> bool:
+        return self.M.shape == M.shape and bool(
+            np.linalg.norm(self.M - M) <= 1e-6 * max(float(np.linalg.norm(M)), 1e-300))
 
 
 # ---------------------------------------------------------------- search
@@ -263,6 +393,7 @@ class OnDiskIVF(NeckGallery):
     def __init__(self, path, features=None, nprobe: int | None = None, rerank_factor: int = 10):
         self.path = Path(path)
         self.rerank_factor = rerank_factor
+        self._cosine: dict[str, _CosineLists] = {}   # cosine lists opened, by folder name
         man = read_manifest(self.path / MANIFEST, FORMAT, VERSION, f"{self.path} (an on-disk IVF index?)")
         for f, want in man["files"].items():
             p = self.path / f
@@ -364,22 +495,58 @@ class OnDiskIVF(NeckGallery):
                                      "files": content}, self.features, items, self.W, self.index, names)
         return Searcher(data, rerank_factor=self.rerank_factor)
 
+    def cosine_lists(self, M: np.ndarray, strategy: tuple[str, dict | None] | None = None) -> _CosineLists:
+        """The cosine lists built for M′ (matched by LᵀL = M′); refused in one line, naming the
+        command that builds them, when there are none (`strategy`: what the search was asked for)."""
+        for lists in self._cosine.values():
+            if lists.matches(M):
+                return lists
+        for man in sorted((self.path / COSINE_DIR).glob(f"*/{COSINE_MANIFEST}")):
+            if man.parent.name not in self._cosine:
+                lists = self._cosine[man.parent.name] = _CosineLists(man.parent, self.manifest)
+                if lists.matches(M):
+                    return lists
+        if strategy is None:
+            how = f"`{cosine_command(self.path, 'STRATEGY', {})}` with the strategy of this M′"
+        else:
+            how = f"`{cosine_command(self.path, strategy[0], dict(strategy[1] or {}))}`"
+        raise UserError(f"cosine mode on the on-disk IVF {self.path} needs cosine lists for this M′; "
+                        f"build them with {how}, or search with --mode bilinear")
+
+    def search(self, queries: np.ndarray, strategy: str = "trained", params: dict | None = None,
+               mode: str = "bilinear", k: int = 10, what: str = "query features") -> Hits:
+        if k < 1:
+            raise UserError(f"k must be ≥ 1, got {k}")
+        return self.search_metric(queries, self.strategy_metric(strategy, params, mode), min(k, len(self)),
+                                  what=what, strategy=(strategy, params))
+
     def search_metric(self, feats: np.ndarray, metric: QueryMetric, k: int = 10, nprobe: int | None = None,
-                      rerank_factor: int | None = None, what: str = "query features") -> Hits:
-        """Top-k rows under `metric` with exact scores; candidates from the `nprobe` lists
-        whose centroids score highest against the transformed query."""
+                      rerank_factor: int | None = None, what: str = "query features",
+                      strategy: tuple[str, dict | None] | None = None) -> Hits:
+        """Top-k rows under `metric` with exact scores.  Bilinear: candidates from the `nprobe`
+        lists whose centroids score highest against M′q.  Cosine: from the cosine lists built for
+        M′ (`strategy`, when given, names it in the refusal where there are none), by the cosine
+        itself; the pool is k × rerank_factor in both modes."""
         if k < 1:
             raise UserError(f"k must be ≥ 1, got {k}")
         # per-call parameters, not index.nprobe: concurrent searches may probe differently
         params = faiss.SearchParametersIVF()
         params.nprobe = self._nprobe if nprobe is None else self._checked_nprobe(nprobe)
-        qt = metric.transform(self.prepare_queries(feats, what))
-        kc = metric.candidate_count(k, len(self), self.rerank_factor if rerank_factor is None else rerank_factor)
+        Q = self.prepare_queries(feats, what)
+        qt = metric.transform(Q)
+        rf = self.rerank_factor if rerank_factor is None else rerank_factor
+        if metric.mode == "cosine":
+            lists = self.cosine_lists(metric.M, strategy)
+            search, qc = lists.search, lists.unit(Q)
+            kc = min(len(self), max(k * rf, 64))
+        else:
+            search, qc = self._search, qt
+            kc = metric.candidate_count(k, len(self), rf)
         R = np.full((len(qt), k), -1, dtype=np.int64)
         S = np.full((len(qt), k), -np.inf, dtype=np.float32)
         for b in range(0, len(qt), _QUERY_BLOCK):
             block = qt[b: b + _QUERY_BLOCK]
-            _, cand = self._search(block, kc, params=params)
+            _, cand = search(qc[b: b + _QUERY_BLOCK], kc, params=params)
             uniq = np.unique(cand[cand >= 0])        # sorted: the memmap is read front to back
             X = np.asarray(self.features[uniq], dtype=np.float32)
             norms = metric.norms(X)

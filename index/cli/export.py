@@ -6,7 +6,7 @@ import json
 
 from core.errors import UserError
 
-from .flags import milvus_args, milvus_token
+from .flags import milvus_args, milvus_token, strategy_param_args, strategy_params_from
 
 
 # ---------------------------------------------------------------- ivf-build
@@ -27,19 +27,41 @@ def ivf_build_parser(sub) -> None:
                    help="rows per shard filled in RAM before the on-disk merge (default: %(default)s)")
     v.add_argument("--train-size", type=int, default=0,
                    help="rows sampled to train the quantiser; 0 = 64 × nlist (default: %(default)s)")
-    v.add_argument("--seed", type=int, default=0, help="seed of the training sample (default: %(default)s)")
+    v.add_argument("--train-seed", type=int, default=0,
+                   help="seed of the training sample (default: %(default)s)")
+    g = v.add_argument_group("cosine lists (cosine mode searches a strategy's own lists, over Lx/‖Lx‖ for M′ = LᵀL)")
+    g.add_argument("--cosine-for", default="trained", metavar="STRATEGY",
+                   help="build the cosine lists of this strategy (with the parameter flags below) beside the "
+                        "lists; none: skip (default: %(default)s)")
+    g.add_argument("--ivf", help="only add --cosine-for's cosine lists to this existing on-disk IVF directory "
+                                 "(default: none; build the IVF too)")
+    strategy_param_args(g)
     v.set_defaults(func=cmd_ivf_build)
 
 
 def cmd_ivf_build(args) -> int:
-    from ..backends.ondisk import MANIFEST, build_for_index, build_ondisk_ivf
+    from ..backends.ondisk import MANIFEST, build_cosine_lists, build_for_index, build_ondisk_ivf
+    from ..refinements import REFINEMENTS
 
     kw = {"nlist": args.nlist or None, "codec": args.codec, "shard_rows": args.shard_rows,
-          "train_size": args.train_size or None, "seed": args.seed}
+          "train_size": args.train_size or None, "seed": args.train_seed}
+    cosine = None if args.cosine_for == "none" else args.cosine_for
+    if cosine is not None:
+        REFINEMENTS.get(cosine)   # an unknown name is refused before anything is built
+    args.strategy = cosine or "none"   # parameter flags without a strategy that takes them are refused
+    given = {k: v for k, v in strategy_params_from(args).items() if v is not None}
+    if args.ivf:
+        if args.index or args.features or not cosine:
+            raise UserError("--ivf DIR adds cosine lists to an existing on-disk IVF: give --cosine-for STRATEGY "
+                            "and neither --index nor --features")
+        lists = build_cosine_lists(args.ivf, cosine, given, shard_rows=args.shard_rows, seed=args.train_seed)
+        print(json.dumps(_cosine_summary(lists), indent=2))
+        return 0
     if bool(args.index) == bool(args.features):
-        raise UserError("give one of --index IDX (an index directory) or --features F.npy")
+        raise UserError("give one of --index IDX (an index directory), --features F.npy, or --ivf DIR with "
+                        "--cosine-for STRATEGY")
     if args.index:
-        out = build_for_index(args.index, args.out, **kw)
+        out = build_for_index(args.index, args.out, cosine_for=None, **kw)   # cosine lists below
     else:
         from core.arrays import load_npy
 
@@ -48,9 +70,21 @@ def cmd_ivf_build(args) -> int:
         W = load_npy(args.neck, "neck W") if args.neck else None
         out = build_ondisk_ivf(args.features, args.out, W=W, normalize=args.normalized, **kw)
     man = json.loads((out / MANIFEST).read_text())
-    print(json.dumps({k: man[k] for k in ("count", "dim", "nlist", "codec", "shards", "normalize")}
-                     | {"bytes_on_disk": sum(f["bytes"] for f in man["files"].values()), "ivf": str(out)}, indent=2))
+    summary = ({k: man[k] for k in ("count", "dim", "nlist", "codec", "shards", "normalize")}
+               | {"bytes_on_disk": sum(f["bytes"] for f in man["files"].values()), "ivf": str(out)})
+    if cosine:
+        summary["cosine"] = _cosine_summary(build_cosine_lists(out, cosine, given, shard_rows=args.shard_rows,
+                                                               seed=args.train_seed))
+    print(json.dumps(summary, indent=2))
     return 0
+
+
+def _cosine_summary(lists) -> dict:
+    from ..backends.ondisk import COSINE_MANIFEST
+
+    man = json.loads((lists / COSINE_MANIFEST).read_text())
+    return ({k: man[k] for k in ("strategy", "params", "rank", "nlist", "codec", "build_s")}
+            | {"bytes_on_disk": sum(f["bytes"] for f in man["files"].values()), "lists": str(lists)})
 
 
 # ---------------------------------------------------------------- export

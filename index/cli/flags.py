@@ -23,15 +23,19 @@ INHERITED = "the checkpoint's"
 def strategy_args(p):
     g = p.add_argument_group("metric (refinement strategy; `python -m index list` shows each one's parameters)")
     REFINEMENTS.add_argument(g, "--strategy", default="trained", help="refinement strategy M* ↦ M′")
-    # one flag per parameter name over all strategies; unset = the chosen strategy's default
-    for sp in shared_params():
-        g.add_argument(sp.flag, dest=sp.name, type=_param_type(sp), default=None,
-                       help=sp.describe().replace("%", "%%"))
+    strategy_param_args(g)
     g.add_argument("--mode", choices=MODES, default="cosine",
                    help="cosine under M′, the standard evaluation the paper follows (for M* the cosine of "
                         "the embeddings; an indefinite M′ has none and falls back to bilinear, with a note: "
                         "the *-psd strategies read it as PSD), or bilinear φ(q)ᵀM′φ(x), our extra view "
                         "(default: %(default)s)")
+
+
+def strategy_param_args(g):
+    """One flag per parameter name over all strategies; unset = the chosen strategy's default."""
+    for sp in shared_params():
+        g.add_argument(sp.flag, dest=sp.name, type=_param_type(sp), default=None,
+                       help=sp.describe().replace("%", "%%"))
 
 
 def _param_type(sp):

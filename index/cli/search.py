@@ -42,7 +42,8 @@ def search_parser(sub) -> None:
                         "for ondisk, Milvus's own for milvus (default: %(default)s)")
     g.add_argument("--rerank-factor", type=int, default=10,
                    help="ondisk, and milvus in cosine mode or on a non-FLAT collection: candidates fetched per "
-                        "result for the exact re-rank under M′, × 4 in cosine mode (default: %(default)s)")
+                        "result for the exact re-rank under M′, × 4 for milvus in cosine mode (the on-disk IVF "
+                        "searches cosine in the strategy's cosine lists) (default: %(default)s)")
     milvus_args(g)
     s.set_defaults(func=cmd_search)
 

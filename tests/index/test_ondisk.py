@@ -8,7 +8,7 @@ import pytest
 from dense_reference import m_norms
 
 from core.errors import UserError
-from index.backends.ondisk import OnDiskIVF, build_for_index, build_ondisk_ivf
+from index.backends.ondisk import OnDiskIVF, build_cosine_lists, build_for_index, build_ondisk_ivf
 from index.backends.store import Items, write_index
 from index.cli import main
 from index.refinements import refine
@@ -85,14 +85,93 @@ def test_fewer_lists_probed_lose_some_recall_for_a_non_identity_metric(built):
     assert recall_up_to_ties(exact_scores(X, Q, M), ivf.search_metric(Q, ivf.metric(M), K).rows) < 1.0
 
 
-def test_cosine_divides_by_candidate_m_norms(built):
-    t, X, Q, M_star = built
+def spread_norms_data(seed=0):
+    """A gallery whose ‖x‖_M′ spans four orders of magnitude under a rank-4 M′ = WᵀW (W reads
+    the first 4 coordinates): every row is unit, with its share in W's row space drawn from
+    10⁻⁴ … 1, so the rows nearest a query in cosine are mostly short under M′ and the inner
+    product ranks them low; 5 rows have Wx = 0 (no cosine)."""
+    rng = np.random.default_rng(seed)
+    W = np.zeros((4, DIM))
+    W[:, :4] = rng.standard_normal((4, 4))
+    a, b = rng.standard_normal((N, 4)), rng.standard_normal((N, DIM - 4))
+    a /= np.linalg.norm(a, axis=1, keepdims=True)
+    b /= np.linalg.norm(b, axis=1, keepdims=True)
+    share = 10.0 ** rng.uniform(-4, 0, N)[:, None]
+    share[:5] = 0
+    X = np.hstack([share * a, np.sqrt(1 - share**2) * b]).astype(np.float32)
+    Q = np.hstack([rng.standard_normal((20, 4)), 0.3 * rng.standard_normal((20, DIM - 4))]).astype(np.float32)
+    return X, Q, W.astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def spread(tmp_path_factory):
+    t = tmp_path_factory.mktemp("spread")
+    X, Q, W = spread_norms_data()
+    np.save(t / "features.npy", X)
+    build_ondisk_ivf(t / "features.npy", t / "ivf", W=W, nlist=NLIST, shard_rows=1100, normalize=True)
+    return t, X, Q, W.astype(np.float64).T @ W.astype(np.float64)
+
+
+def test_cosine_lists_give_the_exact_cosine_top_k_where_inner_product_candidates_miss(spread):
+    t, X, Q, M = spread
     ivf = OnDiskIVF(t / "ivf")
-    S = exact_scores(X, Q, M_star, cosine=True)
-    # every row a candidate: the re-rank alone decides, so it must be the exact cosine top-k
-    res = ivf.search_metric(Q, ivf.metric(M_star, "cosine"), K, nprobe=NLIST, rerank_factor=N)
+    qm = ivf.metric(M, "cosine")
+    with np.errstate(invalid="ignore"):
+        S = exact_scores(X, Q, M, cosine=True)
+    S[:, :5] = -np.inf      # 0/0: Wx = 0, no cosine
+    bilinear_before = ivf.search(Q, "trained", {}, "bilinear", K)
+    # the inner product's own top 400 (the former pool) misses most of the exact cosine top k
+    _, cand = ivf._search(qm.transform(ivf.prepare_queries(Q)), 400, params=faiss.SearchParametersIVF(nprobe=NLIST))
+    truth = np.argsort(-S, axis=1)[:, :K]
+    assert np.mean([np.isin(tr, c).mean() for tr, c in zip(truth, cand, strict=True)]) < 0.5
+    with pytest.raises(UserError) as e:
+        ivf.search(Q, "trained", {}, "cosine", K)
+    msg = str(e.value)
+    assert "\n" not in msg and f"python -m index ivf-build --ivf {t / 'ivf'} --cosine-for trained`" in msg
+    out = build_cosine_lists(t / "ivf", "trained")
+    man = json.loads((out / "cosine.json").read_text())
+    assert out == t / "ivf" / "cosine" / "trained" and man["rank"] == 4 and man["nlist"] == NLIST
+    # all lists probed, the default pool (k × 10 = 100 of 3000): the exact cosine top k
+    res = ivf.search(Q, "trained", {}, "cosine", K)
     assert recall_up_to_ties(S, res.rows) == 1.0
     np.testing.assert_allclose(res.scores, np.take_along_axis(S, res.rows, 1), rtol=1e-4, atol=1e-5)
+    assert not np.isin(res.rows, np.arange(5)).any()       # Wx = 0 has no cosine
+    np.testing.assert_array_equal(ivf.search_metric(Q, qm, K).rows, res.rows)  # found by M′ alone
+    # fewer lists probed still find it here; the bilinear search is untouched by the cosine lists
+    assert recall_up_to_ties(S, ivf.search_metric(Q, qm, K, nprobe=NLIST // 2).rows) >= 0.9
+    bilinear_after = OnDiskIVF(t / "ivf").search(Q, "trained", {}, "bilinear", K)
+    np.testing.assert_array_equal(bilinear_after.rows, bilinear_before.rows)
+    np.testing.assert_array_equal(bilinear_after.scores, bilinear_before.scores)
+
+
+def test_cosine_lists_missing_or_stale_are_refused_in_one_line(spread, tmp_path):
+    t, X, Q, M = spread
+    ivf = OnDiskIVF(t / "ivf")
+    with pytest.raises(UserError, match=r"needs cosine lists for this M′; build them with `python -m index "
+                                        r"ivf-build --ivf .* --cosine-for random-psd --r 0.5 --seed 3`, "
+                                        r"or search with --mode bilinear$"):
+        ivf.search(Q, "random-psd", {"r": 0.5, "seed": 3}, "cosine", K)
+    with pytest.raises(UserError, match="--cosine-for STRATEGY` with the strategy of this M′"):
+        ivf.search_metric(Q, ivf.metric(np.eye(DIM), "cosine"), K)
+    with pytest.raises(UserError, match="cosine mode needs a positive semi-definite M′"):
+        build_cosine_lists(t / "ivf", "diagonal", {"r": 0.5})
+    # lists of other features are refused, naming the rebuild
+    import shutil
+
+    np.save(tmp_path / "other.npy", X[::-1].copy())
+    build_ondisk_ivf(tmp_path / "other.npy", tmp_path / "ivf", nlist=NLIST, normalize=True)
+    shutil.copytree(t / "ivf" / "cosine", tmp_path / "ivf" / "cosine")
+    with pytest.raises(UserError, match=r"were built for another on-disk IVF: rebuild them with `python -m index "
+                                        r"ivf-build --ivf .* --cosine-for trained`"):
+        OnDiskIVF(tmp_path / "ivf").search_metric(Q, ivf.metric(M, "cosine"), K)
+    (tmp_path / "ivf" / "cosine" / "trained" / "cosine.json").write_text("{")
+    with pytest.raises(UserError, match="have no readable cosine.json: rebuild them with ivf-build --ivf"):
+        OnDiskIVF(tmp_path / "ivf").search_metric(Q, ivf.metric(M, "cosine"), K)
+
+
+def test_cosine_refuses_an_indefinite_metric(built):
+    t, X, Q, M_star = built
+    ivf = OnDiskIVF(t / "ivf")
     with pytest.raises(UserError, match="cosine mode needs a positive semi-definite M′"):
         ivf.metric(refine("diagonal", M_star, {"r": 0.5}), "cosine")
 
@@ -156,11 +235,16 @@ def test_cli_builds_from_an_index_and_searches_like_flat_under_every_strategy(tm
     assert main(["ivf-build", "--index", str(idx), "--nlist", str(NLIST), "--shard-rows", "1000"]) == 0
     built = json.loads(capsys.readouterr().out)
     assert built["shards"] == 3 and built["ivf"] == str(idx / "ivf_ondisk")
+    assert built["cosine"]["strategy"] == "trained" and built["cosine"]["rank"] == 6   # the default's lists
+    psd = ["--strategy", "random-psd", "--r", "0.5", "--seed", "2"]
+    assert main(["ivf-build", "--ivf", str(idx / "ivf_ondisk"), "--cosine-for", *psd[1:]]) == 0
+    added = json.loads(capsys.readouterr().out)
+    assert added["params"] == {"r": 0.5, "seed": 2, "psd": "abs"} and added["rank"] == DIM
     runs = [(["--strategy", name, "--mode", "bilinear"]
              + [x for kv in params.items() for x in (f"--{kv[0]}", str(kv[1]))], [])
             for name, params in STRATEGIES]
-    # cosine: candidates come by the raw inner product; a pool of every row makes the re-rank decide alone
-    runs.append((["--mode", "cosine"], ["--rerank-factor", str(N // K)]))
+    # cosine, from each strategy's cosine lists; a pool of every row makes the re-rank decide alone
+    runs += [(["--mode", "cosine"], ["--rerank-factor", str(N // K)]), (psd + ["--mode", "cosine"], [])]
     for flags, pool in runs:
         flags = ["search", "--features", str(tmp_path / "q.npy"), "--k", str(K)] + flags
         assert main(flags + ["--index", str(idx)]) == 0
@@ -172,6 +256,16 @@ def test_cli_builds_from_an_index_and_searches_like_flat_under_every_strategy(tm
                     == [(r["id"], r["relative_path"]) for r in b["results"]])
             np.testing.assert_allclose([r["score"] for r in a["results"]], [r["score"] for r in b["results"]],
                                        rtol=1e-4, atol=1e-5)
+    search = ["search", "--features", str(tmp_path / "q.npy"), "--backend", "ondisk", "--index", str(idx)]
+    want = f"--ivf {idx / 'ivf_ondisk'} --cosine-for random-psd --r 0.5 --seed 5 --psd abs`"
+    with pytest.raises(UserError, match=want):
+        main(search + ["--strategy", "random-psd", "--seed", "5"])     # no lists for this seed
+    with pytest.raises(UserError, match="--ivf DIR adds cosine lists to an existing on-disk IVF"):
+        main(["ivf-build", "--ivf", str(idx / "ivf_ondisk"), "--index", str(idx)])
+    with pytest.raises(UserError, match="strategy trained takes no --r"):
+        main(["ivf-build", "--ivf", str(idx / "ivf_ondisk"), "--r", "0.5"])
+    with pytest.raises(UserError, match="unknown"):
+        main(["ivf-build", "--ivf", str(idx / "ivf_ondisk"), "--cosine-for", "bogus"])
 
 
 def test_cli_builds_from_bare_features_and_refuses_bad_input(tmp_path, capsys):
