@@ -257,10 +257,16 @@ def build_ondisk_ivf(features, out, *, W: np.ndarray | None = None, nlist: int |
     return out
 
 
-def build_for_index(index_dir, out=None, cosine_for: tuple[str, dict] | None = ("trained", {}), **kw) -> Path:
+# the cosine lists an on-disk IVF gets by default: those of the app's two default searches
+DEFAULT_COSINE_FOR: tuple[tuple[str, dict], ...] = (("trained", {}), ("identity", {}))
+
+
+def build_for_index(index_dir, out=None, cosine_for: tuple[tuple[str, dict], ...] = DEFAULT_COSINE_FOR,
+                    **kw) -> Path:
     """An on-disk IVF over an index directory's features.npy (default DIR: INDEX/ivf_ondisk,
     dropped with the directory whenever `add`/`remove` rewrite it), with the cosine lists of
-    `cosine_for` (strategy, parameters; default trained, the app's default search; None: none)."""
+    `cosine_for` ((strategy, parameters) pairs; default trained and identity, the app's two default
+    searches; (): none)."""
     index_dir = Path(index_dir)
     try:
         man = json.loads((index_dir / "manifest.json").read_text())
@@ -269,8 +275,8 @@ def build_for_index(index_dir, out=None, cosine_for: tuple[str, dict] | None = (
         raise UserError(f"{index_dir} is not a readable index directory: {e}") from None
     out = build_ondisk_ivf(index_dir / "features.npy", out or index_dir / "ivf_ondisk", normalize=normalize,
                            W=load_npy(index_dir / "W.npy", "neck W"), source_index=index_dir, **kw)
-    if cosine_for is not None:
-        build_cosine_lists(out, *cosine_for, shard_rows=kw.get("shard_rows", 1_000_000), seed=kw.get("seed", 0))
+    for strategy, params in cosine_for:
+        build_cosine_lists(out, strategy, params, shard_rows=kw.get("shard_rows", 1_000_000), seed=kw.get("seed", 0))
     return out
 
 

@@ -6,7 +6,8 @@ import json
 
 from core.errors import UserError
 
-from .flags import milvus_args, milvus_token, strategy_param_args, strategy_params_from
+from ..refinements import shared_params
+from .flags import milvus_args, milvus_token, strategy_param_args
 
 
 # ---------------------------------------------------------------- ivf-build
@@ -30,9 +31,10 @@ def ivf_build_parser(sub) -> None:
     v.add_argument("--train-seed", type=int, default=0,
                    help="seed of the training sample (default: %(default)s)")
     g = v.add_argument_group("cosine lists (cosine mode searches a strategy's own lists, over Lx/‖Lx‖ for M′ = LᵀL)")
-    g.add_argument("--cosine-for", default="trained", metavar="STRATEGY",
-                   help="build the cosine lists of this strategy (with the parameter flags below) beside the "
-                        "lists; none: skip (default: %(default)s)")
+    g.add_argument("--cosine-for", default="trained,identity", metavar="STRATEGY[,STRATEGY...]",
+                   help="build the cosine lists of these strategies (each with the parameter flags below that it "
+                        "takes) beside the lists; the default is the app's two default searches; none: skip "
+                        "(default: %(default)s)")
     g.add_argument("--ivf", help="only add --cosine-for's cosine lists to this existing on-disk IVF directory "
                                  "(default: none; build the IVF too)")
     strategy_param_args(g)
@@ -45,23 +47,23 @@ def cmd_ivf_build(args) -> int:
 
     kw = {"nlist": args.nlist or None, "codec": args.codec, "shard_rows": args.shard_rows,
           "train_size": args.train_size or None, "seed": args.train_seed}
-    cosine = None if args.cosine_for == "none" else args.cosine_for
-    if cosine is not None:
-        REFINEMENTS.get(cosine)   # an unknown name is refused before anything is built
-    args.strategy = cosine or "none"   # parameter flags without a strategy that takes them are refused
-    given = {k: v for k, v in strategy_params_from(args).items() if v is not None}
+    names = [] if args.cosine_for.strip() == "none" else [s.strip() for s in args.cosine_for.split(",") if s.strip()]
+    for name in names:
+        REFINEMENTS.get(name)   # an unknown name is refused before anything is built
+    cosine = [(name, cosine_params(args, name, names)) for name in names]
     if args.ivf:
         if args.index or args.features or not cosine:
             raise UserError("--ivf DIR adds cosine lists to an existing on-disk IVF: give --cosine-for STRATEGY "
                             "and neither --index nor --features")
-        lists = build_cosine_lists(args.ivf, cosine, given, shard_rows=args.shard_rows, seed=args.train_seed)
-        print(json.dumps(_cosine_summary(lists), indent=2))
+        built = [_cosine_summary(build_cosine_lists(args.ivf, s, p, shard_rows=args.shard_rows, seed=args.train_seed))
+                 for s, p in cosine]
+        print(json.dumps(built, indent=2))
         return 0
     if bool(args.index) == bool(args.features):
         raise UserError("give one of --index IDX (an index directory), --features F.npy, or --ivf DIR with "
                         "--cosine-for STRATEGY")
     if args.index:
-        out = build_for_index(args.index, args.out, cosine_for=None, **kw)   # cosine lists below
+        out = build_for_index(args.index, args.out, cosine_for=(), **kw)   # cosine lists below
     else:
         from core.arrays import load_npy
 
@@ -73,10 +75,22 @@ def cmd_ivf_build(args) -> int:
     summary = ({k: man[k] for k in ("count", "dim", "nlist", "codec", "shards", "normalize")}
                | {"bytes_on_disk": sum(f["bytes"] for f in man["files"].values()), "ivf": str(out)})
     if cosine:
-        summary["cosine"] = _cosine_summary(build_cosine_lists(out, cosine, given, shard_rows=args.shard_rows,
-                                                               seed=args.train_seed))
+        summary["cosine"] = [_cosine_summary(build_cosine_lists(out, s, p, shard_rows=args.shard_rows,
+                                                                seed=args.train_seed)) for s, p in cosine]
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def cosine_params(args, name: str, names: list[str]) -> dict:
+    """Strategy `name`'s values of the parameter flags; a flag that no strategy in `names` takes is
+    refused (ignoring it would build the lists of another M′ than the one asked for)."""
+    given = {sp.name: getattr(args, sp.name) for sp in shared_params() if getattr(args, sp.name) is not None}
+    for sp in shared_params():
+        if sp.name in given and not any(n in sp.defaults for n in names):
+            raise UserError(f"--cosine-for {','.join(names) or 'none'} takes no {sp.flag}; "
+                            f"{', '.join(sp.defaults)} {'do' if len(sp.defaults) > 1 else 'does'}")
+    takes = {sp.name for sp in shared_params() if name in sp.defaults}
+    return {k: v for k, v in given.items() if k in takes}
 
 
 def _cosine_summary(lists) -> dict:

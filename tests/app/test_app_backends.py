@@ -40,7 +40,9 @@ def ram(gallery_dir):
 
 @pytest.fixture(scope="module")
 def ondisk(gallery_dir):
-    ivf = build_for_index(gallery_dir, gallery_dir.parent / "ivf", nlist=2)
+    # cosine mode searches a strategy's own cosine lists: the defaults' and those of SPECS
+    ivf = build_for_index(gallery_dir, gallery_dir.parent / "ivf", nlist=2,
+                          cosine_for=(("trained", {}), ("identity", {}), ("spectral", {"p": 0.5})))
     return RetrievalService(served=open_served("ondisk", ivf=ivf, nprobe=2))  # every list: exact
 
 

@@ -235,10 +235,11 @@ def test_cli_builds_from_an_index_and_searches_like_flat_under_every_strategy(tm
     assert main(["ivf-build", "--index", str(idx), "--nlist", str(NLIST), "--shard-rows", "1000"]) == 0
     built = json.loads(capsys.readouterr().out)
     assert built["shards"] == 3 and built["ivf"] == str(idx / "ivf_ondisk")
-    assert built["cosine"]["strategy"] == "trained" and built["cosine"]["rank"] == 6   # the default's lists
+    # the default's lists: the app's two default searches
+    assert [(c["strategy"], c["rank"]) for c in built["cosine"]] == [("trained", 6), ("identity", DIM)]
     psd = ["--strategy", "random-psd", "--r", "0.5", "--seed", "2"]
     assert main(["ivf-build", "--ivf", str(idx / "ivf_ondisk"), "--cosine-for", *psd[1:]]) == 0
-    added = json.loads(capsys.readouterr().out)
+    [added] = json.loads(capsys.readouterr().out)
     assert added["params"] == {"r": 0.5, "seed": 2, "psd": "abs"} and added["rank"] == DIM
     runs = [(["--strategy", name, "--mode", "bilinear"]
              + [x for kv in params.items() for x in (f"--{kv[0]}", str(kv[1]))], [])
@@ -262,8 +263,12 @@ def test_cli_builds_from_an_index_and_searches_like_flat_under_every_strategy(tm
         main(search + ["--strategy", "random-psd", "--seed", "5"])     # no lists for this seed
     with pytest.raises(UserError, match="--ivf DIR adds cosine lists to an existing on-disk IVF"):
         main(["ivf-build", "--ivf", str(idx / "ivf_ondisk"), "--index", str(idx)])
-    with pytest.raises(UserError, match="strategy trained takes no --r"):
+    with pytest.raises(UserError, match="--cosine-for trained,identity takes no --r"):
         main(["ivf-build", "--ivf", str(idx / "ivf_ondisk"), "--r", "0.5"])
+    # a flag goes to the listed strategies that take it
+    assert main(["ivf-build", "--ivf", str(idx / "ivf_ondisk"), "--cosine-for", "identity,spectral", "--p", "0.5"]) == 0
+    assert [(c["strategy"], c["params"]) for c in json.loads(capsys.readouterr().out)] == [
+        ("identity", {}), ("spectral", {"p": 0.5})]
     with pytest.raises(UserError, match="unknown"):
         main(["ivf-build", "--ivf", str(idx / "ivf_ondisk"), "--cosine-for", "bogus"])
 

@@ -1,6 +1,7 @@
 """A timm ViT as the trunk, end to end on tiny kanji: frozen, tail over the cached token prefix (equal
 to the whole trunk bit for bit) and fine-tune; an index built from the checkpoint with no flags,
 offline, that serves a search and the app."""
+import dataclasses
 import json
 
 import numpy as np
@@ -46,7 +47,7 @@ def test_tail_over_the_cached_token_prefix_is_the_whole_trunk_bit_for_bit(tmp_pa
         tail = torch.cat([bb.run_stages(torch.from_numpy(np.array(pc.maps[i: i + bs])), src.n_prefix)
                           for i in range(0, len(pc.labels), bs)])
     assert torch.equal(tail, torch.from_numpy(feats))
-    m = train(cfg)
+    m = train(dataclasses.replace(cfg, overwrite=True))  # the set-up run made the folder
     assert np.isfinite(m["test"]["map@r"])
     from model.checkpoint import load_model
 
@@ -64,7 +65,7 @@ def test_finetune_trains_every_stage_of_the_vit(tmp_path, kanji_root):
     before = Run(cfg)
     before.setup()
     sd0 = {k: v.clone() for k, v in before.backbone.trunk.state_dict().items()}
-    m = train(cfg)
+    m = train(dataclasses.replace(cfg, overwrite=True))  # the set-up run made the folder
     assert np.isfinite(m["test"]["map@r"])
     from model.checkpoint import load_model
 
