@@ -36,18 +36,16 @@ from __future__ import annotations
 import base64
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from core.errors import UserError
 
 from ..metric import QueryMetric
+from ..space import MetricSpace
 from .gallery import Hits, NeckGallery, exact_top
 from .store import Items
-
-if TYPE_CHECKING:
-    from ..rerankers.space import MetricSpace
 
 METRIC = "IP"            # never "COSINE": see the module docstring
 EXACT_INDEX = "FLAT"     # exact: bilinear scores come straight from Milvus

@@ -60,7 +60,6 @@ import os
 import sys
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import faiss
 import numpy as np
@@ -72,12 +71,10 @@ from core.errors import UserError
 from core.manifest import read_manifest
 
 from ..metric import QueryMetric
+from ..space import MetricSpace
 from .gallery import Hits, NeckGallery, exact_top
 from .search import Searcher
 from .store import IndexData, Items
-
-if TYPE_CHECKING:
-    from ..rerankers.space import MetricSpace
 
 log = logging.getLogger("index")
 
@@ -355,7 +352,7 @@ class OnDiskIVF(NeckGallery):
             raise UserError(f"the on-disk IVF at {self.path} was built from bare features: re-ranked results "
                             "need its items; build it from an index directory (ivf-build --index)")
         man = self.manifest
-        # what re-rankers' offline caches are keyed by (rerankers.cache.fingerprint): the features'
+        # what re-rankers' offline caches are keyed by (space.store.fingerprint): the features'
         # checksum, the neck, and the candidate settings their neighbour lists were searched with
         content = {"features": man["features"]["fingerprint"], "files": man["files"],
                    "W": hashlib.sha256(np.ascontiguousarray(self.W).tobytes()).hexdigest(),

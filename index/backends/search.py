@@ -6,14 +6,13 @@ Cosine mode (PSD M′ only) divides by ‖φ(x)‖_M′; those norms, and the
 norm-scaled copy of the database the exact cosine search uses, are cached per
 strategy.  Approximate indexes fetch candidates and re-rank them exactly.
 FAISS reads are thread-safe; the caches are guarded by a lock.  A `gallery.Gallery`, whose
-re-rankers run in a `rerankers.SearcherSpace` over it.
+re-rankers run in a `space.SearcherSpace` over it.
 """
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import faiss
 import numpy as np
@@ -23,11 +22,9 @@ from core.errors import UserError
 from ..metric import MODES, matrix_report, resolve_mode, symmetrized
 from ..operator import MetricOperator
 from ..refinements import operator_kind, refine, strategy_key, strategy_label, strategy_params
-from .gallery import Hits, prepare_queries
+from ..space import Hits, MetricSpace, SearcherSpace
+from .gallery import prepare_queries
 from .store import IndexData
-
-if TYPE_CHECKING:
-    from ..rerankers.space import MetricSpace
 
 
 @dataclass(eq=False)  # identity semantics: fields hold numpy arrays
@@ -130,8 +127,6 @@ class Searcher:
 
     def metric_space(self, strategy: str, params: dict | None, mode: str) -> MetricSpace:
         """The `SearcherSpace` re-rankers run in (the features are in RAM or memory-mapped)."""
-        from ..rerankers.space import SearcherSpace  # the re-rankers build on this module
-
         return SearcherSpace(self, strategy, params, mode)
 
     def query_view(self, strategy: str = "trained", params: dict | None = None, mode: str = "bilinear"):

@@ -32,10 +32,9 @@ from scipy import sparse
 
 from core.params import param
 
-from ..backends.gallery import Hits
+from ..space import Hits, MetricSpace
 from .neighbours import neighbour_lists, reverse_index, without
 from .registry import RERANKERS, WHOLE_GALLERY, candidates
-from .space import MetricSpace
 
 BATCH_CELLS = 1 << 22  # queries × items diffused together on the whole graph (one sparse product per CG
 # step; the solver holds five such float64 blocks: 160 MB)
@@ -125,7 +124,7 @@ def whole_graph(space: MetricSpace, p: DiffusionParams) -> dict[str, np.ndarray]
         lists, sims = neighbour_lists(space, p.k)
         A = affinity(np.arange(space.n), lists, sims, p.gamma, np.full(space.n, -1, dtype=np.int64))
         return {"indptr": A.indptr, "indices": A.indices, "data": A.data, "deg": np.asarray(A.sum(1)).ravel()}
-    return space.store.get("diffusion-graph", {"k": p.k, "gamma": p.gamma}, compute)
+    return space.artefact("diffusion-graph", {"k": p.k, "gamma": p.gamma}, compute)
 
 
 def _without_item(lists: np.ndarray, sims: np.ndarray, rev, i: int, k: int, gamma: float):

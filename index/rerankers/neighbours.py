@@ -1,7 +1,7 @@
 """The offline gallery–gallery pass the re-rankers share: each item's top-L neighbours under the
 space's similarity (the item itself included, where its own score puts it, as a row of a full
-similarity matrix sorted would have it), and each row's extreme similarities.  Both are cached
-in `space.store`; a leave-one-out query removes its own row from them online (`without`),
+similarity matrix sorted would have it), and each row's extreme similarities.  Both are the
+space's artefacts (`space.artefact`); a leave-one-out query removes its own row from them online (`without`),
 which is why every list is stored one entry longer than any re-ranker reads.
 """
 from __future__ import annotations
@@ -10,10 +10,9 @@ import numpy as np
 
 from core.errors import UserError
 
-from .space import MetricSpace
+from ..space import MetricSpace, memory_budget
 
 BLOCK = 2048        # rows per search call in the list pass
-LIST_BYTES = 4 << 30  # the lists' size at most (rows and similarities, 8 bytes an entry)
 SCAN_CELLS = 1 << 23  # cells per full-scan block in the minima pass (rows × n float32: 32 MB)
 
 
@@ -25,22 +24,23 @@ def stored_length(L: int, n: int) -> int:
 
 def neighbour_lists(space: MetricSpace, L: int) -> tuple[np.ndarray, np.ndarray]:
     """(rows, sims): every item's top-L items, best first (n × L int32, float32; views of the
-    cached arrays: do not write to them)."""
+    cached arrays: do not write to them).  Refused when they would not fit the memory budget."""
     L = min(int(L), space.n)
-    got = space.store.load("knn")
-    if got is None or got["rows"].shape[1] < L:
+
+    def build():
         Ls = stored_length(L, space.n)
-        if space.n * Ls * 8 > LIST_BYTES:
+        if space.n * Ls * 8 > memory_budget():
             raise UserError(f"re-ranking would keep every item's top {Ls} neighbours: "
-                            f"{space.n * Ls * 8 / 2**30:.1f} GiB for {space.n:,} items; ask for fewer neighbours")
+                            f"{space.n * Ls * 8 / 2**30:.1f} GiB for {space.n:,} items, above the memory budget "
+                            f"(--cache-memory {memory_budget() / 2**30:.1f}G); ask for fewer neighbours")
         rows = np.empty((space.n, Ls), dtype=np.int32)
         sims = np.empty((space.n, Ls), dtype=np.float32)
         for s in range(0, space.n, BLOCK):
             idx = np.arange(s, min(s + BLOCK, space.n))
             h = space.search(space.gallery_vectors(idx), Ls)
             rows[idx], sims[idx] = h.rows, h.scores
-        got = {"rows": rows, "sims": sims}
-        space.store.save("knn", None, got)
+        return {"rows": rows, "sims": sims}
+    got = space.artefact("knn", None, build, stale=lambda got: got["rows"].shape[1] < L)
     return got["rows"][:, :L], got["sims"][:, :L]
 
 
@@ -63,7 +63,7 @@ def row_extremes(space: MetricSpace) -> dict[str, np.ndarray]:
             S[r, a] = np.inf
             out["min2"][idx] = S.min(1) if n > 1 else np.inf
         return out
-    return space.store.get("extremes", None, compute)
+    return space.artefact("extremes", None, compute)
 
 
 def without(rows: np.ndarray, sims: np.ndarray, drop: np.ndarray, L: int):
@@ -82,10 +82,10 @@ def reverse_index(space: MetricSpace, lists: np.ndarray, k: int, name: str) -> t
     if lists.shape[1] < k:
         raise ValueError(f"a reverse index of the first {k} neighbours needs lists of {k} or more, "
                          f"not {lists.shape[1]}")
-    if name not in space.store.memo:
+    def build():
         flat = lists[:, :k].ravel().astype(np.int64)
         order = np.argsort(flat, kind="stable")
         ptr = np.zeros(space.n + 1, dtype=np.int64)
         np.add.at(ptr, flat + 1, 1)
-        space.store.memo[name] = (np.cumsum(ptr), np.repeat(np.arange(space.n), k)[order])
-    return space.store.memo[name]
+        return np.cumsum(ptr), np.repeat(np.arange(space.n), k)[order]
+    return space.artefact(name, None, build, disk=False)
