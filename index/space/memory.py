@@ -123,6 +123,12 @@ class MemoryCache:
             self.budget = int(budget)
             self._evict(keep=None)
 
+    def drop_owner(self, owner: Hashable) -> None:
+        """Forget every entry whose key is a tuple starting with `owner` (a gallery gone)."""
+        with self._lock:
+            for k in [k for k in self._entries if isinstance(k, tuple) and k and k[0] is owner]:
+                del self._entries[k]
+
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()

@@ -171,3 +171,32 @@ def test_concurrent_searches_differing_in_lambda_and_strategy_give_the_sequentia
         np.testing.assert_array_equal(h.rows, want[i].rows, err_msg=str(CONFIGS[i]))
         np.testing.assert_array_equal(h.scores, want[i].scores, err_msg=str(CONFIGS[i]))
     assert not (want[0].rows < 0).any()  # a complete answer (a batch left out would read −1)
+
+
+def test_the_searchers_cosine_state_is_built_once_kept_in_the_budget_and_dropped_with_it(monkeypatch):
+    """8 cosine searches at once on a fresh searcher compute the gallery's M′-norms once; the norms
+    and the norm-scaled copy are entries of the one cache, gone when the searcher is."""
+    import gc
+
+    searcher, x = gallery()
+    rm = searcher.metric("trained", {})
+    calls = []
+    m_norms = rm.op.m_norms
+    monkeypatch.setattr(rm.op, "m_norms", lambda X: calls.append(1) or time.sleep(0.05) or m_norms(X))
+    rows = cosine_searches_at_once(searcher, x[:5])
+    assert len(calls) == 1 and all(np.array_equal(r, rows[0]) for r in rows)
+    assert searcher.holds_cosine_parts("trained", {})
+    assert CACHE.used >= x.nbytes  # the norm-scaled copy of the gallery counts against the budget
+    del searcher, rm
+    gc.collect()
+    assert CACHE.used < x.nbytes
+
+
+def cosine_searches_at_once(searcher, q, threads=8):
+    start = threading.Barrier(threads)
+
+    def one(_):
+        start.wait()
+        return searcher.search(q, "trained", {}, "cosine", k=5).rows
+    with ThreadPoolExecutor(threads) as ex:
+        return list(ex.map(one, range(threads)))

@@ -271,6 +271,29 @@ def test_kreciprocal_is_the_official_algorithm_with_the_full_pool(gallery, kr_pa
         np.testing.assert_allclose(got.scores[i], 1 - final[rows], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("strategy,params,mode", CASES, ids=CASE_IDS)
+def test_kreciprocal_dense_reference_is_the_official_code_and_the_engine_is_it(gallery, strategy, params, mode):
+    """kreciprocal/paper.py computes the whole universe as the official code does; the incremental
+    engine gives its ranking and d*, plain probes and leave-one-out ones alike."""
+    from index.rerankers.kreciprocal.paper import dense
+
+    searcher, x, _ = gallery
+    ref = Ref(searcher, strategy, params, mode)
+    space = space_for(searcher, strategy, params, mode)
+    q = np.vstack([queries(x, 3), x[[5, 60]]])
+    own = np.array([-1, -1, -1, 5, 60])
+    d_star = dense(space, space.prepare(q), own, 10, 3, 0.3)
+    for i, qi in enumerate(ref.prep(q[:3])):
+        np.testing.assert_allclose(d_star[i], kreciprocal_reference(universe_distances(ref, qi), 10, 3, 0.3),
+                                   rtol=0, atol=1e-5)
+    assert np.isinf(d_star[3, 5]) and np.isinf(d_star[4, 60]) and np.isfinite(np.delete(d_star[3], 5)).all()
+    got = rerank("kreciprocal", space, q, 10, params={"k1": 10, "k2": 3, "lambda_value": 0.3}, self_ids=own)
+    for i, qi in enumerate(ref.prep(q)):
+        rows = by_distance(d_star[i], ref.s(qi[None], ref.G)[0])[:10]
+        np.testing.assert_array_equal(got.rows[i], rows)
+        np.testing.assert_allclose(got.scores[i], 1 - d_star[i, rows], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("k1", [39, 40, 60])
 def test_kreciprocal_with_k1_as_large_as_the_gallery(tmp_path, kr_path, k1):
     """Lists as long as the gallery (k1 + 1 ≥ n): every set is the official code's still."""
