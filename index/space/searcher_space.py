@@ -17,7 +17,7 @@ from .memory import CACHE
 from .protocol import as_rows, drop_rows
 from .store import OfflineStore, cache_root, check_outside, fingerprint, key_hash
 
-GATHER_CELLS = 1 << 24  # keys gathered at once by a per-query score (queries × rows × d float32: 64 MB)
+GATHER_CELLS = 1 << 24  # keys gathered at once, by a score or a weighted sum (queries × rows × d float32: 64 MB)
 
 
 class SearcherSpace:
