@@ -16,12 +16,7 @@ size (a variant: run_test.m truncates only regional descriptors on Oxford105k/Pa
   §3.2     y_i = max(s(q, x_i), 0)^γ for the query's top kq items, 0 elsewhere  (ymake.m)
   Eq. 9    f = (I − αS)^{-1} y, solved by conjugate gradients (dfs.m: pcg, tol, iterations)
 and the items are ranked by f (equal f: in the plain search's order).  Items outside a
-truncation keep f = 0, as in the code.
-
-Leave-one-out (a query that is gallery item i): the graph is the gallery's without i.  On the
-whole graph only the rows of i and of the items whose k-NN list held i change (their lists move
-up by one entry); those rows and columns are rebuilt for the query and the rest of the offline
-affinity is used as it is, so every query meets exactly the graph of the gallery without it.
+truncation keep f = 0, as in the code.  Leave-one-out: docs/reranking.md.
 """
 from __future__ import annotations
 

@@ -9,16 +9,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...space import MetricSpace
-from .paper import final_distance
 from .sets import ProbeBatch, gather, top_rows
 
 if TYPE_CHECKING:
     from . import KReciprocalParams
-
-
-def distances(batch: ProbeBatch, pools: np.ndarray, p: KReciprocalParams) -> np.ndarray:
-    """d*(p, g) (Eq. 12) for each probe and each row g of its pool (B × pool, inf where −1)."""
-    return final_distance(pools, *terms(batch, pools, p), p.lambda_value)
 
 
 def terms(batch: ProbeBatch, pools: np.ndarray, p: KReciprocalParams) -> tuple[np.ndarray, np.ndarray]:

@@ -90,7 +90,7 @@ class ProbeBatch:
         self.refreshed: np.ndarray | None = None
         self.known: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         if offline is not None:
-            assert reverse is not None  # built with the offline lists (rerank_kreciprocal)
+            assert reverse is not None  # built with the offline lists (`kreciprocal`)
             # changed[k][b, y]: N(y, k+1) over U_b differs from the gallery's; touched[k]: the
             # nodes whose R(·, k) that can change: y, the entry the probe pushes out of it, and
             # where the probe's own row leaves it, the entry that comes in
