@@ -2,10 +2,12 @@
 space's similarity (the item itself included, where its own score puts it, as a row of a full
 similarity matrix sorted would have it), and each row's extreme similarities.  Both are the
 space's artefacts (`space.artefact`); a leave-one-out query removes its own row from them online (`without`),
-which is why every list is stored one entry longer than any re-ranker reads.
+which is why every list is stored one entry longer than any re-ranker reads.  Above
+APPROXIMATE_ABOVE items (PSD M′) the lists come from an HNSW index, re-scored exactly.
 """
 from __future__ import annotations
 
+import faiss
 import numpy as np
 
 from core.errors import UserError
@@ -13,6 +15,10 @@ from core.errors import UserError
 from ..space import MetricSpace, memory_budget
 
 BLOCK = 2048        # rows per search call in the list pass
+# galleries above this many items build their lists with an HNSW index instead of an exact scan,
+# where M′ is PSD (measured: docs/reranking.md, "Approximate neighbour lists")
+APPROXIMATE_ABOVE = 200_000
+HNSW = {"M": 32, "ef_construction": 80, "ef_search": 128}  # ef_search: at least twice the list length
 SCAN_CELLS = 1 << 23  # cells per full-scan block in the minima pass (rows × n float32: 32 MB)
 
 
@@ -26,6 +32,8 @@ def neighbour_lists(space: MetricSpace, L: int) -> tuple[np.ndarray, np.ndarray]
     """(rows, sims): every item's top-L items, best first (n × L int32, float32; views of the
     cached arrays: do not write to them).  Refused when they would not fit the memory budget."""
     L = min(int(L), space.n)
+    F = space.factor() if space.n > APPROXIMATE_ABOVE else None
+    approximate = F is not None and F.shape[1] > 0
 
     def build():
         Ls = stored_length(L, space.n)
@@ -33,15 +41,48 @@ def neighbour_lists(space: MetricSpace, L: int) -> tuple[np.ndarray, np.ndarray]
             raise UserError(f"re-ranking would keep every item's top {Ls} neighbours: "
                             f"{space.n * Ls * 8 / 2**30:.1f} GiB for {space.n:,} items, above the memory budget "
                             f"(--cache-memory {memory_budget() / 2**30:.1f}G); ask for fewer neighbours")
-        rows = np.empty((space.n, Ls), dtype=np.int32)
-        sims = np.empty((space.n, Ls), dtype=np.float32)
-        for s in range(0, space.n, BLOCK):
-            idx = np.arange(s, min(s + BLOCK, space.n))
-            h = space.search(space.gallery_vectors(idx), Ls)
-            rows[idx], sims[idx] = h.rows, h.scores
-        return {"rows": rows, "sims": sims}
-    got = space.artefact("knn", None, build, stale=lambda got: got["rows"].shape[1] < L)
+        if approximate:
+            assert F is not None
+            return approximate_lists(space, F, Ls)
+        return exact_lists(space, np.arange(space.n), Ls)
+    got = space.artefact("knn", HNSW if approximate else None, build, stale=lambda got: got["rows"].shape[1] < L)
     return got["rows"][:, :L], got["sims"][:, :L]
+
+
+def exact_lists(space: MetricSpace, items: np.ndarray, Ls: int) -> dict[str, np.ndarray]:
+    """The top Ls of each of `items` by an exact search of the whole gallery."""
+    rows = np.empty((len(items), Ls), dtype=np.int32)
+    sims = np.empty((len(items), Ls), dtype=np.float32)
+    for s in range(0, len(items), BLOCK):
+        h = space.search(space.gallery_vectors(items[s: s + BLOCK]), Ls)
+        rows[s: s + BLOCK], sims[s: s + BLOCK] = h.rows, h.scores
+    return {"rows": rows, "sims": sims}
+
+
+def approximate_lists(space: MetricSpace, F: np.ndarray, Ls: int) -> dict[str, np.ndarray]:
+    """Each item's top Ls from an HNSW inner-product index over Fᵀ key(x) (M′ = F Fᵀ, so its inner
+    product is s), re-scored exactly and sorted best first; an item whose search came back short
+    is searched exactly."""
+    index = faiss.IndexHNSWFlat(F.shape[1], HNSW["M"], faiss.METRIC_INNER_PRODUCT)
+    index.hnsw.efConstruction = HNSW["ef_construction"]
+    for s in range(0, space.n, BLOCK):
+        index.add(np.ascontiguousarray(space.gallery_vectors(np.arange(s, min(s + BLOCK, space.n))) @ F))
+    index.hnsw.efSearch = max(HNSW["ef_search"], 2 * Ls)
+    rows = np.empty((space.n, Ls), dtype=np.int32)
+    sims = np.empty((space.n, Ls), dtype=np.float32)
+    for s in range(0, space.n, BLOCK):
+        idx = np.arange(s, min(s + BLOCK, space.n))
+        keys = space.gallery_vectors(idx)
+        _, cand = index.search(np.ascontiguousarray(keys @ F), Ls)
+        cand = cand.astype(np.int64)
+        exact = space.score(keys, cand)  # −inf where the search returned no row
+        order = np.argsort(-exact, axis=1, kind="stable")
+        rows[idx], sims[idx] = np.take_along_axis(cand, order, 1), np.take_along_axis(exact, order, 1)
+    short = np.flatnonzero((rows < 0).any(1))
+    if len(short):
+        again = exact_lists(space, short, Ls)
+        rows[short], sims[short] = again["rows"], again["sims"]
+    return {"rows": rows, "sims": sims}
 
 
 def row_extremes(space: MetricSpace) -> dict[str, np.ndarray]:

@@ -79,6 +79,11 @@ class MetricSpace(Protocol):
         """Exact s(v, x): rows None → every item (n_q × n); 1-D → those for every query;
         2-D (n_q × m) → per query (−inf where a row is −1)."""
 
+    def factor(self) -> np.ndarray | None:
+        """F (d × r, float32) with s(key(a), key(b)) = (Fᵀ key(a)) · (Fᵀ key(b)) for every pair of
+        keys: M′ = F Fᵀ, so that a symmetric inner-product index over Fᵀ key(x) ranks by s; None
+        where M′ is indefinite (no such F)."""
+
     def hits(self, rows: np.ndarray, scores: np.ndarray) -> Hits:
         """A `Hits` with the gallery's item metadata."""
 

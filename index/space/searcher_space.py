@@ -144,6 +144,18 @@ class SearcherSpace:
     def held(self, name: str, params: dict | None = None) -> bool:
         return self._held(name, params) is not None
 
+    def factor(self) -> np.ndarray | None:
+        def build():
+            M = np.asarray(self.searcher.metric(self.strategy, self.params).M, dtype=np.float64)
+            w, V = np.linalg.eigh((M + M.T) / 2)
+            scale = max(float(np.abs(w).max(initial=0.0)), 1e-300)
+            if w.min(initial=0.0) < -1e-6 * scale:
+                return {"F": np.zeros((0, 0), np.float32), "psd": np.array(False)}
+            keep = w > 1e-9 * scale  # the null space adds nothing to any inner product
+            return {"F": (V[:, keep] * np.sqrt(w[keep])).astype(np.float32), "psd": np.array(True)}
+        got = self.artefact("factor", None, build, disk=False)
+        return got["F"] if bool(got["psd"]) else None
+
     # ------------------------------------------------------------ search and scores
     def search(self, v: np.ndarray, k: int, exclude: np.ndarray | None = None) -> Hits:
         v = np.ascontiguousarray(v, dtype=np.float32)

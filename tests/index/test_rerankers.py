@@ -802,3 +802,43 @@ def test_neighbour_lists_beyond_the_memory_budget_are_refused(gallery, monkeypat
     with pytest.raises(UserError, match=r"^re-ranking would keep every item's top 48 neighbours: .* for 150 items, "
                                         r"above the memory budget \(--cache-memory"):
         rerank("dba", space_for(searcher, "trained", {}, "cosine"), x[:1], 5, params={"n": 40})
+
+
+# ---------------------------------------------------------------- approximate neighbour lists
+@pytest.mark.parametrize("strategy,params,mode", CASES[:2], ids=CASE_IDS[:2])
+def test_the_factor_of_a_psd_metric_gives_its_similarity(gallery, strategy, params, mode):
+    searcher, _, _ = gallery
+    space = space_for(searcher, strategy, params, mode)
+    F = space.factor()
+    keys = space.gallery_vectors(np.arange(40))
+    np.testing.assert_allclose((keys @ F) @ (keys @ F).T, space.score(keys)[:, :40], rtol=1e-4, atol=1e-5)
+    assert space_for(searcher, "diagonal", {"r": 0.5, "seed": 1}, "bilinear").factor() is None  # indefinite
+
+
+def test_approximate_neighbour_lists_against_the_exact_ones(tmp_path, monkeypatch):
+    """Above APPROXIMATE_ABOVE items the lists come from HNSW, each re-scored exactly: on a small
+    gallery they hold at least 99 % of the exact top L, every score is the exact s, best first,
+    and re-rankers run on them; an indefinite M′ keeps the exact scan."""
+    import index.rerankers.neighbours as nb
+
+    x, lab, W = features(n=1500, seed=7)
+    searcher = build(tmp_path / "idx", x, lab, W)
+    space = space_for(searcher, "trained", {}, "cosine")
+    exact_rows, _ = nb.neighbour_lists(space, 30)
+    monkeypatch.setattr(nb, "APPROXIMATE_ABOVE", 0)
+    monkeypatch.setitem(nb.HNSW, "ef_construction", 40)  # a weaker graph than the default: recall still holds
+    rows, sims = nb.neighbour_lists(space, 30)
+    assert space.held("knn", nb.HNSW) and space.held("knn", None)  # two artefacts: never read for each other
+    found = (rows[:, :, None] == exact_rows[:, None, :]).any(1).mean()
+    assert found >= 0.99
+    assert (rows[:, 0] == np.arange(len(x))).mean() > 0.99  # cosine: each item first in its own list
+    np.testing.assert_array_equal(sims, space.score(space.gallery_vectors(np.arange(len(x))), rows.astype(np.int64)))
+    assert (np.diff(sims, axis=1) <= 0).all()
+    got = rerank("kreciprocal", space, queries(x), 10)
+    assert (got.rows >= 0).all()
+    indefinite = space_for(searcher, "diagonal", {"r": 0.5, "seed": 1}, "bilinear")
+    r_ind, _ = nb.neighbour_lists(indefinite, 30)
+    assert indefinite.held("knn", None) and not indefinite.held("knn", nb.HNSW)
+    monkeypatch.setattr(nb, "APPROXIMATE_ABOVE", 10**9)
+    CACHE.clear()
+    np.testing.assert_array_equal(nb.neighbour_lists(indefinite, 30)[0], r_ind)
