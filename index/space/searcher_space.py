@@ -24,7 +24,7 @@ class SearcherSpace:
     """A `MetricSpace` over `Searcher` (index/backends/search.py) under one strategy and mode.
     Exact (Flat) indexes are searched through the same FAISS call as `Searcher.search`; an
     approximate one through `Searcher.search` itself (candidates re-ranked exactly).
-    `cache_dir`: the re-ranking cache root (default `cache.cache_root()`)."""
+    `cache_dir`: the re-ranking cache root (default `store.cache_root()`)."""
 
     def __init__(self, searcher, strategy: str = "trained", params: dict | None = None, mode: str = "bilinear",
                  *, cache_dir: str | Path | None = None):
