@@ -12,9 +12,9 @@ HELP = {
     "cache_dir": "trunk-feature cache folder ('' = off)",
     "device": "where the model runs: auto (CUDA when available) | cpu | cuda | cuda:N",
     "json": "also write the result as JSON to this file",
-    "cache_memory": "memory kept between searches for each metric space's state (gallery keys, neighbour "
-                    "lists, re-rankers' offline sets), least recently used dropped first: a size such as 512M "
-                    "or 4G",
+    "cache_memory": "memory kept between searches for every metric space's state together (gallery keys, "
+                    "neighbour lists, re-rankers' offline sets), least recently used dropped first: a size such "
+                    "as 512M or 4G",
 }
 CACHE_MEMORY_ENV = "DML_CACHE_MEMORY"  # the same budget for a process started without the flag
 CACHE_MEMORY_DEFAULT = "4G"
