@@ -17,7 +17,7 @@ from ..space import MetricSpace, memory_budget
 BLOCK = 2048        # rows per search call in the list pass
 # galleries above this many items build their lists with an HNSW index instead of an exact scan,
 # where M′ is PSD (measured: docs/reranking.md, "Approximate neighbour lists")
-APPROXIMATE_ABOVE = 200_000
+APPROXIMATE_ABOVE = 250_000
 HNSW = {"M": 32, "ef_construction": 80, "ef_search": 128}  # ef_search: at least twice the list length
 SCAN_CELLS = 1 << 23  # cells per full-scan block in the minima pass (rows × n float32: 32 MB)
 
