@@ -61,7 +61,7 @@ def build_parser():
     # each of the --concurrency searches in flight gets its share of the cores: a one-image
     # forward pass and a one-query search gain little from more threads, and threads that
     # outnumber the cores spin against each other (bench/app_load.py --app-threads)
-    add_shared_args(p, "threads", "device", defaults={"device": "cpu", "threads": None},
+    add_shared_args(p, "threads", "device", "cache_memory", defaults={"device": "cpu", "threads": None},
                     shown={"threads": "cores ÷ --concurrency, at least 1; here "
                                       f"{serving_thread_count(DEFAULT_CONCURRENCY)} at the default concurrency"})
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -122,11 +122,13 @@ def launch(args, block: bool = True):
         raise UserError(f"--second-index is served on --port + 1: --port must be below 65535, got {args.port}")
     analysis = args.analysis or (DEMO_ANALYSIS if args.index == DEMO_INDEX else None)
     from core.flags import apply_threads
+    from index.space import set_memory_budget
     from index.threads import serving_threads
 
     threads = serving_thread_count(args.concurrency) if args.threads is None else args.threads
     apply_threads(threads)  # torch and FAISS, as on every command
     serving_threads(threads or None)  # then numpy's BLAS back to one thread
+    set_memory_budget(args.cache_memory)
     # every index is verified and loaded before anything is served
     sites = [(args.index, args.checkpoint, analysis, args.label, args.port)]
     if args.second_index:

@@ -60,14 +60,17 @@ def offline(space) -> dict[str, float]:
     from index.rerankers import reranker_params
     from index.rerankers.dba import augmented
     from index.rerankers.diffusion import whole_graph
-    from index.rerankers.kreciprocal import PAIR_CELLS, gallery_sets, gallery_similarities, support_index
+    from index.rerankers.kreciprocal.cache import PAIR_SHARE, gallery_similarities
+    from index.rerankers.kreciprocal.engine import support_index
+    from index.rerankers.kreciprocal.sets import gallery_sets
     from index.rerankers.neighbours import neighbour_lists, row_extremes
+    from index.space import memory_budget
 
     dp, kp, bp = (reranker_params(n) for n in ("diffusion", "kreciprocal", "dba"))
     out = {"neighbour lists": timed(lambda: neighbour_lists(space, max(dp.k + 1, kp.k1 + 2, bp.n + 2)))[1],
            "row extremes": timed(lambda: row_extremes(space))[1]}
     lists = neighbour_lists(space, kp.k1 + 2)
-    if space.n * space.n <= PAIR_CELLS:  # kept in RAM only where it fits (the sets below read it)
+    if space.n * space.n * 4 <= memory_budget() // PAIR_SHARE:  # kept in RAM only where it fits (the sets read it)
         out["k-reciprocal pair similarities (RAM)"] = timed(lambda: gallery_similarities(space))[1]
     out["k-reciprocal gallery sets"] = timed(lambda: gallery_sets(space, lists, row_extremes(space), kp.k1))[1]
     sets = gallery_sets(space, lists, row_extremes(space), kp.k1)
@@ -88,8 +91,11 @@ def online(space, queries, names, reps: int) -> dict[str, dict[str, float]]:
     for name in names:  # warm: lazily built in-memory parts (FAISS index over the augmented gallery)
         rerank(name, space, q[:2], K)
 
-    def fresh(name):  # k-reciprocal keeps a call's terms for one that differs in λ: not a cost
-        space.store.memo.pop("kreciprocal-terms", None)
+    import index.rerankers.kreciprocal.cache as kr_cache
+
+    kr_cache.TERMS_SHARE = 1 << 62  # k-reciprocal keeps a call's terms for one that differs in λ: not a cost
+
+    def fresh(name):
         return rerank(name, space, q, K)
     times = {name: [] for name in ["plain", *names]}
     ratios = {name: {"wall": [], "cpu": []} for name in names}

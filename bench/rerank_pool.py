@@ -107,7 +107,7 @@ def main():
     from core.atomic import write_json, write_text
     from index.backends.search import Searcher
     from index.backends.store import in_memory_index
-    from index.rerankers import SearcherSpace
+    from index.space import SearcherSpace
 
     faiss.omp_set_num_threads(args.threads)
     threadpool_limits(args.threads)

@@ -9,9 +9,6 @@ candidates in the gallery's `MetricSpace`.
 from __future__ import annotations
 
 import dataclasses
-import threading
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,32 +18,10 @@ from core.errors import UserError
 from .backends.gallery import Gallery, Hits
 from .metric import MODES
 from .refinements import REFINEMENTS, strategy_key, strategy_label, strategy_params
-from .rerankers import RERANKERS, MetricSpace, rerank, reranker_params
+from .rerankers import RERANKERS, rerank, reranker_params
+from .space import MetricSpace, gallery_space
 
 NO_RERANK = "none"
-SPACES_PER_GALLERY = 4  # metric spaces kept per gallery (each may hold its gallery's keys and offline memo)
-_spaces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_spaces_lock = threading.Lock()
-
-
-def gallery_space(gallery: Gallery, strategy: str, params: dict, mode: str) -> MetricSpace:
-    """The `MetricSpace` of (gallery, strategy, params, mode), kept while the gallery lives (the
-    last few per gallery): a re-ranker's offline artefacts, its in-memory indexes and the
-    gallery's keys are then loaded once, not on every search."""
-    key = (strategy_key(strategy, params), mode)
-    with _spaces_lock:
-        per = _spaces.setdefault(gallery, OrderedDict())
-        space = per.get(key)
-        if space is not None:
-            per.move_to_end(key)
-            return space
-    space = gallery.metric_space(strategy, params, mode)  # outside the lock: may build M′'s cosine parts
-    with _spaces_lock:
-        per = _spaces.setdefault(gallery, OrderedDict())
-        space = per.setdefault(key, space)
-        while len(per) > SPACES_PER_GALLERY:
-            per.popitem(last=False)
-    return space
 
 
 @dataclass(frozen=True)

@@ -188,3 +188,32 @@ def test_the_circle_checker_sees_a_circle(tmp_path):
     f.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\n"
                  "def f():\n    from .c import C\n")
     assert runtime_imports("pkg.m", f) == {"typing", "pkg.c"}
+
+
+# ---------------------------------------------------------------- inside index: the metric-space layer
+def index_imports(folder: str, runtime_only: bool) -> dict[str, set[str]]:
+    """Each module under index/<folder> → the index modules it imports (every import, or only
+    those run, leaving out `if TYPE_CHECKING:` blocks)."""
+    out = {}
+    for f in sorted((ROOT / "index" / folder).rglob("*.py")):
+        parts = f.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found = runtime_imports(name, f) if runtime_only else imported_modules(name, f)
+        out[name] = {m for m in found if m.startswith("index.")}
+    return out
+
+
+def test_the_backends_never_import_the_rerankers():
+    """index/backends returns a metric space from index/space, the layer below it and the
+    re-rankers; it names nothing of index/rerankers, not even a type."""
+    bad = {m: sorted(i for i in found if i.startswith("index.rerankers"))
+           for m, found in index_imports("backends", runtime_only=False).items()}
+    assert not {m: v for m, v in bad.items() if v}
+
+
+def test_the_metric_space_layer_sits_below_the_backends_and_the_rerankers():
+    above = ("index.backends", "index.rerankers", "index.search_config", "index.analysis", "index.cli")
+    bad = {m: sorted(i for i in found if i.startswith(above))
+           for m, found in index_imports("space", runtime_only=True).items()}
+    assert not {m: v for m, v in bad.items() if v}
+    assert any("index.space" in found for found in index_imports("rerankers", runtime_only=True).values())

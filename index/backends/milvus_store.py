@@ -1,34 +1,8 @@
-"""A gallery in Milvus: φ(x) and its metadata in a collection searched by inner product.
-
-Searching under any symmetric M′ needs only inner-product search with the query M′φ(q),
-since φ(q)ᵀM′φ(x) = (M′φ(q))ᵀφ(x): the collection stores φ(x) once (exactly the index
-directory's stored trunk features) and every strategy is a different query vector.
-
-The metric type is always IP, never COSINE: Milvus's COSINE normalises the stored
-vectors and the query, and normalising M′φ(q) and φ(x) separately is not the similarity
-under M′ (it silently drops the ‖·‖_M′ scaling and ranks by the wrong quantity).  Cosine
-mode under a PSD M′ (÷ ‖φ(q)‖_M′ ‖φ(x)‖_M′) fetches candidates by IP with their stored
-vectors and re-ranks them exactly, the M′-norms computed from those vectors, as the
-approximate path of index.backends.search does.
-
-URIs, through the same pymilvus MilvusClient code:
-  PATH.db                    Milvus Lite, embedded in this process (tests, one machine)
-  http(s)://host:19530       a Milvus server or cluster (token: "user:password" or an API key)
-
-Collection layout:
-  id      INT64 primary key (the index's item id)
-  row     INT64 position in the source index (= FAISS row; results report it)
-  vector  FLOAT_VECTOR(d): φ(x) as stored by the index (L2-normalised when it was)
-  label   INT64;  path, split  VARCHAR
-  properties: dml.info (JSON: dims, normalisation, model facts), dml.neck (the neck W,
-  base64 float32 k × d, so that M* = WᵀW travels with the gallery) and dml.classes (JSON:
-  label → class name; absent from collections exported before it, whose class names are
-  then the labels)
-
-MilvusGallery is a `gallery.Gallery`; `search_metric` searches under any symmetric M′.  It does
-not re-rank: re-rankers read any gallery vector (offline passes read every one), which stay in
-the database.
-
+"""A gallery in Milvus: φ(x) and its metadata in a collection searched by inner product with
+the query M′φ(q), since φ(q)ᵀM′φ(x) = (M′φ(q))ᵀφ(x); the metric type is always IP, never
+COSINE (cosine mode re-ranks IP candidates exactly).  A path URI is Milvus Lite, http(s)://
+a server.  `MilvusGallery` is a `gallery.Gallery`; it does not re-rank (the vectors stay in
+the database).  The collection layout and the reasons: docs/scale-out.md ("Milvus").
 pymilvus and milvus-lite are an optional extra (requirements-milvus.txt), imported only here.
 """
 from __future__ import annotations
@@ -36,18 +10,16 @@ from __future__ import annotations
 import base64
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from core.errors import UserError
 
 from ..metric import QueryMetric
+from ..space import MetricSpace
 from .gallery import Hits, NeckGallery, exact_top
 from .store import Items
-
-if TYPE_CHECKING:
-    from ..rerankers.space import MetricSpace
 
 METRIC = "IP"            # never "COSINE": see the module docstring
 EXACT_INDEX = "FLAT"     # exact: bilinear scores come straight from Milvus

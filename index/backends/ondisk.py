@@ -1,52 +1,11 @@
-"""IVF indexes whose inverted lists live on disk, for galleries larger than RAM.
-
-Built through FAISS's own route (faiss.contrib.ondisk.merge_ondisk, as in FAISS's
-demos/demo_ondisk_ivf.py):
-  1. train the coarse quantiser and the codec on a random sample of rows;
-  2. fill one IVF shard per `shard_rows` rows, streamed from features.npy by plain
-     file reads, and write each shard to disk (no more than one shard's codes and one
-     read batch are ever in RAM);
-  3. merge the shards' inverted lists into one on-disk `ivf.ivfdata`, memory-mapped
-     at search time.
-
-    DIR/
-      ondisk.json    format, counts, nlist, codec, normalisation, the features file
-                     (path relative to DIR, shape, fingerprint) and file sizes
-      ivf.index      the trained IVF index (quantiser, codec, list offsets)
-      ivf.ivfdata    the inverted lists (codes + row ids), memory-mapped read-only
-      W.npy          the neck W (k × d; identity when none is given), so M* = WᵀW and
-                     every strategy can be searched from DIR alone
-      cosine/SLUG/   one strategy's cosine lists (cosine.json, ivf.index, ivf.ivfdata, L.npy)
-
-Codec: SQ8 by default.  The lists only propose candidates; every returned score is
-recomputed exactly under M′ from the memory-mapped float32 features (reading only the
-candidates' rows, in sorted order).  IVF-Flat would store a second full-precision copy
-of the features (disk and page-cache traffic ×4 against SQ8) for no gain in the final
-scores, and its merge maps shard and output lists at once (≈ 2 × the features' size of
-file pages in RSS at 10⁷ × 128).  SQ8's 8 bits per dimension keep the inner product
-close enough for any query direction that a 10 × k candidate pool holds the exact top
-k; PQ codes (another 4–8 × smaller) are trained for the data distribution and
-distort inner products with transformed queries M′q more, so they need a far larger
-pool.  Any FAISS encoding suffix can be chosen with `codec` ("Flat", "PQ32", …).
-
-Why recall at a given nprobe differs per strategy: the partition is the Voronoi
-partition of φ(x) under the inner product, trained on φ(x) alone.  Bilinear search
-under M′ probes the lists whose centroids c maximise (M′q)ᵀc.  For identity that is
-the query's own neighbourhood, which is what the lists were built around.  For
-trained (M′ = WᵀW, rank k) the ranking sees only x's component in W's row space, so
-the true top-k can sit in cells whose centroids differ in the discarded directions;
-for restraints (diagonal r = 0.5 is indefinite, random zeroes off-diagonal pairs)
-M′q points in directions where a high centroid score does not bound the scores of
-the cell's members as tightly (negative eigen-directions reward being far from the
-query).  So the nprobe needed for a given recall grows with how far M′ is from the
-identity; bench/ondisk_bench.py measures it.  Cosine mode (PSD M′ only) takes its
-candidates from the strategy's cosine lists, an IVF over Lx/‖Lx‖ (M′ = LᵀL), where the
-inner product is the cosine itself (docs/scale-out.md, "Cosine mode").
-
-OnDiskIVF is a `gallery.Gallery`; `search_metric` searches under any symmetric M′.  Re-rankers
-run over it as over an index directory (`metric_space`): a `search.Searcher` over the
-memory-mapped features whose candidates come from the same IVF lists, re-ranked exactly.
-Their offline passes read every row (and keep the gallery's keys in RAM).
+"""IVF indexes whose inverted lists live on disk, for galleries larger than RAM, built through
+FAISS's merge_ondisk route (train on a sample, one shard per chunk of rows, lists merged into
+one memory-mapped `ivf.ivfdata`).  The lists (SQ8 by default) only propose candidates; every
+score is recomputed exactly under M′ from the memory-mapped float32 features.  `OnDiskIVF` is
+a `gallery.Gallery`; re-rankers run in the `MetricSpace` of a `Searcher` over the same
+features and lists.  Cosine mode takes its candidates from the strategy's own cosine lists
+(`cosine/SLUG/`: an IVF over Lx/‖Lx‖, M′ = LᵀL).  The folder layout, the codec choice and why
+recall at a given nprobe differs per strategy: docs/scale-out.md ("Indexes larger than RAM").
 """
 from __future__ import annotations
 
@@ -63,7 +22,6 @@ import sys
 import time
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import faiss
 import numpy as np
@@ -76,12 +34,10 @@ from core.manifest import read_manifest
 
 from ..metric import PSD_TOL, QueryMetric
 from ..refinements import shared_params, strategy_params
+from ..space import MetricSpace
 from .gallery import Hits, NeckGallery, exact_top
 from .search import Searcher
 from .store import IndexData, Items
-
-if TYPE_CHECKING:
-    from ..rerankers.space import MetricSpace
 
 log = logging.getLogger("index")
 
@@ -492,7 +448,7 @@ class OnDiskIVF(NeckGallery):
             raise UserError(f"the on-disk IVF at {self.path} was built from bare features: re-ranked results "
                             "need its items; build it from an index directory (ivf-build --index)")
         man = self.manifest
-        # what re-rankers' offline caches are keyed by (rerankers.cache.fingerprint): the features'
+        # what re-rankers' offline caches are keyed by (space.store.fingerprint): the features'
         # checksum, the neck, and the candidate settings their neighbour lists were searched with
         content = {"features": man["features"]["fingerprint"], "files": man["files"],
                    "W": hashlib.sha256(np.ascontiguousarray(self.W).tobytes()).hexdigest(),

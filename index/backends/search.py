@@ -3,17 +3,18 @@
 Bilinear mode searches the stored index with M′φ(q): the database is stored
 once and switching strategy costs one (structured) d × d product per query.
 Cosine mode (PSD M′ only) divides by ‖φ(x)‖_M′; those norms, and the
-norm-scaled copy of the database the exact cosine search uses, are cached per
-strategy.  Approximate indexes fetch candidates and re-rank them exactly.
-FAISS reads are thread-safe; the caches are guarded by a lock.  A `gallery.Gallery`, whose
-re-rankers run in a `rerankers.SearcherSpace` over it.
+norm-scaled copy of the database the exact cosine search uses, are kept per
+strategy in the metric-space layer's memory cache (its budget, built once).
+Approximate indexes fetch candidates and re-rank them exactly.
+FAISS reads are thread-safe; the table of refined metrics is guarded by a lock.  A `gallery.Gallery`, whose
+re-rankers run in a `space.SearcherSpace` over it.
 """
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import faiss
 import numpy as np
@@ -23,11 +24,13 @@ from core.errors import UserError
 from ..metric import MODES, matrix_report, resolve_mode, symmetrized
 from ..operator import MetricOperator
 from ..refinements import operator_kind, refine, strategy_key, strategy_label, strategy_params
-from .gallery import Hits, prepare_queries
+from ..space import CACHE, Hits, MetricSpace, SearcherSpace
+from .gallery import prepare_queries
 from .store import IndexData
 
-if TYPE_CHECKING:
-    from ..rerankers.space import MetricSpace
+
+class _Owner:
+    """A searcher's identity in the layer's cache (a key part that does not keep the searcher alive)."""
 
 
 @dataclass(eq=False)  # identity semantics: fields hold numpy arrays
@@ -37,9 +40,6 @@ class RefinedMetric:
     M: np.ndarray
     op: MetricOperator
     _report: dict | None = None
-    norms: np.ndarray | None = None
-    cosine_index: faiss.Index | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def report(self) -> dict:
@@ -62,6 +62,9 @@ class Searcher:
         # of the database, seconds to rebuild)
         self._per_strategy = per_strategy
         self._lock = threading.Lock()
+        # this searcher's entries in the layer's cache, dropped with it
+        self._owner = _Owner()
+        weakref.finalize(self, CACHE.drop_owner, self._owner)
         self._M_star = symmetrized(data.M_star)  # exactly: refine need not average each M′ with M′ᵀ
         if not self.exact and hasattr(data.faiss_index, "hnsw"):
             data.faiss_index.hnsw.efSearch = max(data.faiss_index.hnsw.efSearch, 128)
@@ -111,16 +114,25 @@ class Searcher:
             raise UserError(f"cosine mode needs a positive semi-definite M′; strategy "
                             f"{strategy_label(rm.name, rm.params)} gives an indefinite matrix (min eigenvalue "
                             f"{rm.report['min_eigenvalue']:.3g}). Use --mode bilinear.")
-        with rm.lock:
-            if rm.norms is None:
-                rm.norms = rm.op.m_norms(self.data.features)
-            if rm.cosine_index is None and self.exact:
-                inv = np.where(rm.norms > 0, 1.0 / np.maximum(rm.norms, 1e-30), 0.0).astype(np.float32)
+
+        def build():
+            norms = rm.op.m_norms(self.data.features)
+            idx = None
+            if self.exact:
+                inv = np.where(norms > 0, 1.0 / np.maximum(norms, 1e-30), 0.0).astype(np.float32)
                 idx = faiss.IndexFlatIP(self.data.dim)
                 for s in range(0, len(inv), 65536):
                     idx.add(np.ascontiguousarray(self.data.features[s: s + 65536] * inv[s: s + 65536, None]))
-                rm.cosine_index = idx
-        return rm.norms, rm.cosine_index
+            return {"norms": norms, "index": idx}
+        parts = CACHE.get_or_build(self._cosine_key(rm), build)
+        return parts["norms"], parts["index"]
+
+    def _cosine_key(self, rm: RefinedMetric) -> tuple:
+        return (self._owner, "cosine", strategy_key(rm.name, rm.params))
+
+    def holds_cosine_parts(self, strategy: str, params: dict | None = None) -> bool:
+        """Whether the strategy's cosine norms (and exact cosine index) are built and kept now."""
+        return CACHE.peek(self._cosine_key(self.metric(strategy, params))) is not None
 
     # ------------------------------------------------------------ search
     def prepare_queries(self, feats: np.ndarray, what: str = "query features") -> np.ndarray:
@@ -130,8 +142,6 @@ class Searcher:
 
     def metric_space(self, strategy: str, params: dict | None, mode: str) -> MetricSpace:
         """The `SearcherSpace` re-rankers run in (the features are in RAM or memory-mapped)."""
-        from ..rerankers.space import SearcherSpace  # the re-rankers build on this module
-
         return SearcherSpace(self, strategy, params, mode)
 
     def query_view(self, strategy: str = "trained", params: dict | None = None, mode: str = "bilinear"):

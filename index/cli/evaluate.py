@@ -10,6 +10,7 @@ from core.flags import add_shared_args, apply_threads, at_least
 
 from ..refinements import GRIDS, REFINEMENTS, file_params
 from ..rerankers import RERANKERS
+from ..space import set_memory_budget
 from .flags import data_args, given_data, strategy_list
 
 
@@ -37,6 +38,7 @@ def cmd_evaluate(args) -> int:
     if args.json:
         check_file_target(args.json)
     apply_threads(args.threads)
+    set_memory_budget(args.cache_memory)
     splits = args.splits
     split = next((s for s in splits if s != "val"), "val")
     cache = args.cache_dir or None
@@ -113,7 +115,7 @@ def _sweep_args(e) -> None:
                    help="seeds per random strategy setting, averaged (default: %(default)s)")
     e.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True,
                    help="L2-normalise φ(x), as indexes do by default (default: %(default)s)")
-    add_shared_args(e, "json", "threads", "progress", "cache_dir", "device")
+    add_shared_args(e, "json", "threads", "progress", "cache_dir", "device", "cache_memory")
     data_args(e)
 
 

@@ -12,6 +12,7 @@ from core.flags import add_shared_args, apply_threads
 from ..refinements import MODES, REFINEMENTS
 from ..rerankers import RERANKERS
 from ..search_config import SearchConfig
+from ..space import set_memory_budget
 from .flags import strategy_args, strategy_params_from
 
 
@@ -27,7 +28,7 @@ def report_parser(sub) -> None:
     rp.add_argument("--k", type=int, default=8, help="results shown per query and configuration, and the k of "
                                                      "Jaccard@k, their top-k overlap (default: %(default)s)")
     rp.add_argument("--no-verify", action="store_true", help="skip the checksum verification at load")
-    add_shared_args(rp, "threads")
+    add_shared_args(rp, "threads", "cache_memory")
     g = rp.add_argument_group("left configuration (x; the flags below --strategy set the right one, y)")
     g.add_argument("--left-strategy", default="trained", metavar="NAME",
                    help=f"refinement strategy of the left side, one of {', '.join(REFINEMENTS.names())} "
@@ -64,6 +65,7 @@ def cmd_report(args) -> int:
     from ..backends.store import read_index
 
     apply_threads(args.threads)
+    set_memory_budget(args.cache_memory)
     analysis = Path(args.analysis) if args.analysis else None
     if analysis is not None and not analysis.is_dir():
         raise UserError(f"--analysis folder not found: {analysis}")

@@ -14,6 +14,7 @@ from core.flags import add_shared_args
 
 from ..backends.gallery import Gallery
 from ..search_config import NO_RERANK, SearchConfig
+from ..space import set_memory_budget
 from .flags import milvus_args, milvus_token, rerank_args, rerank_params_from, strategy_args, strategy_params_from
 
 BACKENDS = ("faiss", "ondisk", "milvus")
@@ -27,7 +28,7 @@ def search_parser(sub) -> None:
     s.add_argument("--checkpoint", help="model to embed query images (default: the index's own)")
     s.add_argument("--k", type=int, default=10,
                    help="results per query, at most the index size (default: %(default)s)")
-    add_shared_args(s, "json", "threads", "device")
+    add_shared_args(s, "json", "threads", "device", "cache_memory")
     s.add_argument("--no-verify", action="store_true", help="skip the checksum verification at load")
     strategy_args(s)
     rerank_args(s)
@@ -59,6 +60,7 @@ def cmd_search(args) -> int:
     if args.rerank_factor < 1:
         raise UserError(f"--rerank-factor must be ≥ 1, got {args.rerank_factor}")
     serving_threads(args.threads or None)  # BLAS on 1 thread for single queries; FAISS as asked
+    set_memory_budget(args.cache_memory)
     given = {k: v for k, v in strategy_params_from(args).items() if v is not None}
     cfg = SearchConfig.of(args.strategy, given, args.mode, args.rerank, rerank_params_from(args.rerank_param),
                           strict=True)  # every setting checked before the index is read

@@ -1,5 +1,6 @@
 """Query-time re-ranking on top of any refined metric M′ and mode.  Adding one: a module with
 `@RERANKERS.register`, one import line below."""
+from ..space import MetricSpace, SearcherSpace
 from . import aqe, dba, diffusion, kreciprocal, none  # noqa: F401  (registration: one line per re-ranker)
 from .registry import (
     DEFAULT,
@@ -17,7 +18,6 @@ from .registry import (
     reranker_params,
     size_params,
 )
-from .space import MetricSpace, SearcherSpace
 
 __all__ = ["DEFAULT", "RERANKERS", "SIZE_LIMIT", "WHOLE_GALLERY", "MetricSpace", "RerankerSpec", "SearcherSpace",
            "candidates", "check_size_limit", "clipped", "first_depth", "gallery_counts", "ranked_pool", "rerank",

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backends.gallery import Hits
+from ..space import Hits, MetricSpace
 from .expansion import ExpansionParams, weighted_sum
 from .registry import RERANKERS, candidates
-from .space import MetricSpace
 
 
 @dataclass

@@ -22,11 +22,10 @@ from dataclasses import asdict, dataclass
 import faiss
 import numpy as np
 
-from ..backends.gallery import Hits
+from ..space import Hits, MetricSpace
 from .expansion import ExpansionParams, weighted_sum
 from .neighbours import neighbour_lists
 from .registry import RERANKERS
-from .space import MetricSpace
 
 
 @dataclass
@@ -57,15 +56,13 @@ def augmented(space: MetricSpace, p: DBAParams) -> dict[str, np.ndarray]:
         for a in range(0, space.n, 8192):
             keys[a: a + 8192] = _augment(space, own[a: a + 8192], nb[a: a + 8192], s[a: a + 8192], p.alpha)
         return {"keys": keys, "nb": nb.astype(np.int32)}
-    return space.store.get("dba", asdict(p), compute)
+    return space.artefact("dba", asdict(p), compute)
 
 
 def _index(space: MetricSpace, p: DBAParams, aug: dict) -> tuple[faiss.Index, np.ndarray, np.ndarray]:
     """An exact inner-product index over the augmented keys, and the reverse-neighbour lists
     (CSR: rev[ptr[i]:ptr[i+1]] are the items whose nDBA neighbours include i); kept in memory."""
-    memo = space.store.memo
-    name = f"dba-index-{p.n}-{p.alpha}"
-    if name not in memo:
+    def build():
         idx = faiss.IndexFlatIP(space.dim)
         idx.add(np.ascontiguousarray(aug["keys"]))
         nb = aug["nb"]
@@ -75,8 +72,8 @@ def _index(space: MetricSpace, p: DBAParams, aug: dict) -> tuple[faiss.Index, np
         order = np.argsort(flat[keep], kind="stable")
         ptr = np.zeros(space.n + 1, dtype=np.int64)
         np.add.at(ptr, flat[keep] + 1, 1)
-        memo[name] = {"index": idx, "rev": src[order], "ptr": np.cumsum(ptr)}
-    m = memo[name]
+        return {"index": idx, "rev": src[order], "ptr": np.cumsum(ptr)}
+    m = space.artefact("dba-index", asdict(p), build, disk=False)
     return m["index"], m["rev"], m["ptr"]
 
 

@@ -16,12 +16,7 @@ size (a variant: run_test.m truncates only regional descriptors on Oxford105k/Pa
   §3.2     y_i = max(s(q, x_i), 0)^γ for the query's top kq items, 0 elsewhere  (ymake.m)
   Eq. 9    f = (I − αS)^{-1} y, solved by conjugate gradients (dfs.m: pcg, tol, iterations)
 and the items are ranked by f (equal f: in the plain search's order).  Items outside a
-truncation keep f = 0, as in the code.
-
-Leave-one-out (a query that is gallery item i): the graph is the gallery's without i.  On the
-whole graph only the rows of i and of the items whose k-NN list held i change (their lists move
-up by one entry); those rows and columns are rebuilt for the query and the rest of the offline
-affinity is used as it is, so every query meets exactly the graph of the gallery without it.
+truncation keep f = 0, as in the code.  Leave-one-out: docs/reranking.md.
 """
 from __future__ import annotations
 
@@ -32,10 +27,9 @@ from scipy import sparse
 
 from core.params import param
 
-from ..backends.gallery import Hits
+from ..space import Hits, MetricSpace
 from .neighbours import neighbour_lists, reverse_index, without
 from .registry import RERANKERS, WHOLE_GALLERY, candidates
-from .space import MetricSpace
 
 BATCH_CELLS = 1 << 22  # queries × items diffused together on the whole graph (one sparse product per CG
 # step; the solver holds five such float64 blocks: 160 MB)
@@ -125,7 +119,7 @@ def whole_graph(space: MetricSpace, p: DiffusionParams) -> dict[str, np.ndarray]
         lists, sims = neighbour_lists(space, p.k)
         A = affinity(np.arange(space.n), lists, sims, p.gamma, np.full(space.n, -1, dtype=np.int64))
         return {"indptr": A.indptr, "indices": A.indices, "data": A.data, "deg": np.asarray(A.sum(1)).ravel()}
-    return space.store.get("diffusion-graph", {"k": p.k, "gamma": p.gamma}, compute)
+    return space.artefact("diffusion-graph", {"k": p.k, "gamma": p.gamma}, compute)
 
 
 def _without_item(lists: np.ndarray, sims: np.ndarray, rev, i: int, k: int, gamma: float):

@@ -8,9 +8,7 @@ import numpy as np
 
 from core.params import param
 
-from .space import MetricSpace
-
-GATHER_CELLS = 1 << 24  # keys gathered at once (queries × neighbours × d float32: 64 MB)
+from ..space import GATHER_CELLS, MetricSpace
 
 
 @dataclass

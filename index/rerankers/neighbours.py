@@ -1,19 +1,24 @@
 """The offline gallery–gallery pass the re-rankers share: each item's top-L neighbours under the
 space's similarity (the item itself included, where its own score puts it, as a row of a full
-similarity matrix sorted would have it), and each row's extreme similarities.  Both are cached
-in `space.store`; a leave-one-out query removes its own row from them online (`without`),
-which is why every list is stored one entry longer than any re-ranker reads.
+similarity matrix sorted would have it), and each row's extreme similarities.  Both are the
+space's artefacts (`space.artefact`); a leave-one-out query removes its own row from them online (`without`),
+which is why every list is stored one entry longer than any re-ranker reads.  Above
+APPROXIMATE_ABOVE items (PSD M′) the lists come from an HNSW index, re-scored exactly.
 """
 from __future__ import annotations
 
+import faiss
 import numpy as np
 
 from core.errors import UserError
 
-from .space import MetricSpace
+from ..space import MetricSpace, memory_budget
 
 BLOCK = 2048        # rows per search call in the list pass
-LIST_BYTES = 4 << 30  # the lists' size at most (rows and similarities, 8 bytes an entry)
+# galleries above this many items build their lists with an HNSW index instead of an exact scan,
+# where M′ is PSD (measured: docs/reranking.md, "Approximate neighbour lists")
+APPROXIMATE_ABOVE = 250_000
+HNSW = {"M": 32, "ef_construction": 80, "ef_search": 128}  # ef_search: at least twice the list length
 SCAN_CELLS = 1 << 23  # cells per full-scan block in the minima pass (rows × n float32: 32 MB)
 
 
@@ -25,23 +30,59 @@ def stored_length(L: int, n: int) -> int:
 
 def neighbour_lists(space: MetricSpace, L: int) -> tuple[np.ndarray, np.ndarray]:
     """(rows, sims): every item's top-L items, best first (n × L int32, float32; views of the
-    cached arrays: do not write to them)."""
+    cached arrays: do not write to them).  Refused when they would not fit the memory budget."""
     L = min(int(L), space.n)
-    got = space.store.load("knn")
-    if got is None or got["rows"].shape[1] < L:
+    F = space.factor() if space.n > APPROXIMATE_ABOVE else None
+    approximate = F is not None and F.shape[1] > 0
+
+    def build():
         Ls = stored_length(L, space.n)
-        if space.n * Ls * 8 > LIST_BYTES:
+        if space.n * Ls * 8 > memory_budget():
             raise UserError(f"re-ranking would keep every item's top {Ls} neighbours: "
-                            f"{space.n * Ls * 8 / 2**30:.1f} GiB for {space.n:,} items; ask for fewer neighbours")
-        rows = np.empty((space.n, Ls), dtype=np.int32)
-        sims = np.empty((space.n, Ls), dtype=np.float32)
-        for s in range(0, space.n, BLOCK):
-            idx = np.arange(s, min(s + BLOCK, space.n))
-            h = space.search(space.gallery_vectors(idx), Ls)
-            rows[idx], sims[idx] = h.rows, h.scores
-        got = {"rows": rows, "sims": sims}
-        space.store.save("knn", None, got)
+                            f"{space.n * Ls * 8 / 2**30:.1f} GiB for {space.n:,} items, above the memory budget "
+                            f"(--cache-memory {memory_budget() / 2**30:.1f}G); ask for fewer neighbours")
+        if approximate:
+            assert F is not None
+            return approximate_lists(space, F, Ls)
+        return exact_lists(space, np.arange(space.n), Ls)
+    got = space.artefact("knn", HNSW if approximate else None, build, stale=lambda got: got["rows"].shape[1] < L)
     return got["rows"][:, :L], got["sims"][:, :L]
+
+
+def exact_lists(space: MetricSpace, items: np.ndarray, Ls: int) -> dict[str, np.ndarray]:
+    """The top Ls of each of `items` by an exact search of the whole gallery."""
+    rows = np.empty((len(items), Ls), dtype=np.int32)
+    sims = np.empty((len(items), Ls), dtype=np.float32)
+    for s in range(0, len(items), BLOCK):
+        h = space.search(space.gallery_vectors(items[s: s + BLOCK]), Ls)
+        rows[s: s + BLOCK], sims[s: s + BLOCK] = h.rows, h.scores
+    return {"rows": rows, "sims": sims}
+
+
+def approximate_lists(space: MetricSpace, F: np.ndarray, Ls: int) -> dict[str, np.ndarray]:
+    """Each item's top Ls from an HNSW inner-product index over Fᵀ key(x) (M′ = F Fᵀ, so its inner
+    product is s), re-scored exactly and sorted best first; an item whose search came back short
+    is searched exactly."""
+    index = faiss.IndexHNSWFlat(F.shape[1], HNSW["M"], faiss.METRIC_INNER_PRODUCT)
+    index.hnsw.efConstruction = HNSW["ef_construction"]
+    for s in range(0, space.n, BLOCK):
+        index.add(np.ascontiguousarray(space.gallery_vectors(np.arange(s, min(s + BLOCK, space.n))) @ F))
+    index.hnsw.efSearch = max(HNSW["ef_search"], 2 * Ls)
+    rows = np.empty((space.n, Ls), dtype=np.int32)
+    sims = np.empty((space.n, Ls), dtype=np.float32)
+    for s in range(0, space.n, BLOCK):
+        idx = np.arange(s, min(s + BLOCK, space.n))
+        keys = space.gallery_vectors(idx)
+        _, cand = index.search(np.ascontiguousarray(keys @ F), Ls)
+        cand = cand.astype(np.int64)
+        exact = space.score(keys, cand)  # −inf where the search returned no row
+        order = np.argsort(-exact, axis=1, kind="stable")
+        rows[idx], sims[idx] = np.take_along_axis(cand, order, 1), np.take_along_axis(exact, order, 1)
+    short = np.flatnonzero((rows < 0).any(1))
+    if len(short):
+        again = exact_lists(space, short, Ls)
+        rows[short], sims[short] = again["rows"], again["sims"]
+    return {"rows": rows, "sims": sims}
 
 
 def row_extremes(space: MetricSpace) -> dict[str, np.ndarray]:
@@ -63,7 +104,7 @@ def row_extremes(space: MetricSpace) -> dict[str, np.ndarray]:
             S[r, a] = np.inf
             out["min2"][idx] = S.min(1) if n > 1 else np.inf
         return out
-    return space.store.get("extremes", None, compute)
+    return space.artefact("extremes", None, compute)
 
 
 def without(rows: np.ndarray, sims: np.ndarray, drop: np.ndarray, L: int):
@@ -82,10 +123,10 @@ def reverse_index(space: MetricSpace, lists: np.ndarray, k: int, name: str) -> t
     if lists.shape[1] < k:
         raise ValueError(f"a reverse index of the first {k} neighbours needs lists of {k} or more, "
                          f"not {lists.shape[1]}")
-    if name not in space.store.memo:
+    def build():
         flat = lists[:, :k].ravel().astype(np.int64)
         order = np.argsort(flat, kind="stable")
         ptr = np.zeros(space.n + 1, dtype=np.int64)
         np.add.at(ptr, flat + 1, 1)
-        space.store.memo[name] = (np.cumsum(ptr), np.repeat(np.arange(space.n), k)[order])
-    return space.store.memo[name]
+        return np.cumsum(ptr), np.repeat(np.arange(space.n), k)[order]
+    return space.artefact(name, None, build, disk=False)

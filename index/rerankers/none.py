@@ -5,9 +5,8 @@ import numpy as np
 
 from core.registry import NoParams
 
-from ..backends.gallery import Hits
+from ..space import Hits, MetricSpace
 from .registry import RERANKERS, candidates
-from .space import MetricSpace
 
 
 @RERANKERS.register("none")

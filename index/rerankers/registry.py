@@ -24,8 +24,7 @@ import numpy as np
 from core.errors import UserError
 from core.registry import Registry, Spec
 
-from ..backends.gallery import Hits
-from .space import MetricSpace, as_rows, drop_rows
+from ..space import Hits, MetricSpace, as_rows, drop_rows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,7 +32,7 @@ class RerankerSpec(Spec):
     """A re-ranker's registration.
 
     offline: it needs a gallery–gallery pass (neighbour lists, an augmented gallery) computed
-        once per (index, strategy, params, mode) and cached (`space.store`); the first query
+        once per (index, strategy, params, mode) and cached (`space.artefact`); the first query
         under a new space pays for it.
     depth: the parameter naming how many first-search candidates the online part reads (its
         candidate pool); "" when it reads only the top k.

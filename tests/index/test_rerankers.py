@@ -14,7 +14,7 @@ from index.backends.search import Searcher
 from index.backends.store import Items, read_index, write_index
 from index.refinements import refine
 from index.rerankers import RERANKERS, SIZE_LIMIT, SearcherSpace, check_size_limit, gallery_counts, rerank, size_params
-from index.rerankers.cache import cache_root
+from index.space import CACHE, cache_root
 
 D, K_EMB, N = 16, 6, 150
 CASES = [("trained", {}, "cosine"), ("identity", {}, "bilinear"), ("diagonal", {"r": 0.5, "seed": 1}, "bilinear")]
@@ -26,6 +26,7 @@ def cache_home(tmp_path, monkeypatch):
     """Every cache goes under the test's own folder (XDG_CACHE_HOME), never the user's or the repo."""
     home = tmp_path / "xdg"
     monkeypatch.setenv("XDG_CACHE_HOME", str(home))
+    CACHE.clear()  # and no state kept in memory by an earlier test
     return home
 
 
@@ -270,6 +271,29 @@ def test_kreciprocal_is_the_official_algorithm_with_the_full_pool(gallery, kr_pa
         np.testing.assert_allclose(got.scores[i], 1 - final[rows], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("strategy,params,mode", CASES, ids=CASE_IDS)
+def test_kreciprocal_dense_reference_is_the_official_code_and_the_engine_is_it(gallery, strategy, params, mode):
+    """kreciprocal/paper.py computes the whole universe as the official code does; the incremental
+    engine gives its ranking and d*, plain probes and leave-one-out ones alike."""
+    from index.rerankers.kreciprocal.paper import dense
+
+    searcher, x, _ = gallery
+    ref = Ref(searcher, strategy, params, mode)
+    space = space_for(searcher, strategy, params, mode)
+    q = np.vstack([queries(x, 3), x[[5, 60]]])
+    own = np.array([-1, -1, -1, 5, 60])
+    d_star = dense(space, space.prepare(q), own, 10, 3, 0.3)
+    for i, qi in enumerate(ref.prep(q[:3])):
+        np.testing.assert_allclose(d_star[i], kreciprocal_reference(universe_distances(ref, qi), 10, 3, 0.3),
+                                   rtol=0, atol=1e-5)
+    assert np.isinf(d_star[3, 5]) and np.isinf(d_star[4, 60]) and np.isfinite(np.delete(d_star[3], 5)).all()
+    got = rerank("kreciprocal", space, q, 10, params={"k1": 10, "k2": 3, "lambda_value": 0.3}, self_ids=own)
+    for i, qi in enumerate(ref.prep(q)):
+        rows = by_distance(d_star[i], ref.s(qi[None], ref.G)[0])[:10]
+        np.testing.assert_array_equal(got.rows[i], rows)
+        np.testing.assert_allclose(got.scores[i], 1 - d_star[i, rows], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("k1", [39, 40, 60])
 def test_kreciprocal_with_k1_as_large_as_the_gallery(tmp_path, kr_path, k1):
     """Lists as long as the gallery (k1 + 1 ≥ n): every set is the official code's still."""
@@ -325,6 +349,7 @@ def test_kreciprocal_offline_sets_change_nothing(tmp_path, monkeypatch, mode):
     p = {"k1": 12, "k2": 4, "pool": 80}
     fast = rerank("kreciprocal", space_for(searcher, "trained", {}, mode), q, 20, params=p, self_ids=own)
     monkeypatch.setattr(kr, "gallery_sets", lambda *a, **k: None)
+    CACHE.clear()  # the terms too: computed again without the offline sets
     slow = rerank("kreciprocal", space_for(searcher, "trained", {}, mode), q, 20, params=p, self_ids=own)
     np.testing.assert_array_equal(fast.rows, slow.rows)
     np.testing.assert_allclose(fast.scores, slow.scores, rtol=0, atol=1e-6)
@@ -349,11 +374,13 @@ def test_kreciprocal_batches_in_threads_and_the_pair_lookup_change_nothing(tmp_p
         faiss.omp_set_num_threads(2)
         threaded = rerank("kreciprocal", fast, q, 20, params=p, self_ids=own)
         faiss.omp_set_num_threads(1)
-        monkeypatch.setattr(kr, "PAIR_CELLS", 0)  # no pair matrix: every missing pair from the keys
+        assert fast.held("kreciprocal-pairs")
+        CACHE.clear()
+        monkeypatch.setattr(kr.cache, "PAIR_SHARE", 1 << 62)  # no pair matrix: every missing pair from the keys
         seq = rerank("kreciprocal", slow, q, 20, params=p, self_ids=own)
     finally:
         faiss.omp_set_num_threads(before)
-    assert "kreciprocal-pairs" in fast.store.memo and "kreciprocal-pairs" not in slow.store.memo
+    assert not slow.held("kreciprocal-pairs")
     np.testing.assert_array_equal(threaded.rows, seq.rows)
     np.testing.assert_allclose(threaded.scores, seq.scores, rtol=0, atol=1e-6)
 
@@ -361,7 +388,7 @@ def test_kreciprocal_batches_in_threads_and_the_pair_lookup_change_nothing(tmp_p
 def test_kreciprocal_candidates_are_each_rows_exact_top():
     """The candidates from the probe's full similarity row: a sampled threshold then a sort, the
     probe's own column left out; a row whose best entries the sample misses is partitioned whole."""
-    from index.rerankers.kreciprocal import top_rows
+    from index.rerankers.kreciprocal.sets import top_rows
 
     rng = np.random.default_rng(0)
     S = rng.normal(size=(6, 20000)).astype(np.float32)
@@ -378,7 +405,8 @@ def check_universes(space, ref, q, own, k1):
     """For each probe (a leave-one-out one too), every node's R(x, k1), R(x, ½k1) (offline sets
     reused where the probe changes nothing) and largest distance are those of the universe
     (gallery − own row) ∪ {probe}, written from its distance matrix."""
-    import index.rerankers.kreciprocal as kr
+    import index.rerankers.kreciprocal.sets as kr
+    from index.rerankers.kreciprocal.paper import half
     from index.rerankers.neighbours import neighbour_lists, row_extremes
 
     n = space.n
@@ -387,7 +415,7 @@ def check_universes(space, ref, q, own, k1):
     offline, reverse = kr.gallery_sets(space, lists, ext, k1), kr.reverse_lists(space, lists[0], k1)
     q = space.prepare(q)
     first = space.search(q, n, exclude=own)
-    batch = kr._Batch(space, lists, ext, space.score(q), np.einsum("qd,qd->q", space.transform(q), space.key(q)),
+    batch = kr.ProbeBatch(space, lists, ext, space.score(q), np.einsum("qd,qd->q", space.transform(q), space.key(q)),
                       own, first.rows, k1, offline, reverse)
     for b, (qb, i) in enumerate(zip(ref.prep(q), own, strict=True)):
         keep = np.flatnonzero(np.arange(n) != i)                 # universe: [probe, gallery rows in keep]
@@ -397,7 +425,7 @@ def check_universes(space, ref, q, own, k1):
         rank = np.argsort(Dm, axis=1, kind="stable")
         code = np.concatenate([[b * (n + 1) + n], b * (n + 1) + keep])  # the batch's codes of the universe
         np.testing.assert_allclose(batch.row_max(code), Dm.max(1), rtol=1e-5, atol=1e-6)
-        for k in (k1, kr.half(k1)):
+        for k in (k1, half(k1)):
             got = batch.reciprocal(code, k)
             for u in range(len(U)):
                 want = {code[j] for j in rank[u, :k + 1] if u in rank[j, :k + 1]}
@@ -490,9 +518,10 @@ def test_kreciprocal_a_sweep_over_lambda_reuses_the_terms(gallery, monkeypatch):
     monkeypatch.setattr(kr, "terms", lambda *a: calls.append(1) or terms(*a))
     again = rerank("kreciprocal", space, q, 10, params={"lambda_value": 0.7}, self_ids=own)
     assert not calls  # nothing recomputed
+    CACHE.clear()
     fresh = rerank("kreciprocal", space_for(searcher, "trained", {}, "cosine"), q, 10,
                    params={"lambda_value": 0.7}, self_ids=own)
-    assert calls  # a new space computes them
+    assert calls  # computed again once the memory cache is emptied
     np.testing.assert_array_equal(again.rows, fresh.rows)
     np.testing.assert_array_equal(again.scores, fresh.scores)
     assert not np.array_equal(first.scores, again.scores)
@@ -597,11 +626,12 @@ def test_a_new_space_reads_the_cache_from_disk_instead_of_recomputing(gallery, m
     searcher, x, _ = gallery
     q = queries(x)
     want = rerank("kreciprocal", space_for(searcher, "trained", {}, "cosine"), q, 10)
-    from index.rerankers.cache import OfflineStore
+    from index.space import OfflineStore
 
     def refuse(*a, **k):
         raise AssertionError("recomputed a cached pass")
     monkeypatch.setattr(OfflineStore, "save", refuse)
+    CACHE.clear()  # nothing in memory: every artefact is read from disk
     got = rerank("kreciprocal", space_for(searcher, "trained", {}, "cosine"), q, 10)  # a new space: from disk
     np.testing.assert_array_equal(got.rows, want.rows)
 
@@ -766,10 +796,49 @@ def test_a_size_above_the_gallery_is_the_whole_gallery(tmp_path, name, param):
     np.testing.assert_array_equal(huge.scores, at_n.scores)
 
 
-def test_neighbour_lists_beyond_the_memory_bound_are_refused(gallery, monkeypatch):
+def test_neighbour_lists_beyond_the_memory_budget_are_refused(gallery, monkeypatch):
+    searcher, x, _ = gallery
+    monkeypatch.setattr(CACHE, "budget", 100 * 40 * 8)
+    with pytest.raises(UserError, match=r"^re-ranking would keep every item's top 48 neighbours: .* for 150 items, "
+                                        r"above the memory budget \(--cache-memory"):
+        rerank("dba", space_for(searcher, "trained", {}, "cosine"), x[:1], 5, params={"n": 40})
+
+
+# ---------------------------------------------------------------- approximate neighbour lists
+@pytest.mark.parametrize("strategy,params,mode", CASES[:2], ids=CASE_IDS[:2])
+def test_the_factor_of_a_psd_metric_gives_its_similarity(gallery, strategy, params, mode):
+    searcher, _, _ = gallery
+    space = space_for(searcher, strategy, params, mode)
+    F = space.factor()
+    keys = space.gallery_vectors(np.arange(40))
+    np.testing.assert_allclose((keys @ F) @ (keys @ F).T, space.score(keys)[:, :40], rtol=1e-4, atol=1e-5)
+    assert space_for(searcher, "diagonal", {"r": 0.5, "seed": 1}, "bilinear").factor() is None  # indefinite
+
+
+def test_approximate_neighbour_lists_against_the_exact_ones(tmp_path, monkeypatch):
+    """Above APPROXIMATE_ABOVE items the lists come from HNSW, each re-scored exactly: on a small
+    gallery they hold at least 99 % of the exact top L, every score is the exact s, best first,
+    and re-rankers run on them; an indefinite M′ keeps the exact scan."""
     import index.rerankers.neighbours as nb
 
-    searcher, x, _ = gallery
-    monkeypatch.setattr(nb, "LIST_BYTES", 100 * 40 * 8)
-    with pytest.raises(UserError, match=r"^re-ranking would keep every item's top 48 neighbours: .* for 150 items"):
-        rerank("dba", space_for(searcher, "trained", {}, "cosine"), x[:1], 5, params={"n": 40})
+    x, lab, W = features(n=1500, seed=7)
+    searcher = build(tmp_path / "idx", x, lab, W)
+    space = space_for(searcher, "trained", {}, "cosine")
+    exact_rows, _ = nb.neighbour_lists(space, 30)
+    monkeypatch.setattr(nb, "APPROXIMATE_ABOVE", 0)
+    monkeypatch.setitem(nb.HNSW, "ef_construction", 40)  # a weaker graph than the default: recall still holds
+    rows, sims = nb.neighbour_lists(space, 30)
+    assert space.held("knn", nb.HNSW) and space.held("knn", None)  # two artefacts: never read for each other
+    found = (rows[:, :, None] == exact_rows[:, None, :]).any(1).mean()
+    assert found >= 0.99
+    assert (rows[:, 0] == np.arange(len(x))).mean() > 0.99  # cosine: each item first in its own list
+    np.testing.assert_array_equal(sims, space.score(space.gallery_vectors(np.arange(len(x))), rows.astype(np.int64)))
+    assert (np.diff(sims, axis=1) <= 0).all()
+    got = rerank("kreciprocal", space, queries(x), 10)
+    assert (got.rows >= 0).all()
+    indefinite = space_for(searcher, "diagonal", {"r": 0.5, "seed": 1}, "bilinear")
+    r_ind, _ = nb.neighbour_lists(indefinite, 30)
+    assert indefinite.held("knn", None) and not indefinite.held("knn", nb.HNSW)
+    monkeypatch.setattr(nb, "APPROXIMATE_ABOVE", 10**9)
+    CACHE.clear()
+    np.testing.assert_array_equal(nb.neighbour_lists(indefinite, 30)[0], r_ind)

@@ -15,9 +15,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -64,31 +62,26 @@ def key_hash(*parts) -> str:
 
 
 class OfflineStore:
-    """One metric space's cached artefacts: `get(name, params, compute)` returns the arrays
-    stored under (name, params), computing and storing them first when absent, and keeps them
-    in memory for the process."""
+    """One metric space's artefacts on disk: `load(name, params)` the arrays stored under
+    (name, params), None when absent or unreadable; `save` stores them atomically.  What is in
+    memory is the layer's cache (memory.py), not this store's."""
 
     def __init__(self, root: Path, space_key: str, describe: dict | None = None):
         self.dir = Path(root) / space_key
         self.describe = describe or {}
-        self.memo: dict[str, Any] = {}  # in-process artefacts: arrays, indexes, look-up tables
 
     def path(self, name: str, params: dict | None = None) -> Path:
         return self.dir / f"{name}-{key_hash(name, params or {})}.npz"
 
     def load(self, name: str, params: dict | None = None) -> dict[str, np.ndarray] | None:
         p = self.path(name, params)
-        if p.name in self.memo:
-            return self.memo[p.name]
         if not p.is_file():
             return None
         try:
             with np.load(p, allow_pickle=False) as z:
-                arrays = {k: z[k] for k in z.files}
+                return {k: z[k] for k in z.files}
         except (OSError, ValueError, EOFError):
             return None  # unreadable (another writer's leftover, a full disk once): recompute
-        self.memo[p.name] = arrays
-        return arrays
 
     def save(self, name: str, params: dict | None, arrays: dict[str, np.ndarray]) -> None:
         p = self.path(name, params)
@@ -100,14 +93,6 @@ class OfflineStore:
             with open(tmp, "wb") as f:  # a file object: np.savez would append .npz to a bare name
                 np.savez(f, allow_pickle=False, **arrays)
         write_with(p, writer)
-        self.memo[p.name] = arrays
-
-    def get(self, name: str, params: dict | None, compute: Callable[[], dict[str, np.ndarray]]) -> dict:
-        got = self.load(name, params)
-        if got is None:
-            got = compute()
-            self.save(name, params, got)
-        return got
 
 
 def prune(root: Path | None = None, keep: set[str] | None = None) -> list[Path]:

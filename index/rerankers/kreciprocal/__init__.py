@@ -1,0 +1,112 @@
+"""k-reciprocal re-ranking: Zhong, Zheng, Cao, Li, "Re-ranking Person Re-identification with
+k-reciprocal Encoding", CVPR 2017, following its official code (github zhunzhong07/
+person-re-ranking, python-version/re_ranking_ranklist.py).  Over U = gallery ∪ {p}: R(p, k)
+(Eq. 3), R*(p, k) (Eq. 6), V_{p,g_i} (Eq. 7), the local query expansion over N(p, k2) (§4.4),
+the Jaccard distance d_J (Eq. 10) and d* = (1 − λ) d_J + λ d (Eq. 12).  Modules:
+  paper.py   the algorithm whole, one dense distance matrix per probe (reference, tests)
+  sets.py    R, R*, V for a batch of probes, from the gallery's offline sets where possible
+  engine.py  d_J and d only where the probe can change them; the offline inverted index
+  cache.py   the pair matrix and the λ-free terms kept in the memory cache
+docs/reranking.md explains the incremental computation and why it equals the dense one."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import faiss
+import numpy as np
+
+from core.errors import UserError
+from core.params import param
+
+from ...space import Hits, MetricSpace
+from ..neighbours import neighbour_lists, reverse_index, row_extremes
+from ..registry import RERANKERS, WHOLE_GALLERY
+from .cache import digest, gallery_similarities, remembered_terms
+from .engine import support_index, terms, whole_gallery
+from .paper import final_distance
+from .sets import ProbeBatch, gallery_sets, reverse_lists, top_rows
+
+BATCH = 32          # probes re-ranked together (one vectorised pass) ...
+BATCH_CELLS = 1 << 22  # ... at most this many probe × gallery cells (S and the change flags: ~30 MB)
+BRUTE_POOL = 150  # a pool up to this is cheaper ranked candidate by candidate; above, through the inverted index
+
+
+@dataclass
+class KReciprocalParams:
+    k1: int = param(20, "k of the k-reciprocal sets R(p, k1); clipped to the gallery", bounds="[1, inf)", size=True)
+    k2: int = param(6, "neighbours averaged in the local query expansion of the V vectors (1: none); clipped to the "
+                       "gallery", bounds="[1, inf)", size=True)
+    lambda_value: float = param(0.3, "λ: d* = (1 − λ) d_Jaccard + λ d_original", bounds="[0, 1]")
+    pool: int = param(WHOLE_GALLERY, "the query's first-search candidates ranked by d*, clipped to the gallery: the "
+                                     "default ranks every item, as the official code does; a smaller pool is a "
+                                     "variant that leaves the rest out", bounds="[1, inf)")
+
+    def validate(self):
+        if self.k2 > self.k1 + 1:
+            raise UserError(f"kreciprocal: k2 must be in [1, k1 + 1], got {self.k2}")
+
+
+@RERANKERS.register("kreciprocal", KReciprocalParams, offline=True, reads_first=False, pool="pool",
+                    grid={"k1": (4, 6, 10, 20, 30), "k2": (1, 3, 6), "lambda_value": (0.1, 0.3, 0.5)})
+def kreciprocal(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: int, *, self_ids: np.ndarray,
+                params: KReciprocalParams) -> Hits:
+    """k-reciprocal encoding (Zhong et al. CVPR 2017): Jaccard distance of k-reciprocal sets, d* = (1 − λ) d_J + λ d."""
+    p = params
+    lists = neighbour_lists(space, min(p.k1 + 2, space.n))  # + 1: the item itself, + 1: a leave-one-out row
+    ext = row_extremes(space)
+    # a gallery too small for lists of k1 + 2 is small enough to compute every set
+    offline = gallery_sets(space, lists, ext, p.k1) if lists[0].shape[1] >= p.k1 + 2 else None
+    reverse = reverse_lists(space, lists[0], p.k1) if offline is not None else None
+    # every candidate by default (the official code): d* is computed only where it can move; a
+    # pool up to BRUTE_POOL is cheaper to rank whole
+    pool = max(p.pool, k)
+    support = support_index(space, lists[0], ext, offline, p.k1, p.k2) if offline and pool > BRUTE_POOL else None
+    reverse_k2 = (reverse_index(space, lists[0], p.k2, f"kreciprocal-reverse-{p.k2}")
+                  if support is not None and p.k2 > 1 else None)
+    # the probe's own list N(p, k1 + 1) is read from its candidates
+    depth = min(p.k1 + 1 if support is not None else max(pool, p.k1 + 1), space.n)
+    step = max(1, min(BATCH, BATCH_CELLS // max(space.n, 1)))
+    starts = range(0, len(queries), step)
+
+    def one(a: int) -> tuple:
+        """One batch's terms, returned (never written into shared state): (pools, d_J, d)."""
+        q, own = queries[a: a + step], self_ids[a: a + step]
+        S = space.score(q)  # each probe's row: its place in every list, its largest distance, its candidates
+        cand = top_rows(S, own, depth)
+        s_qq = np.einsum("qd,qd->q", space.transform(q), space.key(q))
+        batch = ProbeBatch(space, lists, ext, S, s_qq, own, cand, p.k1, offline, reverse)
+        if support is not None:
+            return whole_gallery(batch, p, support, reverse_k2, k, pool if pool < space.n else None)
+        pools = cand[:, :pool]
+        return (pools, *terms(batch, pools, p))
+
+    def compute() -> dict:
+        gallery_similarities(space)  # built once, before the batches share it
+        return dict(zip(starts, _run(one, starts), strict=True))  # every batch, combined here
+
+    # d_J and d do not depend on λ: a call that differs from a recent one in λ alone (a sweep over
+    # λ, batch after batch) ranks the terms kept from it
+    call = {"k1": p.k1, "k2": p.k2, "pool": pool, "k": k, "queries": digest(queries), "self_ids": digest(self_ids)}
+    out_r = np.full((len(queries), k), -1, dtype=np.int64)
+    out_s = np.full((len(queries), k), -np.inf, dtype=np.float32)
+    for a, (pools, d_j, d_orig) in remembered_terms(space, call, compute).items():
+        d = final_distance(pools, d_j, d_orig, p.lambda_value)
+        order = np.argsort(d, axis=1, kind="stable")[:, :k]
+        r, dd = np.take_along_axis(pools, order, 1), np.take_along_axis(d, order, 1)
+        out_r[a: a + len(r), : r.shape[1]] = np.where(np.isfinite(dd), r, -1)
+        out_s[a: a + len(r), : r.shape[1]] = np.where(np.isfinite(dd), 1.0 - dd, -np.inf)  # higher is closer
+    return space.hits(out_r, out_s)
+
+
+def _run(one, starts: range) -> list:
+    """[one(a) for a in starts], in threads where FAISS has several."""
+    workers = min(len(starts), max(1, faiss.omp_get_max_threads()))
+    if workers > 1:
+        # the batches are independent and numpy's sorts and set operations release the GIL: one
+        # batch per core, each with BLAS on one thread (threaded BLAS under threads oversubscribes)
+        from threadpoolctl import threadpool_limits
+
+        with threadpool_limits(1, user_api="blas"), ThreadPoolExecutor(workers) as ex:
+            return list(ex.map(one, starts))
+    return [one(a) for a in starts]

@@ -1,0 +1,236 @@
+"""The incremental engine of k-reciprocal re-ranking: for a batch of probes, d_J and d (Eq. 10,
+12) of the gallery rows that can reach the top k, computed only where the probe changes V_g
+and read from the offline inverted index of the gallery's V vectors elsewhere; the same
+numbers as the dense computation (paper.py), bit for bit where both run (docs/reranking.md)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ...space import MetricSpace
+from .sets import ProbeBatch, gather, top_rows
+
+if TYPE_CHECKING:
+    from . import KReciprocalParams
+
+
+def terms(batch: ProbeBatch, pools: np.ndarray, p: KReciprocalParams) -> tuple[np.ndarray, np.ndarray]:
+    """d_J(p, g) and the row-normalised d(p, g) for each probe and each row g of its pool (B × pool)."""
+    B, width = pools.shape
+    probes = batch.probe()
+    Y = np.concatenate([probes[:, None], np.where(pools >= 0, probes[:, None] - batch.n + pools, -1)], 1)
+    Lk2 = np.full((Y.size, p.k2), -1, dtype=np.int64)        # N(y, k2) for the probe and its pool
+    valid = Y.ravel() >= 0
+    # k2 = 1 is no expansion in the code (V_y itself), not V of y's nearest, which need not be y
+    Lk2[valid] = batch.lists(Y.ravel()[valid], p.k2) if p.k2 > 1 else Y.ravel()[valid][:, None]
+    X, inv = np.unique(Lk2[Lk2 >= 0], return_inverse=True)
+    ri, col, w = batch.V(X, p.k1)                              # V_z for every z there
+    # V_qe(y) = mean of V_z over z ∈ N(y, k2) (§4.4).  The probe's first, as a dense table over
+    # the codes (a column is b·(n + 1) + x: one table serves the whole batch)
+    n_y = (Lk2 >= 0).sum(1)
+    ptr = np.concatenate([[0], np.cumsum(np.bincount(ri, minlength=len(X)))])  # ri is sorted: V_z is ri's run z
+    idx = np.full(Lk2.shape, -1)
+    idx[Lk2 >= 0] = inv
+    p_rows = idx.reshape(B, width + 1, p.k2)[:, 0]              # the probe's N(p, k2), as indices of X
+    pz = p_rows[p_rows >= 0]
+    pb = np.flatnonzero(p_rows >= 0) // p_rows.shape[1]
+    i, at = gather(ptr, pz)
+    vp = np.bincount(col[at], weights=w[at] / n_y[pb[i] * (width + 1)], minlength=batch.n_codes)
+    # the pool's: only entries in the probe's support count (min(·) is 0 elsewhere), summed per (y, column)
+    keep = vp[col] > 0
+    yi = np.flatnonzero(Lk2 >= 0) // p.k2                       # row-major: the order of `inv`
+    yi, zi = yi[~(yi % (width + 1) == 0)], inv[~(yi % (width + 1) == 0)]
+    k_ptr = np.concatenate([[0], np.cumsum(np.bincount(ri[keep], minlength=len(X)))])  # kept entries, by node
+    i, at = gather(k_ptr, zi)
+    at = np.flatnonzero(keep)[at]
+    t_y = yi[i]
+    key = t_y * batch.n_codes + col[at]
+    uk, kinv = np.unique(key, return_inverse=True)
+    val = np.bincount(kinv, weights=w[at] / n_y[t_y])
+    ky, kcol = np.divmod(uk, batch.n_codes)
+    tmin = np.bincount(ky, weights=np.minimum(val, vp[kcol]), minlength=Y.size).reshape(B, width + 1)[:, 1:]
+    d_j = 1.0 - tmin / (2.0 - tmin)                            # Σ max = Σ V_p + Σ V_g − Σ min = 2 − Σ min
+    s_pg = np.take_along_axis(batch.S, np.maximum(pools, 0), 1)
+    d_orig = (batch.s_qq[:, None] - s_pg) / batch.row_max(probes)[:, None]
+    return d_j, d_orig
+
+
+def probe_vector(batch: ProbeBatch, p: KReciprocalParams) -> np.ndarray:
+    """Each probe's query-expanded V_qe(p) (§4.4: the mean of V_z over z ∈ N(p, k2)) as one dense
+    table over the batch's codes (M,), summed as `distances` sums it."""
+    probes = batch.probe()
+    Lp = batch.lists(probes, p.k2) if p.k2 > 1 else probes[:, None]
+    X, inv = np.unique(Lp[Lp >= 0], return_inverse=True)
+    ri, col, w = batch.V(X, p.k1)
+    n_p = (Lp >= 0).sum(1)
+    ptr = np.concatenate([[0], np.cumsum(np.bincount(ri, minlength=len(X)))])  # ri is sorted: V_z is ri's run z
+    pb = np.flatnonzero(Lp >= 0) // Lp.shape[1]
+    i, at = gather(ptr, inv)
+    return np.bincount(col[at], weights=w[at] / n_p[pb[i]], minlength=batch.n_codes)
+
+
+def support_index(space: MetricSpace, rows: np.ndarray, ext: dict, sets: dict, k1: int,
+                  k2: int) -> dict[str, np.ndarray]:
+    """Offline, over the gallery alone: every item's query-expanded V_qe(g) (the mean of V_z over
+    z ∈ N(g, k2); V_z of Eq. 7 on R*(z, k1)), stored as the official code's inverted index: for
+    each item j, the items g with V_qe(g)[j] > 0 ("items"[ptr[j]:ptr[j+1]]) and that value
+    ("values").  Summed as `distances` sums it, so a probe reads the same numbers."""
+    def compute():
+        n = space.n
+        cnt = np.diff(sets["ptr"])
+        owner = np.repeat(np.arange(n), cnt)
+        self_s = ext["self"].astype(np.float64)
+        rm = self_s - ext["min1"]  # the row maximum of d, as ProbeBatch.row_max reads it
+        rm = np.where(rm > 0, rm, 1.0)
+        w = np.exp(-(self_s[owner] - sets["sims"].astype(np.float64)) / rm[owner])
+        total = np.bincount(owner, weights=w, minlength=n)
+        V = w / np.maximum(total[owner], 1e-300)
+        keys, vals = [], []
+        for a in range(0, n, 2048):
+            g = np.arange(a, min(a + 2048, n))
+            z = rows[g, :k2].astype(np.int64) if k2 > 1 else g[:, None]  # k2 = 1: V_g itself
+            n_y = (z >= 0).sum(1)
+            flat = np.flatnonzero(z >= 0)
+            gi, at = gather(sets["ptr"], z.ravel()[flat])
+            gi = flat[gi] // z.shape[1]
+            uk, kinv = np.unique(sets["rows"][at].astype(np.int64) * n + g[gi], return_inverse=True)
+            keys.append(uk)
+            vals.append(np.bincount(kinv, weights=V[at] / n_y[gi]))
+        key, val = np.concatenate(keys), np.concatenate(vals)
+        order = np.argsort(key, kind="stable")
+        j, g = np.divmod(key[order], n)  # by column j, then item g
+        ptr = np.zeros(n + 1, dtype=np.int64)
+        np.add.at(ptr, j + 1, 1)
+        return {"ptr": np.cumsum(ptr), "items": g.astype(np.int32), "values": val[order]}
+    return space.artefact("kreciprocal-support", {"k1": k1, "k2": k2}, compute)
+
+
+def refresh(batch: ProbeBatch, p: KReciprocalParams, reverse_k2) -> np.ndarray:
+    """B × n: the gallery rows g whose V_qe(g) in the probe's universe may differ from the
+    gallery's: g's list N(g, k2) changed, or it holds a node z whose V_z changed.  V_z changes
+    where R*(z, k1) does or z's row maximum moves (the probe below z's smallest similarity, or
+    the own row was it).  R*(z) can change only where R(z, k1) changed or R(c, ½k1) did for a
+    member c (by the symmetry of R, z ∈ R(c, k1) of the gallery then, R(z, k1) being unchanged);
+    R(·, k) can change only at the nodes touched at k, so those are compared with the offline
+    sets first.  The R* of those z, and the probes', are computed here once, compared with the
+    offline sets, and kept for `members` (`batch.refreshed`, `batch.known`)."""
+    ext, offline = batch.ext, batch.offline
+    assert offline is not None  # built with the offline sets (kreciprocal)
+    n, stride = batch.n, batch.stride
+    maybe = np.zeros_like(batch.touched[p.k1])
+    for k in dict.fromkeys((p.k1, batch.k_half)):
+        # R(c, k) where it can have changed (c touched at k), compared with the offline set
+        tb, tc = np.nonzero(batch.touched[k])
+        R = np.sort(batch.reciprocal(tb * stride + tc, k), axis=1)
+        off = offline["r1" if k == p.k1 else "rh"][tc]
+        off = np.sort(np.where(off >= 0, tb[:, None] * stride + off, -1), axis=1)
+        moved = (R != off).any(1)
+        tb, tc = tb[moved], tc[moved]
+        if k == p.k1:
+            maybe[tb, tc] = True
+        if k == batch.k_half:  # R*(x) reads R(c, ½k1) for c ∈ R(x, k1): by the symmetry of R, x ∈ R(c, k1)
+            r1 = offline["r1"][tc]
+            ok = r1 >= 0
+            maybe[np.broadcast_to(tb[:, None], r1.shape)[ok], r1[ok]] = True
+    mb, mx = np.nonzero(maybe)
+    codes = np.concatenate([mb * stride + mx, batch.probe()])
+    codes.sort()
+    ri, y = batch.expanded(codes, p.k1)
+    sims = batch.similarity(codes[ri], y)
+    cnt = np.bincount(ri, minlength=len(codes))
+    kptr = np.concatenate([[0], np.cumsum(cnt)])
+    batch.known = (codes, kptr, y, sims)
+    # the same set as offline: as many members, each the same (both sorted)
+    cb, cx = np.divmod(codes, stride)
+    gal = cx < n
+    optr = offline["ptr"]
+    same = np.zeros(len(codes), dtype=bool)
+    same[gal] = cnt[gal] == optr[cx[gal] + 1] - optr[cx[gal]]
+    i, at = gather(optr, cx[same])
+    node = np.flatnonzero(same)[i]
+    differ = np.bincount(node, weights=y[kptr[node] + (at - optr[cx[node]])] != cb[node] * stride + offline["rows"][at],
+                         minlength=len(codes)) > 0
+    same &= ~differ
+    batch.refreshed = np.zeros_like(maybe)
+    batch.refreshed[cb[gal & ~same], cx[gal & ~same]] = True
+    vz = batch.refreshed | (batch.S < ext["min1"][None, :]) | (ext["arg1"][None, :] == batch.own[:, None])
+    if p.k2 == 1:  # V_qe(g) = V_g
+        return vz
+    out = batch.changed[p.k1].copy()  # N(g, k2) ⊂ N(g, k1 + 1)
+    zb, zx = np.nonzero(vz)
+    ptr, src = reverse_k2
+    i, at = gather(ptr, zx)
+    out[zb[i], src[at]] = True
+    return out
+
+
+def whole_gallery(batch: ProbeBatch, p: KReciprocalParams, support: dict, reverse_k2, k: int,
+                  pool: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per probe, the rows that can reach its top k by d* over the whole gallery (the official
+    code's ranking), or over the plain search's top `pool` candidates, in the plain order
+    (−1 padded), with their d_J and d (`terms`).
+
+    d_J(p, g) < 1 only where V_qe(p) and V_qe(g) share a nonzero entry.  Where V_qe(g) is the
+    gallery's (`refresh` says where it may not be), the offline inverted index gives
+    Σ_j min(V_p[j], V_g[j]) directly, as the official code computes it; the rows whose vector
+    may have changed go through `terms`; every other row has d_J = 1 and d* = (1 − λ) +
+    λ d(p, g), so the first k of them in the plain order are all that can reach the top k."""
+    B, n, stride = batch.B, batch.n, batch.stride
+    S, own = batch.S, batch.own
+    fresh = refresh(batch, p, reverse_k2)
+    vp = probe_vector(batch, p)
+    fresh[np.flatnonzero(own >= 0), own[own >= 0]] = False
+    inpool = None
+    if pool is not None:  # only the plain search's top `pool` are ranked
+        top = top_rows(S, own, pool)
+        inpool = np.zeros_like(fresh)
+        ok = top >= 0
+        inpool[np.broadcast_to(np.arange(B)[:, None], top.shape)[ok], top[ok]] = True
+        fresh &= inpool
+    # unchanged vectors that meet the probe's support: Σ_j min(V_p[j], V_g[j]) over the index
+    codes = np.flatnonzero(vp > 0)
+    pb, pj = np.divmod(codes, stride)
+    keep = pj < n  # the probe's own column: no unchanged vector holds it
+    i, at = gather(support["ptr"], pj[keep])
+    b, g = pb[keep][i], support["items"][at].astype(np.int64)
+    mins = np.minimum(support["values"][at], vp[codes[keep][i]])
+    ok = ~fresh[b, g] & (g != own[b]) & (True if inpool is None else inpool[b, g])
+    key = b[ok] * n + g[ok]
+    order = np.argsort(key, kind="stable")  # per (probe, g): columns in ascending order, as `distances` sums
+    uk, kinv = np.unique(key[order], return_inverse=True)
+    tmin = np.bincount(kinv, weights=mins[ok][order])
+    ob, og = np.divmod(uk, n)
+    # the changed ones, by `terms` (each probe's in the plain order: top_rows's)
+    fb, fg = np.nonzero(fresh)
+    per = np.bincount(fb, minlength=B)
+    pools = np.full((B, max(int(per.max(initial=0)), 1)), -1, dtype=np.int64)
+    o = np.lexsort((fg, -S[fb, fg], fb))
+    fb, fg = fb[o], fg[o]
+    pools[fb, np.arange(len(fb)) - np.repeat(np.cumsum(per) - per, per)] = fg
+    dj_fresh, do_fresh = terms(batch, pools, p)
+    # the rest: the first k in the plain order outside both (and inside the pool)
+    allowed = ~fresh if inpool is None else inpool & ~fresh
+    allowed[ob, og] = False
+    top = top_rows(np.where(allowed, S, -np.inf), own, min(k, n))
+    rm = batch.row_max(batch.probe())
+    o_start = np.searchsorted(ob, np.arange(B + 1))
+    parts = []
+    for j in range(B):
+        og_j, t_j = og[o_start[j]: o_start[j + 1]], tmin[o_start[j]: o_start[j + 1]]
+        f_j = pools[j][pools[j] >= 0]
+        t = top[j][top[j] >= 0]
+        rest = t[allowed[j, t]]
+        rows = np.concatenate([og_j, rest])
+        tm = np.concatenate([t_j, np.zeros(len(rest))])
+        rows = np.concatenate([f_j, rows])
+        d_j = np.concatenate([dj_fresh[j, : len(f_j)], 1.0 - tm / (2.0 - tm)])
+        d_o = np.concatenate([do_fresh[j, : len(f_j)], (batch.s_qq[j] - S[j, rows[len(f_j):]]) / rm[j]])
+        o = np.lexsort((rows, -S[j, rows]))  # the plain order (ranked stably by d* after)
+        parts.append((rows[o], d_j[o], d_o[o]))
+    width = max(len(r) for r, _, _ in parts)
+    out = np.full((B, width), -1, dtype=np.int64), np.ones((B, width)), np.zeros((B, width))  # pads: finite
+    for j, part in enumerate(parts):
+        for a, v in zip(out, part, strict=True):
+            a[j, : len(v)] = v
+    return out

@@ -1,0 +1,159 @@
+"""The one in-memory cache of every metric space's state (keys, neighbour lists, offline
+artefacts, re-rankers' look-up tables): one lock, one byte budget, least recently used
+entries evicted first, and each entry built once however many threads ask for it at once.
+docs/reranking.md ("The metric-space layer") describes the policy."""
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import numpy as np
+
+from core.errors import UserError
+from core.flags import CACHE_MEMORY_DEFAULT, CACHE_MEMORY_ENV, parse_size
+
+
+def parse_bytes(text: str | int, what: str = "--cache-memory") -> int:
+    """A byte count from `123`, `512M`, `4G` (core.flags.parse_size); bad input → UserError."""
+    try:
+        return parse_size(text, what)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def nbytes(value: Any) -> int:
+    """The memory an artefact holds: its arrays (in dicts, tuples, lists) and FAISS flat indexes."""
+    if isinstance(value, np.ndarray):
+        return int(value.nbytes)
+    if isinstance(value, dict):
+        return sum(nbytes(v) for v in value.values())
+    if isinstance(value, (tuple, list)):
+        return sum(nbytes(v) for v in value)
+    if hasattr(value, "ntotal") and hasattr(value, "d"):  # a FAISS index: its vectors (float32)
+        return int(value.ntotal) * int(value.d) * 4
+    return 0
+
+
+class _Build:
+    """One build in flight: the threads that wait for it read its value when it is done."""
+    __slots__ = ("done", "value", "failed")
+
+    def __init__(self):
+        self.done, self.value, self.failed = False, None, False
+
+
+class MemoryCache:
+    """Entries by key, least recently used first, their sizes summed against `budget` bytes.
+    `get_or_build` builds a missing entry outside the lock while any other thread asking for
+    the same key waits for that build: one build per key at a time."""
+
+    def __init__(self, budget: int):
+        self.budget = int(budget)
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
+        self._building: dict[Hashable, _Build] = {}
+
+    @property
+    def used(self) -> int:
+        with self._lock:
+            return sum(s for _, s in self._entries.values())
+
+    def peek(self, key: Hashable) -> Any:
+        """The entry if held (it becomes the most recently used), else None; never builds."""
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is None:
+                return None
+            self._entries.move_to_end(key)
+            return hit[0]
+
+    def get_or_build(self, key: Hashable, build: Callable[[], Any], *, max_bytes: int | None = None,
+                     stale: Callable[[Any], bool] | None = None) -> Any:
+        """The entry under `key`, built by `build()` when absent (or `stale(entry)`); kept when its
+        size is within `max_bytes` (default: the budget), evicting the least recently used.  A
+        thread that finds the same key being built waits for that build and returns its value."""
+        with self._lock:
+            while True:
+                hit = self._entries.get(key)
+                if hit is not None and not (stale is not None and stale(hit[0])):
+                    self._entries.move_to_end(key)
+                    return hit[0]
+                running = self._building.get(key)
+                if running is None:
+                    break
+                while not running.done:
+                    self._changed.wait()
+                if not running.failed and not (stale is not None and stale(running.value)):
+                    return running.value
+                # the build failed (its thread raised) or is too short for this caller: build here
+            mine = self._building[key] = _Build()
+        try:
+            value = build()
+        except BaseException:
+            with self._lock:
+                mine.done, mine.failed = True, True
+                del self._building[key]
+                self._changed.notify_all()
+            raise
+        size = nbytes(value)
+        with self._lock:
+            mine.done, mine.value = True, value
+            del self._building[key]
+            self._entries.pop(key, None)
+            if size <= (self.budget if max_bytes is None else min(self.budget, max_bytes)):
+                self._entries[key] = (value, size)
+                self._evict(keep=key)
+            self._changed.notify_all()
+        return value
+
+    def _evict(self, keep: Hashable | None) -> None:
+        total = sum(s for _, s in self._entries.values())
+        for k in list(self._entries):
+            if total <= self.budget:
+                break
+            if k != keep:
+                total -= self._entries.pop(k)[1]
+
+    def set_budget(self, budget: int) -> None:
+        with self._lock:
+            self.budget = int(budget)
+            self._evict(keep=None)
+
+    def drop_owner(self, owner: Hashable) -> None:
+        """Forget every entry whose key is a tuple starting with `owner` (a gallery gone)."""
+        with self._lock:
+            for k in [k for k in self._entries if isinstance(k, tuple) and k and k[0] is owner]:
+                del self._entries[k]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+def _initial_budget() -> int:
+    text = os.environ.get(CACHE_MEMORY_ENV, "").strip()
+    try:
+        return parse_bytes(text or CACHE_MEMORY_DEFAULT, CACHE_MEMORY_ENV)
+    except UserError:  # a bad value there: the default (the flag, checked, overrides it)
+        return parse_bytes(CACHE_MEMORY_DEFAULT)
+
+
+CACHE = MemoryCache(_initial_budget())
+
+
+def set_memory_budget(size: str | int | None) -> None:
+    """Set the budget of every metric space's in-memory state: `--cache-memory`'s value, else
+    $DML_CACHE_MEMORY, else 4G (a bad value of either refused, naming it)."""
+    if size is None:
+        text = os.environ.get(CACHE_MEMORY_ENV, "").strip()
+        CACHE.set_budget(parse_bytes(text, CACHE_MEMORY_ENV) if text else parse_bytes(CACHE_MEMORY_DEFAULT))
+    else:
+        CACHE.set_budget(parse_bytes(size))
+
+
+def memory_budget() -> int:
+    return CACHE.budget

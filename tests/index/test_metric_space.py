@@ -1,0 +1,202 @@
+"""The metric-space layer (index/space): one memory cache with a byte budget, least recently
+used evicted first, each artefact built once however many threads ask; and concurrent
+searches that differ only in λ or in strategy give, row for row, the sequential answers."""
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import faiss
+import numpy as np
+import pytest
+
+from core.errors import UserError
+from index.backends.search import Searcher
+from index.backends.store import in_memory_index
+from index.rerankers import rerank
+from index.space import CACHE, SearcherSpace, parse_bytes, set_memory_budget
+from index.space.memory import MemoryCache
+
+
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    CACHE.clear()
+
+
+def gallery(n=300, d=16, seed=0):
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(10, d))
+    lab = rng.integers(0, 10, n)
+    x = (centres[lab] + 0.7 * rng.normal(size=(n, d))).astype(np.float32)
+    W = rng.normal(size=(6, d)).astype(np.float32)
+    return Searcher(in_memory_index(x, lab, W)), x
+
+
+# ---------------------------------------------------------------- the cache
+def test_entries_are_evicted_least_recently_used_first_by_bytes():
+    c = MemoryCache(budget=1000)
+    for k in "abc":
+        c.get_or_build(k, lambda: np.zeros(300, np.uint8))
+    assert c.used == 900
+    c.peek("a")  # a is now the most recent: b goes first
+    c.get_or_build("d", lambda: np.zeros(300, np.uint8))
+    assert c.peek("b") is None and all(c.peek(k) is not None for k in "acd")
+    assert c.used == 900
+    big = c.get_or_build("e", lambda: np.zeros(2000, np.uint8))  # above the budget: returned, not kept
+    assert len(big) == 2000 and c.peek("e") is None and c.used == 900
+    small = c.get_or_build("f", lambda: np.zeros(10, np.uint8), max_bytes=5)  # above its own cap
+    assert c.peek("f") is None and len(small) == 10
+    c.set_budget(400)
+    assert c.used <= 400
+
+
+def test_an_artefact_is_built_once_under_concurrent_requests():
+    c = MemoryCache(budget=1 << 20)
+    builds, start = [], threading.Barrier(8)
+
+    def build():
+        builds.append(1)
+        time.sleep(0.05)  # long enough for every other thread to ask meanwhile
+        return np.arange(10)
+
+    def ask(_):
+        start.wait()
+        return c.get_or_build("pairs", build)
+
+    with ThreadPoolExecutor(8) as ex:
+        got = list(ex.map(ask, range(8)))
+    assert len(builds) == 1
+    assert all(g is got[0] for g in got)
+
+
+def test_a_failed_build_is_not_kept_and_the_next_request_builds():
+    c = MemoryCache(budget=1 << 20)
+
+    def fail():
+        raise RuntimeError("disk full")
+    with pytest.raises(RuntimeError):
+        c.get_or_build("x", fail)
+    assert c.get_or_build("x", lambda: np.ones(3)).sum() == 3
+
+
+def test_a_stale_entry_is_rebuilt():
+    c = MemoryCache(budget=1 << 20)
+    c.get_or_build("knn", lambda: np.zeros(3))
+    got = c.get_or_build("knn", lambda: np.zeros(5), stale=lambda v: len(v) < 5)
+    assert len(got) == 5 and len(c.peek("knn")) == 5
+
+
+def test_sizes_and_the_budget_setting():
+    assert parse_bytes("4G") == 4 << 30 and parse_bytes("512M") == 512 << 20 and parse_bytes("1.5K") == 1536
+    assert parse_bytes("100") == 100 and parse_bytes("2GiB") == 2 << 30
+    with pytest.raises(UserError, match="--cache-memory wants a size such as 512M or 4G, got 'lots'"):
+        parse_bytes("lots")
+    before = CACHE.budget
+    try:
+        set_memory_budget("64M")
+        assert CACHE.budget == 64 << 20
+    finally:
+        CACHE.set_budget(before)
+
+
+def test_a_bad_environment_budget_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("DML_CACHE_MEMORY", "much")
+    with pytest.raises(UserError, match="DML_CACHE_MEMORY wants a size"):
+        set_memory_budget(None)
+
+
+# ---------------------------------------------------------------- concurrent searches
+def test_every_offline_artefact_is_built_once_under_concurrent_searches(monkeypatch):
+    """8 searches at once on a fresh space, differing only in λ: each artefact (lists, sets,
+    the pair matrix, the inverted index, the λ-free terms) is built exactly once."""
+    searcher, x = gallery()
+    builds: dict[str, int] = {}
+    lock = threading.Lock()
+    artefact = SearcherSpace.artefact
+
+    def counted(self, name, params, build, **kw):
+        def wrapped():
+            with lock:
+                builds[name] = builds.get(name, 0) + 1
+            time.sleep(0.02)  # widen the window in which the others ask
+            return build()
+        return artefact(self, name, params, wrapped, **kw)
+    monkeypatch.setattr(SearcherSpace, "artefact", counted)
+    space = SearcherSpace(searcher, "trained", {}, "cosine")
+    start = threading.Barrier(8)
+
+    def one(lam):
+        start.wait()
+        return rerank("kreciprocal", space, x[:40], 10, params={"k1": 10, "k2": 3, "lambda_value": lam},
+                      self_ids=np.arange(40))
+    with ThreadPoolExecutor(8) as ex:
+        list(ex.map(one, np.linspace(0, 1, 8)))
+    assert {"knn", "kreciprocal-sets", "kreciprocal-pairs", "kreciprocal-support", "kreciprocal-terms"} <= set(builds)
+    assert builds == {name: 1 for name in builds}
+
+
+CONFIGS = ([("kreciprocal", "trained", "cosine", {"k1": 10, "k2": 3, "lambda_value": lam}) for lam in (0.1, 0.3, 0.6)]
+           + [("kreciprocal", "identity", "bilinear", {"k1": 10, "k2": 3, "lambda_value": lam}) for lam in (0.1, 0.6)]
+           + [("kreciprocal", "trained", "cosine", {"k1": 6, "k2": 3, "lambda_value": 0.3, "pool": 40}),
+              ("dba", "trained", "cosine", {"n": 3}), ("diffusion", "identity", "bilinear", {"k": 10, "kq": 4}),
+              ("aqe", "trained", "bilinear", {"n": 3})])
+
+
+def test_concurrent_searches_differing_in_lambda_and_strategy_give_the_sequential_rows():
+    """Each configuration run alone, one after another, then all of them twice from 8 threads at
+    once on shared spaces with an empty cache (batches threaded inside k-reciprocal too): every
+    row and every score is the same."""
+    searcher, x = gallery()
+    rng = np.random.default_rng(1)
+    own = np.concatenate([np.full(30, -1), rng.choice(len(x), 40, replace=False)])  # 70 probes: 3 batches
+    q = np.vstack([x[rng.choice(len(x), 30)] + 0.3 * rng.normal(size=(30, x.shape[1])), x[own[30:]]])
+    spaces = {(s, m): SearcherSpace(searcher, s, {}, m) for _, s, m, _ in CONFIGS}
+
+    def run(cfg):
+        name, strategy, mode, params = cfg
+        return rerank(name, spaces[strategy, mode], q, 10, params=params, self_ids=own)
+
+    want = [run(c) for c in CONFIGS]
+    CACHE.clear()
+    before = faiss.omp_get_max_threads()
+    jobs = [i for i in range(len(CONFIGS)) for _ in range(2)]
+    rng.shuffle(jobs)
+    try:
+        faiss.omp_set_num_threads(2)  # k-reciprocal's own batch threads, under the 8 request threads
+        with ThreadPoolExecutor(8) as ex:
+            got = list(ex.map(lambda i: (i, run(CONFIGS[i])), jobs))
+    finally:
+        faiss.omp_set_num_threads(before)
+    for i, h in got:
+        np.testing.assert_array_equal(h.rows, want[i].rows, err_msg=str(CONFIGS[i]))
+        np.testing.assert_array_equal(h.scores, want[i].scores, err_msg=str(CONFIGS[i]))
+    assert not (want[0].rows < 0).any()  # a complete answer (a batch left out would read −1)
+
+
+def test_the_searchers_cosine_state_is_built_once_kept_in_the_budget_and_dropped_with_it(monkeypatch):
+    """8 cosine searches at once on a fresh searcher compute the gallery's M′-norms once; the norms
+    and the norm-scaled copy are entries of the one cache, gone when the searcher is."""
+    import gc
+
+    searcher, x = gallery()
+    rm = searcher.metric("trained", {})
+    calls = []
+    m_norms = rm.op.m_norms
+    monkeypatch.setattr(rm.op, "m_norms", lambda X: calls.append(1) or time.sleep(0.05) or m_norms(X))
+    rows = cosine_searches_at_once(searcher, x[:5])
+    assert len(calls) == 1 and all(np.array_equal(r, rows[0]) for r in rows)
+    assert searcher.holds_cosine_parts("trained", {})
+    assert CACHE.used >= x.nbytes  # the norm-scaled copy of the gallery counts against the budget
+    del searcher, rm
+    gc.collect()
+    assert CACHE.used < x.nbytes
+
+
+def cosine_searches_at_once(searcher, q, threads=8):
+    start = threading.Barrier(threads)
+
+    def one(_):
+        start.wait()
+        return searcher.search(q, "trained", {}, "cosine", k=5).rows
+    with ThreadPoolExecutor(threads) as ex:
+        return list(ex.map(one, range(threads)))
