@@ -55,11 +55,16 @@ def conjugate_gradient(A, b: np.ndarray, tol: float, iterations: int) -> np.ndar
     B = np.asarray(b[:, None] if one else b, dtype=np.float64)
     n, m = B.shape
     tol = min(max(tol, EPS), 1 - EPS)  # pcg's clamps (with a warning there)
-    tolb = tol * np.linalg.norm(B, axis=0)
+
+    def sq(v):  # the squared norm of each column
+        return np.einsum("ij,ij->j", v, v)
+
+    tolb = tol * np.sqrt(sq(B))
     x = np.zeros_like(B)
     r = B.copy()
     p = np.zeros_like(B)
-    normr_act = np.linalg.norm(r, axis=0)
+    rr = sq(r)
+    normr_act = np.sqrt(rr)
     normrmin = normr_act.copy()
     xmin = x.copy()
     live = normr_act > tolb  # a zero b is solved by x = 0 (tol < 1, so nothing else stops here)
@@ -72,31 +77,34 @@ def conjugate_gradient(A, b: np.ndarray, tol: float, iterations: int) -> np.ndar
         for it in range(iterations):
             if not live.any():
                 break
-            rho1, rho = rho, np.where(live, np.einsum("ij,ij->j", r, r), rho)
+            rho1, rho = rho, np.where(live, rr, rho)
             live &= (rho != 0) & np.isfinite(rho)  # pcg's breakdowns (flag 4) stop a column
             if it:
                 beta = rho / rho1
                 live &= (beta != 0) & np.isfinite(beta)
-                p = np.where(live, r + np.where(live, beta, 0.0) * p, 0.0)
+                p *= np.where(live, beta, 0.0)
+                p += r
             else:
-                p = np.where(live, r, 0.0)
+                p[:] = r
+            p[:, ~live] = 0.0  # a stopped column stays as it is
             q = apply(p)
             pq = np.einsum("ij,ij->j", p, q)
             live &= (pq > 0) & np.isfinite(pq)
             a = np.where(live, rho / np.where(live, pq, 1.0), 0.0)
             live &= np.isfinite(a)
             a = np.where(live, a, 0.0)
-            small = np.linalg.norm(p, axis=0) * np.abs(a) < EPS * np.linalg.norm(x, axis=0)
+            small = np.sqrt(sq(p)) * np.abs(a) < EPS * np.sqrt(sq(x))
             stag = np.where(live, np.where(small, stag + 1, 0), stag)
             x += a * p
             r -= a * q
-            normr = np.linalg.norm(r, axis=0)
+            rr = sq(r)
+            normr = np.sqrt(rr)
             normr_act = np.where(live, normr, normr_act)
             check = live & ((normr <= tolb) | (stag >= MAX_STAG) | (more > 0))
             if check.any():  # the true residual decides, and carries on as r
-                true = B - apply(x)
-                r = np.where(check, true, r)
-                normr_act = np.where(check, np.linalg.norm(true, axis=0), normr_act)
+                r[:, check] = B[:, check] - apply(x)[:, check]
+                rr = sq(r)
+                normr_act = np.where(check, np.sqrt(rr), normr_act)
                 done = check & (normr_act <= tolb)
                 converged |= done
                 live &= ~done
@@ -106,11 +114,12 @@ def conjugate_gradient(A, b: np.ndarray, tol: float, iterations: int) -> np.ndar
                 live &= ~(fail & (more >= max_more))
             better = live & (normr_act < normrmin)
             normrmin = np.where(better, normr_act, normrmin)
-            xmin = np.where(better, x, xmin)
+            if better.any():
+                xmin[:, better] = x[:, better]
             live &= stag < MAX_STAG
     if not converged.all():  # pcg keeps the minimum unless its true residual is above the last one's
-        use = ~converged & (np.linalg.norm(B - apply(xmin), axis=0) <= normr_act)
-        x = np.where(use, xmin, x)
+        use = ~converged & (np.sqrt(sq(B - apply(xmin))) <= normr_act)
+        x[:, use] = xmin[:, use]
     return x[:, 0] if one else x
 
 
