@@ -2,13 +2,14 @@
 Diffusion on Region Manifolds", CVPR 2017, as its official code (ahmetius/diffusion-retrieval:
 knngraph.m, transition_matrix.m, ymake.m, dfs.m, run_test.m) runs global descriptors: the whole
 gallery's graph built offline, f = (I − αS)⁻¹ y solved per query by MATLAB pcg's conjugate
-gradients, items ranked by f (equal f by index).  `truncation` below the gallery size is
-findtrunc.m + trunclap.m's cut graph (a variant).  The equations, the leave-one-out graph and
-the measurements: docs/reranking.md ("Diffusion on the whole gallery"); docs/fidelity.md.
+gradients, items ranked by f (equal f by index).  Variants: `truncation` below the gallery size
+(findtrunc.m + trunclap.m's cut graph) and `ties=score`.  The equations, the leave-one-out graph
+and the measurements: docs/reranking.md ("Diffusion on the whole gallery"); docs/fidelity.md.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 from scipy import sparse
@@ -41,6 +42,9 @@ class DiffusionParams:
     iterations: int = param(20, "conjugate-gradient iterations at most (run_test.m: 20)", bounds="[1, 1000]")
     tol: float = param(1e-6, "conjugate-gradient tolerance on the relative residual (run_test.m: 1e-6)",
                        bounds="(0, inf)")
+    ties: Literal["index", "score"] = param("index", "order of items with equal f (those the diffusion does not "
+                                                     "reach: f = 0): index, run_test.m's stable sort | score, by "
+                                                     "the plain score (a variant)")
 
 
 def conjugate_gradient(A, b: np.ndarray, tol: float, iterations: int) -> np.ndarray:
@@ -241,10 +245,11 @@ def _diffuse_whole(space: MetricSpace, queries: np.ndarray, seeds: np.ndarray, s
     return conjugate_gradient(lambda U: U - p.alpha * inv * product(inv * U), Y, p.tol, p.iterations)
 
 
-def _ranked(f: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The top k of `rows` by f, equal f (items the diffusion does not reach: f = 0) by row, as
-    run_test.m's stable `sort(scores, 'descend')` ranks the gallery."""
-    order = np.lexsort((rows, -f))[:k]
+def _ranked(f: np.ndarray, rows: np.ndarray, k: int, s: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The top k of `rows` by f; equal f (items the diffusion does not reach: f = 0) by row, as
+    run_test.m's stable `sort(scores, 'descend')` ranks the gallery, or, given the plain scores
+    s (`ties=score`), by s first."""
+    order = np.lexsort((rows, -f) if s is None else (rows, -s, -f))[:k]
     return rows[order], f[order]
 
 
@@ -270,7 +275,8 @@ def diffusion(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: in
                 cut = np.partition(-f, min(k, space.n - 1))[min(k, space.n - 1)] if k < space.n else np.inf
                 rows = np.flatnonzero(-f <= cut)
                 rows = rows[rows != me]
-                r, v = _ranked(f[rows], rows, k)
+                s = space.score(queries[a + j: a + j + 1], rows)[0] if p.ties == "score" else None
+                r, v = _ranked(f[rows], rows, k, s)
                 out_r[a + j, : len(r)], out_s[a + j, : len(r)] = r, v
         return space.hits(out_r, out_s)
     lists, sims = neighbour_lists(space, p.k + 1)  # + 1: a leave-one-out row may drop out
@@ -290,7 +296,7 @@ def diffusion(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: in
         y[:seed] = np.maximum(s[:seed].astype(np.float64), 0.0) ** p.gamma
         A = sparse.identity(len(sub), format="csr") - p.alpha * S
         f = conjugate_gradient(A, y, p.tol, p.iterations)
-        r, v = _ranked(f, sub, k)
+        r, v = _ranked(f, sub, k, s if p.ties == "score" else None)
         out_r[b, : len(r)] = r
         out_s[b, : len(r)] = v
     return space.hits(out_r, out_s)

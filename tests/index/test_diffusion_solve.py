@@ -198,3 +198,8 @@ def test_items_the_diffusion_does_not_reach_are_ranked_by_index(tmp_path):
     np.testing.assert_array_equal(got.rows[0], np.argsort(-f, kind="stable"))
     np.testing.assert_array_equal(got.rows[0][-len(unreached):], unreached)
     np.testing.assert_allclose(got.scores[0], f[got.rows[0]], rtol=1e-6, atol=1e-12)
+    # the variant: equal f by the plain score (float32, as the search scores), then by index
+    s32 = space.score(space.prepare(q))[0].astype(np.float64)
+    variant = rerank("diffusion", space, q, n, params={"k": k, "kq": kq, "ties": "score"})
+    np.testing.assert_array_equal(variant.rows[0], np.lexsort((np.arange(n), -s32, -f)))
+    assert not np.array_equal(variant.rows[0][-len(unreached):], unreached)
