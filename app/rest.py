@@ -1,23 +1,9 @@
-"""`POST /api/search`: the search API as one plain HTTP request, beside Gradio's.
+"""`POST /api/search`: the search API as one plain multipart HTTP request, beside Gradio's.
 
-Gradio's own API (`/search`, for `gradio_client`) takes an upload, a queue join and
-an event stream per query: about 55 ms of the app's CPU and more in the client
-(bench/app_load.py measures both).  This endpoint is one multipart POST answered
-with the same JSON (`metric`, `note`, `results` with HIT_FIELDS and `has_image`), for
-curl and for clients that are not Python:
-
-  curl -F image=@q.png -F strategy=random -F r=0.4 -F seed=2 -F mode=bilinear -F k=6 \\
-       -F rerank=aqe -F rerank_params="n=3, alpha=1" http://127.0.0.1:7860/api/search
-
-Fields: `image` (required), `strategy` (default trained), `mode` (default cosine),
-`k` (default 10), the strategy parameters by name (file parameters cannot be
-given; another strategy's are not read), and optionally a re-ranker: `rerank`
-(default none) with `rerank_params` (`key=value` pairs separated by commas or
-spaces, or a JSON object; default: its own defaults), each size at most the
-server's --max-rerank-size.  A field that is none of these is refused with the
-valid ones.  Bad input is a 4xx with {"error": "..."}; uploads over the app's
---max-upload-mb are refused before they are decoded.  The search itself is
-`RetrievalService.api_search`, as Gradio's; this module imports no UI.
+Answered with the same JSON as Gradio's API (`metric`, `note`, `results` with HIT_FIELDS and
+`has_image`) by the same `RetrievalService.api_search`; this module imports no UI.  Its fields, refusals and
+limits (`--max-rerank-size`, `--max-upload-mb`) and what it saves against Gradio's protocol:
+docs/app-and-compare.md ("The same search is also one plain multipart POST").
 """
 from __future__ import annotations
 

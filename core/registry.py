@@ -214,10 +214,10 @@ class Registry(Generic[S]):
         for e in self.entries():
             lines.append(f"  {e.shown:<20} {e.doc}")
             lines += [f"      {line}" for line in e.spec.listing_lines()]
-            helps = e.param_help()
+            helps, raw = e.param_help(), e.param_defaults()
             for k, v in e.shown_defaults().items():
                 h = f"  {helps[k]}" if helps[k] else ""
-                lines.append(f"      {k} = {v!r}{h}")
+                lines.append(f"      {k} = {v if v is not raw[k] else repr(v)}{h}")  # a named value: its word
         return "\n".join(lines)
 
     def add_argument(self, parser, flag: str, *, many: bool = False, default_help: str = "%(default)s", **kw):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from core.errors import UserError
+from core.params import shown as show
 
 from .backends.gallery import Gallery, Hits
 from .metric import MODES
@@ -50,7 +51,9 @@ class SearchConfig:
         """`strategy(params) · mode`, and `· rerank(params)` where a re-ranker is set."""
         text = f"{strategy_label(self.strategy, self.params)} · {self.mode}"
         if self.rerank != NO_RERANK:
-            args = ", ".join(f"{k}={v}" for k, v in self.rerank_params.items() if v not in (None, ""))
+            shown = {f.name: f for f in dataclasses.fields(RERANKERS.get(self.rerank).params)}
+            args = ", ".join(f"{k}={show(shown[k], v) if k in shown else v}" for k, v in self.rerank_params.items()
+                             if v not in (None, ""))
             text += f" · {self.rerank}({args})" if args else f" · {self.rerank}"
         return text
 

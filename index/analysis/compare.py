@@ -1,23 +1,10 @@
 """Two metrics over a whole index, query by query: per-query AP, the paired statistics, per class.
 
-Every index item is a query against the rest (leave-one-out), scored by MAP@R
-(the evaluator's per-query metric).  One strategy's per-query AP over the
-whole index is one batched computation: up to `sweep.MAX_N` items the score
-matrix S = Φ M′ Φᵀ of the batched sweep (index/analysis/sweep.py, equal to the search
-path up to floating-point ties) ranked by one top-R per row; above, one
-chunked exact search through `Searcher.query_view`.  Results are cached per
-(strategy, parameters, mode), with each query's top `NEIGHBOURS` items: how much
-two configurations' top-k lists overlap (Jaccard@k) needs no second search.
-
-A configuration with a re-ranker is searched through `SearchConfig.search`, every
-item as a query with its own row left out (`self_ids`: it must not help its own
-re-ranking), in chunks of `RERANK_CHUNK` queries (progress reported after each): each
-query's MAP@R is read from its re-ranked top R, its top list from its top NEIGHBOURS,
-exactly what `SearchConfig.search` answers for that k (one pass serves both while
-they stay within the re-ranker's candidate pool).  Cached per `SearchConfig.key()`,
-which names the re-ranker and its parameters.
-Either side of a comparison is any configuration (index/search_config.py).  The
-app's Compare tab and `index report` use it.
+Every item is a query against the rest (leave-one-out), scored by MAP@R: one batched sweep
+(index/analysis/sweep.py) up to `sweep.MAX_N` items, one chunked exact search above; a side
+with a re-ranker through `SearchConfig.search`, `RERANK_CHUNK` queries at a time, its own row
+left out.  Cached per configuration with each query's top `NEIGHBOURS` items (Jaccard@k).  The
+app's Compare tab and `index report` use it; docs/app-and-compare.md describes both.
 """
 from __future__ import annotations
 

@@ -1,37 +1,11 @@
 """Why a result moved between two configurations: its rank and score under each, and the score
-difference split over the eigen-directions of the difference of the two metrics.
+difference split over the eigen-directions of D = M_B − M_A:
 
-Bilinear scores s_M(q, x) = qᵀMx differ by
+    s_B − s_A = qᵀDx / n_B  +  qᵀM_A x · (1/n_B − 1/n_A),   qᵀDx = Σᵢ μᵢ (vᵢᵀq)(vᵢᵀx)
 
-    s_B − s_A = qᵀ(M_B − M_A)x = Σᵢ μᵢ (vᵢᵀq)(vᵢᵀx),
-
-(μᵢ, vᵢ) the eigenpairs of the symmetric D = M_B − M_A: each direction's term is its share of
-the move, with its sign.  A cosine score is the M-cosine qᵀMx / n, n = ‖q‖_M ‖x‖_M (n = 1 for a
-bilinear side), and then
-
-    s_B − s_A = qᵀDx / n_B  +  qᵀM_A x · (1/n_B − 1/n_A):
-
-the bilinear change over B's norms, split over the directions as above, plus the change of the
-norm factor alone (A's bilinear score rescaled from A's norms to B's).  The parts sum to the
-score difference (float64 round-off aside); a test checks it for every kind of strategy.
-
-Eigenvalues equal up to round-off span one eigenspace whose eigenvectors are arbitrary (for
-identity − M*, the null space of the low-rank M*): its term is reported once, along the query's
-component in it, P q / ‖P q‖, the one direction of the eigenspace that carries its term.
-
-A configuration with a re-ranker (index/rerankers) changes the ranking, not the metric: a
-re-ranker's score is not qᵀM′x, so the decomposition above does not apply, and `why` says so.
-Its placement is x's position in the re-ranked list (`SearchConfig.search`, the query's own
-row left out), read to the re-ranker's candidate pool (`ranked_pool`; `FULL_DEPTH` for one
-that ranks the whole gallery); beyond it, x's rank and score under the strategy alone are
-given, marked so.  What it shows instead is the neighbourhood every re-ranker here reads (query
-expansion adds the query's nearest items to it, database-side augmentation adds x's, diffusion
-and k-reciprocal encoding walk the graph between them), per re-ranked side under its strategy
-alone: the query's `SUPPORT` nearest items and x's rank in each one's own list, and x's
-`SUPPORT` nearest items and each one's rank in the query's list, the query's own item left out
-throughout.  Neighbours that rank x within the top k (or that the query does) are the shared
-neighbourhood that pulls x up under such a re-ranker.  It is evidence, not an exact split of a
-score.
+(n: the cosine's norm factor ‖q‖_M ‖x‖_M, 1 for a bilinear side; an eigenspace of equal μ once,
+along P q / ‖P q‖).  A re-ranked side gets its placement and the neighbourhood its re-ranker
+reads instead (`SUPPORT`, `FULL_DEPTH`).  The derivation and the panel: docs/app-and-compare.md.
 """
 from __future__ import annotations
 

@@ -1,24 +1,11 @@
 """Batched strategy sweeps: many M′ scored against one feature matrix, query = gallery.
 
-Evaluating a strategy through the search path costs a full exact search
-(N × N × d) per setting.  A sweep over one split can share most of it: the
-score matrix S = Φ M′ Φᵀ is built from a few products, using the structure
-each strategy's operator declares (index/operator.py):
-  identity        G = Φ Φᵀ                            (once)
-  trained         T = E Eᵀ, E = Φ Wᵀ                  (once, rank k ≪ d)
-  diagonal        T − (Φ_S D_S) Φ_Sᵀ                  (only the zeroed columns S; the
-                                                      draws of one seed are nested in r, so
-                                                      each r subtracts only its new columns)
-  spectral        c G + (Φ U) Λ (Φ U)ᵀ                (M′ = cI + UΛUᵀ, rank(U) ≪ d)
-  anything else   (Φ M′) Φᵀ
-Every product is symmetric, so only its upper blocks are multiplied (numpy's
-BLAS).  Cosine mode divides by the M′-norms, which are the diagonal of S.
-Each setting is then ranked with one top-k over row chunks (self excluded),
-S left untouched so that the modes of a setting share it, and scored by the
-same per-query metrics as the evaluator.  Rankings equal the search path's up
-to floating-point ties (a test checks every strategy and mode).
-
-Memory is O(N²): used up to `MAX_N` items; larger splits take the search path.
+S = Φ M′ Φᵀ is built from products shared across settings, by the structure each strategy's
+operator declares (index/operator.py): ΦΦᵀ and the low-rank EEᵀ once, diagonal restraint as
+a rank-|S| correction nested in r, spectral as cI + a rank-k part, dense (ΦM′)Φᵀ otherwise;
+upper blocks only (S is symmetric), ranked by one top-k over row chunks, self excluded.
+Rankings equal the search path's up to floating-point ties (tested).  Memory is O(N²): up to
+`MAX_N` items, larger splits take the search path (docs/refinement.md, "Speed of the strategy evaluation").
 """
 from __future__ import annotations
 

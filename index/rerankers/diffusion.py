@@ -1,26 +1,15 @@
-"""Diffusion on the gallery's kNN graph: Iscen, Tolias, Avrithis, Furon, Chum, "Efficient
-Diffusion on Region Manifolds: Recovering Small Objects with Compact CNN Representations",
-CVPR 2017, with the offline/online split of its official code (github ahmetius/
-diffusion-retrieval: knngraph.m, transition_matrix.m, ymake.m, trunclap.m, dfs.m; global
-descriptors, as run_test.m's `feature_type = 'global'`).
-
-Offline (cached): each item's k nearest items (itself among them, as knn_wrap returns it).
-Online, per query, on the whole gallery's graph as run_test.m runs global descriptors
-(`dotrunc = 0`: S and I − αS are built once, offline), or, with `truncation` below the gallery
-size (a variant: run_test.m truncates only regional descriptors on Oxford105k/Paris106k, at
-10,000), on the graph cut to the query's top `truncation` first-search candidates
-(findtrunc.m + trunclap.m):
-  §3.1     A_ij = max(s(x_i, x_j), 0)^γ if x_i, x_j are in each other's k-NN (mutual), else 0;
-           A_ii = 0  (knngraph.m)
-  Eq. 4    S = D^{-1/2} A D^{-1/2},  D = diag(A 1)  (transition_matrix.m, on the truncated A)
-  §3.2     y_i = max(s(q, x_i), 0)^γ for the query's top kq items, 0 elsewhere  (ymake.m)
-  Eq. 9    f = (I − αS)^{-1} y, solved by conjugate gradients (dfs.m: pcg, tol, iterations)
-and the items are ranked by f (equal f: in the plain search's order).  Items outside a
-truncation keep f = 0, as in the code.  Leave-one-out: docs/reranking.md.
+"""Diffusion on the gallery's mutual kNN graph: Iscen, Tolias, Avrithis, Furon, Chum, "Efficient
+Diffusion on Region Manifolds", CVPR 2017, as its official code (ahmetius/diffusion-retrieval:
+knngraph.m, transition_matrix.m, ymake.m, dfs.m, run_test.m) runs global descriptors: the whole
+gallery's graph built offline, f = (I − αS)⁻¹ y solved per query by MATLAB pcg's conjugate
+gradients, items ranked by f (equal f by index).  Variants: `truncation` below the gallery size
+(findtrunc.m + trunclap.m's cut graph) and `ties=score`.  The equations, the leave-one-out graph
+and the measurements: docs/reranking.md ("Diffusion on the whole gallery"); docs/fidelity.md.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 from scipy import sparse
@@ -32,7 +21,9 @@ from .neighbours import neighbour_lists, reverse_index, without
 from .registry import RERANKERS, WHOLE_GALLERY, candidates
 
 BATCH_CELLS = 1 << 22  # queries × items diffused together on the whole graph (one sparse product per CG
-# step; the solver holds five such float64 blocks: 160 MB)
+# step; the solver holds about eight such float64 blocks: 256 MB)
+EPS = float(np.finfo(np.float64).eps)
+MAX_STAG = 3  # pcg's maxstagsteps: steps too small to move x before it stops
 
 
 @dataclass
@@ -46,36 +37,93 @@ class DiffusionParams:
     truncation: int = param(WHOLE_GALLERY, "the query's first-search candidates the graph is cut to, clipped to the "
                                            "gallery: the default diffuses on the whole gallery, as run_test.m does "
                                            "for global descriptors (dotrunc = 0); a smaller value is findtrunc.m's "
-                                           "truncation (a variant)", bounds="[1, inf)")
+                                           "truncation (a variant)", bounds="[1, inf)",
+                            named={"all": WHOLE_GALLERY})
     iterations: int = param(20, "conjugate-gradient iterations at most (run_test.m: 20)", bounds="[1, 1000]")
     tol: float = param(1e-6, "conjugate-gradient tolerance on the relative residual (run_test.m: 1e-6)",
                        bounds="(0, inf)")
+    ties: Literal["index", "score"] = param("index", "order of items with equal f (those the diffusion does not "
+                                                     "reach: f = 0): index, run_test.m's stable sort | score, by "
+                                                     "the plain score (a variant)")
 
 
 def conjugate_gradient(A, b: np.ndarray, tol: float, iterations: int) -> np.ndarray:
-    """x with A x ≈ b (A symmetric positive definite), from x = 0, stopping once ‖b − Ax‖ ≤ tol ‖b‖
-    (MATLAB pcg's criterion, without a preconditioner).  `A`: a matrix, or a function X ↦ AX;
-    `b`: a vector, or a matrix whose columns are solved side by side, each stopping on its own."""
+    """MATLAB's `pcg(A, b, tol, iterations)` without a preconditioner (dfs.m), for A symmetric
+    positive definite: from x = 0, converged once the true residual ‖b − Ax‖ ≤ tol ‖b‖ (checked
+    where the recurrence's residual says so, as pcg checks it); not converged, the iterate of
+    smallest residual (x = 0 included, the first of equals), as pcg returns it with flag 1, and
+    pcg's stagnation and "more steps" stops.  `A`: a matrix, or a function X ↦ AX; `b`: a vector,
+    or a matrix whose columns are solved side by side, each with its own stops and minimum."""
     apply = A if callable(A) else (lambda v: A @ v)
     one = b.ndim == 1
-    B = b[:, None] if one else b
+    B = np.asarray(b[:, None] if one else b, dtype=np.float64)
+    n, m = B.shape
+    tol = min(max(tol, EPS), 1 - EPS)  # pcg's clamps (with a warning there)
+
+    def sq(v):  # the squared norm of each column
+        return np.einsum("ij,ij->j", v, v)
+
+    tolb = tol * np.sqrt(sq(B))
     x = np.zeros_like(B)
     r = B.copy()
-    bn = np.linalg.norm(B, axis=0)
-    live = bn > 0
-    p = r.copy()
-    rs = np.einsum("ij,ij->j", r, r)
-    for _ in range(iterations):
-        if not live.any():
-            break
-        Ap = apply(p)
-        a = np.where(live, rs / np.where(live, np.einsum("ij,ij->j", p, Ap), 1.0), 0.0)
-        x += a * p
-        r -= a * Ap
-        rs_new = np.einsum("ij,ij->j", r, r)
-        live &= ~(np.sqrt(rs_new) <= tol * bn)
-        p = r + np.where(live, rs_new / np.where(rs > 0, rs, 1.0), 0.0) * p
-        rs = rs_new
+    p = np.zeros_like(B)
+    rr = sq(r)
+    normr_act = np.sqrt(rr)
+    normrmin = normr_act.copy()
+    xmin = x.copy()
+    live = normr_act > tolb  # a zero b is solved by x = 0 (tol < 1, so nothing else stops here)
+    converged = ~live
+    rho = np.ones(m)
+    stag = np.zeros(m, dtype=np.int64)
+    more = np.zeros(m, dtype=np.int64)
+    max_more = min(n // 50, 5, n - iterations)  # pcg's maxmsteps
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        for it in range(iterations):
+            if not live.any():
+                break
+            rho1, rho = rho, np.where(live, rr, rho)
+            live &= (rho != 0) & np.isfinite(rho)  # pcg's breakdowns (flag 4) stop a column
+            if it:
+                beta = rho / rho1
+                live &= (beta != 0) & np.isfinite(beta)
+                p *= np.where(live, beta, 0.0)
+                p += r
+            else:
+                p[:] = r
+            p[:, ~live] = 0.0  # a stopped column stays as it is
+            q = apply(p)
+            pq = np.einsum("ij,ij->j", p, q)
+            live &= (pq > 0) & np.isfinite(pq)
+            a = np.where(live, rho / np.where(live, pq, 1.0), 0.0)
+            live &= np.isfinite(a)
+            a = np.where(live, a, 0.0)
+            small = np.sqrt(sq(p)) * np.abs(a) < EPS * np.sqrt(sq(x))
+            stag = np.where(live, np.where(small, stag + 1, 0), stag)
+            x += a * p
+            r -= a * q
+            rr = sq(r)
+            normr = np.sqrt(rr)
+            normr_act = np.where(live, normr, normr_act)
+            check = live & ((normr <= tolb) | (stag >= MAX_STAG) | (more > 0))
+            if check.any():  # the true residual decides, and carries on as r
+                r[:, check] = B[:, check] - apply(x)[:, check]
+                rr = sq(r)
+                normr_act = np.where(check, np.sqrt(rr), normr_act)
+                done = check & (normr_act <= tolb)
+                converged |= done
+                live &= ~done
+                fail = check & ~done
+                stag = np.where(fail & (stag >= MAX_STAG) & (more == 0), 0, stag)
+                more = np.where(fail, more + 1, more)
+                live &= ~(fail & (more >= max_more))
+            better = live & (normr_act < normrmin)
+            normrmin = np.where(better, normr_act, normrmin)
+            if better.any():
+                xmin[:, better] = x[:, better]
+            live &= stag < MAX_STAG
+    if not converged.all():  # pcg keeps the minimum unless its true residual is above the last one's
+        use = ~converged & (np.sqrt(sq(B - apply(xmin))) <= normr_act)
+        x[:, use] = xmin[:, use]
     return x[:, 0] if one else x
 
 
@@ -197,9 +245,11 @@ def _diffuse_whole(space: MetricSpace, queries: np.ndarray, seeds: np.ndarray, s
     return conjugate_gradient(lambda U: U - p.alpha * inv * product(inv * U), Y, p.tol, p.iterations)
 
 
-def _ranked(f: np.ndarray, s: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The top k of `rows` by f, equal f in the order of s (the plain score), then by row."""
-    order = np.lexsort((rows, -s, -f))[:k]
+def _ranked(f: np.ndarray, rows: np.ndarray, k: int, s: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The top k of `rows` by f; equal f (items the diffusion does not reach: f = 0) by row, as
+    run_test.m's stable `sort(scores, 'descend')` ranks the gallery, or, given the plain scores
+    s (`ties=score`), by s first."""
+    order = np.lexsort((rows, -f) if s is None else (rows, -s, -f))[:k]
     return rows[order], f[order]
 
 
@@ -225,8 +275,8 @@ def diffusion(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: in
                 cut = np.partition(-f, min(k, space.n - 1))[min(k, space.n - 1)] if k < space.n else np.inf
                 rows = np.flatnonzero(-f <= cut)
                 rows = rows[rows != me]
-                s = space.score(queries[a + j: a + j + 1], rows)[0]
-                r, v = _ranked(f[rows], s, rows, k)
+                s = space.score(queries[a + j: a + j + 1], rows)[0] if p.ties == "score" else None
+                r, v = _ranked(f[rows], rows, k, s)
                 out_r[a + j, : len(r)], out_s[a + j, : len(r)] = r, v
         return space.hits(out_r, out_s)
     lists, sims = neighbour_lists(space, p.k + 1)  # + 1: a leave-one-out row may drop out
@@ -246,7 +296,7 @@ def diffusion(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: in
         y[:seed] = np.maximum(s[:seed].astype(np.float64), 0.0) ** p.gamma
         A = sparse.identity(len(sub), format="csr") - p.alpha * S
         f = conjugate_gradient(A, y, p.tol, p.iterations)
-        r, v = _ranked(f, s, sub, k)
+        r, v = _ranked(f, sub, k, s if p.ties == "score" else None)
         out_r[b, : len(r)] = r
         out_s[b, : len(r)] = v
     return space.hits(out_r, out_s)

@@ -40,7 +40,8 @@ class KReciprocalParams:
     lambda_value: float = param(0.3, "λ: d* = (1 − λ) d_Jaccard + λ d_original", bounds="[0, 1]")
     pool: int = param(WHOLE_GALLERY, "the query's first-search candidates ranked by d*, clipped to the gallery: the "
                                      "default ranks every item, as the official code does; a smaller pool is a "
-                                     "variant that leaves the rest out", bounds="[1, inf)")
+                                     "variant that leaves the rest out", bounds="[1, inf)",
+                      named={"all": WHOLE_GALLERY})
 
     def validate(self):
         if self.k2 > self.k1 + 1:
