@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 
 from core.errors import UserError
+from index.backends.flags import BACKENDS
 from index.backends.gallery import Gallery
 from index.backends.search import Searcher
 from index.backends.store import IndexData, Items, read_index
 
-BACKENDS = ("faiss", "ondisk", "milvus")
 FETCH = 16384  # rows per Milvus query (its largest result window)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from core.cli import Parser
 from core.flags import add_shared_args, at_least
+from index.backends.flags import backend_args, milvus_token
 
 from .limits import COMPARE_ALL_UP_TO, COMPARE_SAMPLE, DEFAULT_CACHE_MB, DEFAULT_MAX_RERANK_SIZE
 
@@ -68,30 +69,6 @@ def build_parser():
     return p
 
 
-BACKENDS = ("faiss", "ondisk", "milvus")
-
-
-def backend_args(p) -> None:
-    """The flags of `python -m index search` that choose and tune a backend: each means the same here."""
-    g = p.add_argument_group("backends other than the index directory's FAISS index")
-    g.add_argument("--backend", choices=BACKENDS, default="faiss",
-                   help="faiss: --index's own index in RAM; ondisk: an on-disk IVF (see `index ivf-build`); "
-                        "milvus: a collection written by `index export --to milvus`, which does not re-rank "
-                        "(default: %(default)s)")
-    g.add_argument("--ivf", help="ondisk: the on-disk IVF directory (default: INDEX/ivf_ondisk)")
-    g.add_argument("--nprobe", type=int, default=0,
-                   help="ondisk, and milvus IVF_* collections: inverted lists probed; 0 = 32 (at most nlist) "
-                        "for ondisk, Milvus's own for milvus (default: %(default)s)")
-    g.add_argument("--rerank-factor", type=int, default=10,
-                   help="ondisk, and milvus in cosine mode or on a non-FLAT collection: candidates fetched per "
-                        "result for the exact re-rank under M′, × 4 in cosine mode (default: %(default)s)")
-    g.add_argument("--uri", help="Milvus: a file path ending in .db (Milvus Lite, embedded) or "
-                                 "http://host:19530 (a server or cluster)")
-    g.add_argument("--collection", help="Milvus collection name")
-    g.add_argument("--token", help="Milvus token, 'user:password' or an API key "
-                                   "(default: $MILVUS_TOKEN, else none)")
-
-
 def serving_thread_count(concurrency: int) -> int:
     """Threads per search when `concurrency` searches run at once on this machine's cores."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -141,7 +118,7 @@ def launch(args, block: bool = True):
         served = open_served(kind, ix if kind != "milvus" else None, ivf=args.ivf if first else None,
                              nprobe=args.nprobe or None, rerank_factor=args.rerank_factor, uri=args.uri,
                              collection=args.collection,
-                             token=args.token if args.token is not None else os.environ.get("MILVUS_TOKEN", ""),
+                             token=milvus_token(args),
                              verify=not args.no_verify, image_root=args.image_root if first else None)
         return RetrievalService(ix, ck, an, device=args.device, max_rerank_size=args.max_rerank_size, served=served,
                                 cache_mb=args.cache_mb, compare_all_up_to=args.compare_all_up_to,

@@ -160,7 +160,7 @@ def main():
     args = ap.parse_args()
 
     import faiss
-    from rerank_pool import demo_split, synthetic_split  # a sibling script: bench/ is first on sys.path
+    from rerank_pool import demo_split, query_rows, synthetic_split  # a sibling script: bench/ is first on sys.path
     from threadpoolctl import threadpool_limits
 
     from core.atomic import write_json, write_text
@@ -176,10 +176,7 @@ def main():
             x, y, W = demo_split() if size == "demo" else synthetic_split(int(size))
             space = SearcherSpace(Searcher(in_memory_index(x, y, W)), "trained", None, "cosine",
                                   cache_dir=Path(cache) / size)
-            counts = np.bincount(y)
-            valid = np.flatnonzero(counts[y] > 1)
-            rng = np.random.default_rng(0)
-            ids = valid if size == "demo" else np.sort(rng.choice(valid, min(args.queries, len(valid)), replace=False))
+            _, ids = query_rows(y, size, args.queries)
             what = (f"demo: kanji test classes, trained tail ({len(y):,} items)" if size == "demo"
                     else f"synthetic ({len(y):,} items)")
             for setting in args.settings.split(";"):

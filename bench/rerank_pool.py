@@ -34,6 +34,16 @@ SETTINGS = [("none", {}), ("kreciprocal", {"pool": 100}), ("kreciprocal", {"pool
             ("diffusion", {"truncation": 1000}), ("diffusion", {"truncation": 10000}), ("diffusion", {})]
 
 
+def query_rows(y: np.ndarray, size: str, n_queries: int) -> tuple[np.ndarray, np.ndarray]:
+    """(items per class, the query rows): every item with a class-mate on the demo, a seeded sample
+    of `n_queries` of them on a synthetic gallery."""
+    counts = np.bincount(y)
+    valid = np.flatnonzero(counts[y] > 1)
+    if size == "demo":
+        return counts, valid
+    return counts, np.sort(np.random.default_rng(0).choice(valid, min(n_queries, len(valid)), replace=False))
+
+
 def demo_split():
     """The demo's test features, labels and neck."""
     from demo.pipeline import demo_tail_config
@@ -120,10 +130,7 @@ def main():
             n = len(y)
             space = SearcherSpace(Searcher(in_memory_index(x, y, W)), "trained", None, "cosine",
                                   cache_dir=Path(cache) / size)
-            counts = np.bincount(y)
-            valid = np.flatnonzero(counts[y] > 1)
-            rng = np.random.default_rng(0)
-            ids = valid if size == "demo" else np.sort(rng.choice(valid, min(args.queries, len(valid)), replace=False))
+            counts, ids = query_rows(y, size, args.queries)
             q = space.prepare(x[ids])
             k = int(counts[y[ids]].max() - 1)
             what = "demo: kanji test classes, trained tail" if size == "demo" else "synthetic"

@@ -6,8 +6,9 @@ import json
 
 from core.errors import UserError
 
+from ..backends.flags import milvus_args, milvus_token
 from ..refinements import shared_params
-from .flags import milvus_args, milvus_token, strategy_param_args
+from .flags import strategy_param_args
 
 
 # ---------------------------------------------------------------- ivf-build

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 
 from core.config import add_config_args
 from core.errors import UserError
@@ -112,13 +111,3 @@ def given_data(args) -> dict:
 
 
 # ---------------------------------------------------------------- Milvus (search, export)
-def milvus_args(p) -> None:
-    p.add_argument("--uri", help="Milvus: a file path ending in .db (Milvus Lite, embedded) or "
-                                 "http://host:19530 (a server or cluster)")
-    p.add_argument("--collection", help="Milvus collection name")
-    p.add_argument("--token", help="Milvus token, 'user:password' or an API key "
-                                   "(default: $MILVUS_TOKEN, else none)")
-
-
-def milvus_token(args) -> str:
-    return args.token if args.token is not None else os.environ.get("MILVUS_TOKEN", "")

@@ -12,12 +12,11 @@ from core.atomic import check_file_target, write_json
 from core.errors import UserError
 from core.flags import add_shared_args
 
+from ..backends.flags import backend_args, milvus_token
 from ..backends.gallery import Gallery
 from ..search_config import NO_RERANK, SearchConfig
 from ..space import set_memory_budget
-from .flags import milvus_args, milvus_token, rerank_args, rerank_params_from, strategy_args, strategy_params_from
-
-BACKENDS = ("faiss", "ondisk", "milvus")
+from .flags import rerank_args, rerank_params_from, strategy_args, strategy_params_from
 
 
 def search_parser(sub) -> None:
@@ -32,20 +31,7 @@ def search_parser(sub) -> None:
     s.add_argument("--no-verify", action="store_true", help="skip the checksum verification at load")
     strategy_args(s)
     rerank_args(s)
-    g = s.add_argument_group("backends other than the index directory's FAISS index")
-    g.add_argument("--backend", choices=BACKENDS, default="faiss",
-                   help="faiss: --index's own index in RAM; ondisk: an on-disk IVF (see ivf-build); "
-                        "milvus: a collection written by `export --to milvus`, which does not re-rank "
-                        "(default: %(default)s)")
-    g.add_argument("--ivf", help="ondisk: the on-disk IVF directory (default: INDEX/ivf_ondisk)")
-    g.add_argument("--nprobe", type=int, default=0,
-                   help="ondisk, and milvus IVF_* collections: inverted lists probed; 0 = 32 (at most nlist) "
-                        "for ondisk, Milvus's own for milvus (default: %(default)s)")
-    g.add_argument("--rerank-factor", type=int, default=10,
-                   help="ondisk, and milvus in cosine mode or on a non-FLAT collection: candidates fetched per "
-                        "result for the exact re-rank under M′, × 4 for milvus in cosine mode (the on-disk IVF "
-                        "searches cosine in the strategy's cosine lists) (default: %(default)s)")
-    milvus_args(g)
+    backend_args(s)
     s.set_defaults(func=cmd_search)
 
 
