@@ -298,7 +298,9 @@ def test_the_app_serves_an_ondisk_ivf_with_the_index_search_flags(tiny_index, tm
     from app.cli import build_parser, launch
     from index.backends.ondisk import build_for_index
 
-    ivf = build_for_index(tiny_index, tmp_path / "ivf", nlist=2)
+    # the default cosine lists (trained, identity) and those of the search below
+    ivf = build_for_index(tiny_index, tmp_path / "ivf", nlist=2,
+                          cosine_for=(("trained", {}), ("identity", {}), ("spectral", {"p": 0.5})))
     port = free_port()
     demo, svc = launch(build_parser().parse_args(["--backend", "ondisk", "--ivf", str(ivf), "--nprobe", "1",
                                                   "--port", str(port), "--threads", "1"]), block=False)
