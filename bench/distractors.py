@@ -229,6 +229,7 @@ def run_cell(args) -> dict:
             "ms_per_query_cpu": cpu / len(q) * 1e3, "offline_s_wall": ow, "offline_s_cpu": oc,
             "peak_rss_mib": vm_hwm_mib()}
         print(json.dumps({"level": level, "strategy": strategy, name: out["rerankers"][name]}), flush=True)
+        Path(args.result).write_text(json.dumps(out))  # what is measured survives a cell stopped later
     out["queries"] = int(len(q))
     from index.rerankers.neighbours import APPROXIMATE_ABOVE, exact_lists, neighbour_lists
 
@@ -252,6 +253,8 @@ def parse_cells(spec: str, levels, rerankers) -> dict:
     cells = {(lv, s): list(rerankers) for lv in levels for s in STRATEGIES}
     for part in filter(None, (p.strip() for p in spec.split(";"))):
         lv, s, rr = part.split(":")
+        if s not in STRATEGIES or (int(float(lv)), s) not in cells:
+            raise KeyError(f"{lv}:{s} is not a level and strategy of this run")
         cells[(int(float(lv)), s)] = [r for r in rr.split("+") if r]
     return cells
 
@@ -327,7 +330,10 @@ def main():
     row = json.loads(rr.read_text())
     rr_params = {row["rerank"]: row["rerank_params"]}  # the demo's validation choice; the others: defaults
     levels = [int(float(s)) for s in args.levels.split(",")]
-    cells = parse_cells(args.cells, levels, args.rerankers.split(","))
+    try:
+        cells = parse_cells(args.cells, levels, args.rerankers.split(","))
+    except (ValueError, KeyError) as e:
+        ap.error(f"--cells wants LEVEL:STRATEGY:rr+rr;… with a strategy of {STRATEGIES} ({e})")
     if any(lv for (lv, _), rrs in cells.items() if rrs):
         real_features(args)  # once, before the cells read it
     out = Path(args.out)
@@ -361,8 +367,11 @@ def main():
                 cmd += ["--data-root", args.data_root]
             t = time.time()
             proc = subprocess.run(cmd, env=env)
-            got = ({"level": lv, "strategy": s, "failed": proc.returncode, "rerankers": {}} if proc.returncode
-                   else json.loads(res_file.read_text()) | {"wall_s": time.time() - t})
+            got = json.loads(res_file.read_text()) if res_file.is_file() else {"level": lv, "strategy": s,
+                                                                                "rerankers": {}}
+            got["wall_s"] = time.time() - t
+            if proc.returncode:  # its re-rankers measured before it stopped are kept, the rest named
+                got |= {"failed": proc.returncode, "not_run": [r for r in rrs if r not in got["rerankers"]]}
             got["run"] = len(runs) - 1
             results = [c for c in results if (c["level"], c["strategy"]) != (lv, s)] + [got]
             results.sort(key=lambda c: (c["level"], STRATEGIES.index(c["strategy"])))
@@ -393,12 +402,13 @@ def table(runs: list[dict], cells: list[dict]) -> str:
                                               + (f" + {c['synthetic_distractors']:,} synthetic)"
                                                  if c.get("synthetic_distractors") else ")"))
         if c.get("failed") is not None:
-            lines.append(f"| {what} | {c['strategy']} | — | failed (exit {c['failed']}) | | | | | {c['run']} |")
+            lines.append(f"| {what} | {c['strategy']} | {', '.join(c.get('not_run', [])) or '—'} | stopped "
+                         f"(exit {c['failed']}): not measured | | | | | {c['run']} |")
         for n, r in c["rerankers"].items():
             lines.append(f"| {what} | {c['strategy']} ({c['setting']}) | {n} | {r['map@r'] * 100:.2f} | "
                          f"{r['recall@1'] * 100:.2f} | {r['ms_per_query_cpu']:.2f} | {r['offline_s_cpu']:.1f} | "
                          f"{r['peak_rss_mib']:,.0f} | {c['run']} |")
-    lines += ["", "Issue targets at each measured level (CPU time of the one thread): k-reciprocal's online cost ÷ the "
+    lines += ["", "Targets at each measured level (CPU time of the one thread): k-reciprocal's online cost ÷ the "
               "plain search of the same cell (target ≤ 3× at 10⁶); the offline passes of the cell together (target "
               "≤ 15 min at 10⁶); the approximate neighbour lists' recall@k1 against an exact scan of a sample "
               "(target ≥ 0.95).", "",
