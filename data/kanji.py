@@ -8,6 +8,8 @@ are the same across fonts and only the style varies.
 
 The rendered set is cached under `root/<key>/` (PNG files + manifest.json);
 the key covers the font files' checksums, the class count, image size and seed.
+`render_distractors` draws jittered characters of none of the data set's classes, in its fonts
+(the large-gallery benchmark's distractors: docs/scale-out.md).
 """
 from __future__ import annotations
 
@@ -145,12 +147,7 @@ def prepare_kanji(cfg: KanjiConfig, progress: bool = True) -> Path:
     if (out / "manifest.json").is_file():
         return out
     t0 = time.time()
-    common: set[int] | None = None
-    for _, _, p, _ in fonts:
-        cps = covered_codepoints(p)
-        common = cps if common is None else common & cps
-    candidates = sorted(common or ())
-    random.Random(cfg.seed).shuffle(candidates)
+    candidates = _qualifying_order(fonts, cfg.seed)
     canvas = max(128, 2 * cfg.image_size)
     faces = [ImageFont.truetype(str(p), int(canvas * 0.7), index=0) for _, _, p, _ in fonts]
 
@@ -196,6 +193,68 @@ def prepare_kanji(cfg: KanjiConfig, progress: bool = True) -> Path:
         }
         write_json(tmp / "manifest.json", manifest)
     return out
+
+
+def _qualifying_order(fonts, seed: int) -> list[int]:
+    """Every code point all fonts map, in the seeded order prepare_kanji draws classes from."""
+    common: set[int] | None = None
+    for _, _, p, _ in fonts:
+        cps = covered_codepoints(p)
+        common = cps if common is None else common & cps
+    candidates = sorted(common or ())
+    random.Random(seed).shuffle(candidates)
+    return candidates
+
+
+def jitter(glyph: np.ndarray, rng: np.random.Generator, shift: float = 0.05, scale: float = 0.1,
+           degrees: float = 8.0) -> np.ndarray:
+    """A random similarity transform of a rendered glyph about its centre (white fill): a shift of
+    up to `shift` of the side, a scale within 1 ± `scale`, a rotation within ± `degrees`."""
+    side = glyph.shape[0]
+    t = rng.uniform(-shift, shift, 2) * side
+    s = rng.uniform(1 - scale, 1 + scale)
+    a = np.deg2rad(rng.uniform(-degrees, degrees))
+    c = (side - 1) / 2
+    # PIL's AFFINE maps each output pixel back to its input: p_in = c + R(−a)(p_out − c − t) / s
+    cos, sin = np.cos(a) / s, np.sin(a) / s
+    ox, oy = c + t[0], c + t[1]
+    data = (cos, sin, c - cos * ox - sin * oy, -sin, cos, c + sin * ox - cos * oy)
+    im = Image.fromarray(glyph, mode="L").transform((side, side), Image.Transform.AFFINE, data,
+                                                    resample=Image.Resampling.BILINEAR, fillcolor=255)
+    return np.asarray(im)
+
+
+def render_distractors(cfg: KanjiConfig, count: int, copies: int = 2, seed: int = 0):
+    """Yield `count` distractor images (codepoint, font id, copy, H × W uint8) of the data set `cfg`:
+    characters every font maps and inks but none of the data set's classes (train, validation or
+    test), in its fonts, each rendered `copies` times with its own jitter (seeded by `seed`, the
+    character, the font and the copy).  Characters come in the data set's own seeded order after
+    its classes; each yields all its fonts and copies before the next."""
+    if count < 0 or copies < 1:
+        raise UserError(f"distractors need count ≥ 0 and copies ≥ 1, not {count} and {copies}")
+    classes = set(json.loads((prepare_kanji(cfg, progress=False) / "manifest.json").read_text())["codepoints"])
+    fonts = find_fonts(tuple(cfg.fonts))
+    canvas = max(128, 2 * cfg.image_size)
+    faces = [ImageFont.truetype(str(p), int(canvas * 0.7), index=0) for _, _, p, _ in fonts]
+    made = 0
+    for cp in _qualifying_order(fonts, cfg.seed):
+        if made >= count:
+            return
+        if cp in classes:
+            continue
+        glyphs = [render_glyph(f, chr(cp), cfg.image_size, canvas) for f in faces]
+        if any(g is None for g in glyphs):
+            continue
+        for fi, ((fid, _, _, _), g) in enumerate(zip(fonts, glyphs, strict=True)):
+            for c in range(copies):
+                if made >= count:
+                    return
+                assert g is not None
+                yield cp, fid, c, jitter(g, np.random.default_rng([seed, cp, fi, c]))
+                made += 1
+    if made < count:
+        raise UserError(f"only {made:,} distractors exist in these fonts with {copies} copies each; "
+                        f"asked for {count:,} (more copies make more)")
 
 
 def load_kanji(cfg: KanjiConfig, progress: bool = True) -> DatasetSplits:

@@ -300,3 +300,35 @@ def test_a_folder_of_only_corrupt_images_is_refused_clearly(tmp_path):
     bb = build_backbone("small_cnn", "none")
     with pytest.raises(UserError, match=r"no readable images in .* \(test split: all 4 failed to load, e.g. cannot"):
         embed_subset(bb.eval(), splits.test, transform_for(bb, cfg), cfg, "x", progress=False)
+
+
+def test_kanji_distractors_exclude_classes_seeded_jittered(tmp_path):
+    from data.kanji import KanjiConfig, jitter, load_kanji, render_distractors
+
+    cfg = KanjiConfig(root=str(tmp_path), num_classes=12, image_size=32, seed=1, fonts=KANJI_FONTS)
+    classes = set(load_kanji(cfg, progress=False).class_names)  # train, validation and test
+    got = list(render_distractors(cfg, 30, copies=2, seed=3))
+    assert len(got) == 30
+    assert {cp for cp, *_ in got}.isdisjoint(classes)
+    # every font and copy of a character before the next character
+    assert [(f, c) for cp, f, c, _ in got[:8]] == [(f, c) for f in KANJI_FONTS for c in (0, 1)]
+    assert len({cp for cp, *_ in got[:8]}) == 1
+    a = got[0][3]
+    assert a.shape == (32, 32) and a.dtype == np.uint8 and a.min() < 100 and a.max() > 200
+    assert not np.array_equal(got[0][3], got[1][3])  # two copies: two jitters
+    again = list(render_distractors(cfg, 30, copies=2, seed=3))
+    assert all(np.array_equal(x[3], y[3]) and x[:3] == y[:3] for x, y in zip(got, again, strict=True))
+    other = next(iter(render_distractors(cfg, 1, copies=2, seed=4)))
+    assert other[:3] == got[0][:3] and not np.array_equal(other[3], got[0][3])
+    # the jitter moves ink: a pure shift by a quarter of the side moves the ink's centre by 8 pixels
+    g = np.full((32, 32), 255, np.uint8)
+    g[12:20, 12:20] = 0
+
+    class Fixed:
+        def uniform(self, lo, hi, size=None):
+            return np.full(size, hi) if size else (lo + hi) / 2  # the shift at its top; scale 1, no rotation
+    moved = jitter(g, Fixed(), shift=0.25)
+    ys, xs = np.nonzero(moved < 128)
+    assert abs(xs.mean() - (15.5 + 8)) < 0.6 and abs(ys.mean() - (15.5 + 8)) < 0.6
+    with pytest.raises(UserError):
+        next(iter(render_distractors(cfg, 5, copies=0)))
