@@ -13,7 +13,6 @@ M′ per strategy, and the exact scores the why panel ranks by (faiss: the galle
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,22 +126,12 @@ def open_served(backend: str = "faiss", index=None, *, ivf=None, nprobe: int | N
             raise UserError("--backend ondisk needs --ivf DIR (or --index IDX, whose IDX/ivf_ondisk is used)")
         g: OnDiskIVF = OnDiskIVF(ivf or Path(index) / "ivf_ondisk", nprobe=nprobe or None,
                                  rerank_factor=rerank_factor)
-        src = g.manifest.get("source_index")
-        if src is None:
+        items, names = g.metadata   # read once: the gallery's own copy serves its searches too
+        if items is None:
             raise UserError(f"the on-disk IVF at {g.path} was built from bare features: the app needs its items; "
                             "build it from an index directory (ivf-build --index)")
-        try:
-            meta = json.loads((g.path / src / "metadata.json").read_text())
-        except (OSError, ValueError) as e:
-            raise UserError(f"cannot read the source index's metadata.json: {e}") from None
-        items = Items.from_json(meta, "the source index's metadata.json")
-        if len(items) != len(g):
-            raise UserError(f"the source index now has {len(items)} items, the on-disk IVF {len(g)}: rebuild it")
+        meta = g.source_metadata
         man = dict(g.info) | {"normalize": g.normalize, "factory": g.manifest["factory"], "count": len(g)}
-        names = {int(k): v for k, v in meta.get("class_names", {}).items()}
-        # the gallery's own copy of the items, which it would read from the same file at its first
-        # search: one copy of 10⁶ items, not two (OnDiskIVF._metadata is a cached_property)
-        g.__dict__["_metadata"] = (items, names)
         data = IndexData(g.path, man, g.features, items, np.asarray(g.W, dtype=np.float32), g.index, names,
                          meta.get("root", ""))
         served = Served("ondisk", g, data, Searcher(data, rerank_factor=rerank_factor), str(g.path))

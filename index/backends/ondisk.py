@@ -399,10 +399,16 @@ class OnDiskIVF(NeckGallery):
         return self._source("manifest.json")
 
     @cached_property
-    def _metadata(self) -> tuple[Items | None, dict[int, str]]:
+    def source_metadata(self) -> dict:
+        """The source index's metadata.json ({} when built from bare features), read once."""
+        return self._source("metadata.json")
+
+    @cached_property
+    def metadata(self) -> tuple[Items | None, dict[int, str]]:
         """The source index's items (id, label, path, split per row) and class names; (None, {})
-        when built from bare features.  Read once, at the first search."""
-        meta = self._source("metadata.json")
+        when built from bare features.  Read once, at the first search or by a caller that needs
+        them first (the app)."""
+        meta = self.source_metadata
         items = Items.from_json(meta) if meta else None
         if items is not None and len(items) != len(self):
             raise UserError(f"the source index now has {len(items)} items, this on-disk index {len(self)}: "
@@ -443,7 +449,7 @@ class OnDiskIVF(NeckGallery):
     def _in_memory(self) -> Searcher:
         """This gallery as a `Searcher`, for re-rankers: the memory-mapped features, candidates from
         the IVF lists (`nprobe` of them), re-ranked exactly, as `search_metric` does."""
-        items, names = self._metadata
+        items, names = self.metadata
         if items is None:
             raise UserError(f"the on-disk IVF at {self.path} was built from bare features: re-ranked results "
                             "need its items; build it from an index directory (ivf-build --index)")
@@ -516,5 +522,5 @@ class OnDiskIVF(NeckGallery):
                 pos = np.searchsorted(uniq, c[c >= 0])
                 R[b + i], S[b + i] = exact_top(block[i], uniq[pos], X[pos],
                                                None if norms is None else norms[pos], k)
-        items, names = self._metadata
+        items, names = self.metadata
         return Hits(R, S, items, class_names=names)
