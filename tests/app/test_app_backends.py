@@ -226,3 +226,13 @@ def test_milvus_serves_both_apis_and_refuses_a_reranker_in_one_line(ram, milvus)
     assert refused.status_code == 400 and refused.json()["error"] == RERANK_REFUSAL
     with pytest.raises(UserError, match="does not re-rank"):
         milvus.panel(milvus.query_from_item(int(ram.data.items.ids[0])), SearchConfig(rerank="aqe"), 4)
+
+
+def test_an_ondisk_ivf_of_bare_features_is_refused_in_one_line(tmp_path):
+    from index.backends.ondisk import build_ondisk_ivf
+
+    np.save(tmp_path / "f.npy", np.random.default_rng(0).standard_normal((300, 8)).astype(np.float32))
+    ivf = build_ondisk_ivf(tmp_path / "f.npy", tmp_path / "ivf", nlist=2)
+    with pytest.raises(UserError, match=r"built from bare features: the app needs its items; build it from an index "
+                                        r"directory \(ivf-build --index\)$"):
+        open_served("ondisk", ivf=ivf)
