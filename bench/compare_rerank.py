@@ -13,7 +13,9 @@ batch queries run their batches on faiss's threads.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from index.analysis.compare import Comparer
 from index.backends.store import in_memory_index
 from index.rerankers import RERANKERS
 from index.search_config import NO_RERANK, SearchConfig
+from index.space import CACHE
 
 
 def synthetic(n: int, dim: int, classes: int, embed: int, seed: int = 0):
@@ -38,9 +41,13 @@ def synthetic(n: int, dim: int, classes: int, embed: int, seed: int = 0):
 
 
 def compare_seconds(data, left: SearchConfig, right: SearchConfig) -> tuple[float, float]:
-    """(seconds of one whole-set comparison, the right side's mean AP)."""
-    c = Comparer(data)
-    cmp, s = timed(lambda: c.compare(left, right))
+    """(seconds of one whole-set comparison, the right side's mean AP), with nothing cached: an
+    empty re-ranking cache folder and the process's metric-space memory emptied."""
+    with tempfile.TemporaryDirectory() as d:
+        os.environ["XDG_CACHE_HOME"] = d
+        CACHE.clear()
+        c = Comparer(data)
+        cmp, s = timed(lambda: c.compare(left, right))
     return s, float(np.mean(cmp.ap_b))
 
 
