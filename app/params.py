@@ -40,8 +40,7 @@ def spec_from(strategy, mode, values: dict, rerank: str = NO_RERANK, rerank_para
         if not values.get(name):
             raise UserError(f"strategy {strategy}: upload {REFINEMENTS.get(strategy).param_help()[name]} first")
     rerank = rerank or NO_RERANK
-    given = {k: (WHOLE_GALLERY if isinstance(v, str) and v.strip().lower() == ALL else v)
-             for k, v in (rerank_params or {}).items() if v is not None}
+    given = {k: v for k, v in (rerank_params or {}).items() if v is not None}  # "all": the parameter's word
     return SearchConfig(strategy, dataclasses.asdict(strategy_params(strategy, values)), mode, rerank,
                         dataclasses.asdict(reranker_params(rerank, given)))
 
@@ -56,9 +55,8 @@ def shown_params(params: dict) -> dict:
 
 
 def config_label(cfg: SearchConfig) -> str:
-    """`SearchConfig.label` with a whole-gallery size shown as "all"."""
-    text = cfg.label()
-    return text.replace(str(WHOLE_GALLERY), ALL) if str(WHOLE_GALLERY) in text else text
+    """`SearchConfig.label`: a whole-gallery size reads "all" there (the parameter's named value)."""
+    return cfg.label()
 
 
 def config_dict(cfg: SearchConfig) -> dict:
