@@ -75,7 +75,10 @@ def prep(args) -> dict:
                 root=data.root)
     del feats
     t1 = time.perf_counter()
-    build_for_index(big, w / "ivf")
+    # cosine mode searches each strategy's own cosine lists: those of every cosine strategy that
+    # app_load.py and `measure` serve (shrink and spectral at 0.5, as app_load sends them)
+    build_for_index(big, w / "ivf", cosine_for=(("trained", {}), ("identity", {}), ("shrink", {"alpha": 0.5}),
+                                                ("spectral", {"p": 0.5})))
     out = {"n": args.n, "real_items": len(real), "dim": d, "index": str(big), "ivf": str(w / "ivf"),
            "prep_s": round(t1 - t0, 1), "ivf_build_s": round(time.perf_counter() - t1, 1)}
     (w / "prep.json").write_text(json.dumps(out, indent=1))
