@@ -11,7 +11,7 @@ from index.search_config import NO_RERANK, SearchConfig
 
 from .compare_view import parse_state, state_query, write_exports
 from .controls import SIDES, rerank_controls, rerank_key, visible_params
-from .params import config_label, shown, spec_from
+from .params import shown, spec_from
 from .service import Panel, RetrievalService
 from .why_view import why_html
 
@@ -237,8 +237,8 @@ class Handlers:
             lspec, rspec = configs_from(cfg)
             q_id = qstate.get("id") if qstate and qstate.get("kind") == "item" else None
             # the metric's map: a re-ranker changes rankings, not the metric, and is not named
-            return (self.svc.map_html(lspec, method, f"left: {config_label(lspec.without_rerank())}", q_id),
-                    self.svc.map_html(rspec, method, f"right: {config_label(rspec.without_rerank())}", q_id))
+            return (self.svc.map_html(lspec, method, f"left: {lspec.without_rerank().label()}", q_id),
+                    self.svc.map_html(rspec, method, f"right: {rspec.without_rerank().label()}", q_id))
         except UserError as e:
             gr.Warning(str(e))
             return gr.update(), gr.update()
@@ -253,8 +253,8 @@ class Handlers:
         items = [(self.svc.thumbnail(x["id"]),
                   f"{x['class_name']} ΔAP {x['delta']:+.2f} ({x['ap_a']:.2f}→{x['ap_b']:.2f})")
                  for x in rows]
-        msg = (f"{len(rows)} test queries with the largest AP change from {config_label(lspec)} to "
-               f"{config_label(rspec)}. "
+        msg = (f"{len(rows)} test queries with the largest AP change from {lspec.label()} to "
+               f"{rspec.label()}. "
                "Click one to search with it.") if rows else "The two configurations agree on every query."
         return items, [x["id"] for x in rows], msg
 
@@ -284,7 +284,7 @@ def disagreement_table(cmp, which: str, max_jaccard: float | None = None) -> tup
 
 
 def report_md(side: str, spec: SearchConfig, rep: dict) -> str:
-    return (f"**{side}: M = {config_label(spec.without_rerank())}**  \n"
+    return (f"**{side}: M = {spec.without_rerank().label()}**  \n"
             f"tr(M) = {rep['trace']:.4g} · ‖M‖_F = {rep['frobenius']:.4g} · "
             f"‖M_off‖_F = {rep['offdiag_frobenius']:.4g}  \n"
             f"principle 1 tr/‖·‖_F = {rep['trace_over_frobenius']:.4g} · principle 2 ‖·‖_F/tr = "

@@ -1,7 +1,8 @@
 """The app's search parameters: a configuration from the controls' or an API call's values
 (`spec_from`), the search API's parameter names in their stable order (`api_params`), and how
 the APIs read a re-ranker's parameters and an integer field.  A size that means "the whole
-gallery" (the re-rankers' `WHOLE_GALLERY`) is shown as "all" (`shown`, `config_label`)."""
+gallery" (the re-rankers' `WHOLE_GALLERY`) is shown as "all" (`shown`; a label shows it through the
+parameter's named value)."""
 from __future__ import annotations
 
 import dataclasses
@@ -54,15 +55,10 @@ def shown_params(params: dict) -> dict:
     return {k: shown(v) for k, v in params.items()}
 
 
-def config_label(cfg: SearchConfig) -> str:
-    """`SearchConfig.label`: a whole-gallery size reads "all" there (the parameter's named value)."""
-    return cfg.label()
-
-
 def config_dict(cfg: SearchConfig) -> dict:
     """`SearchConfig.to_dict` as the app's exports and API echo it: sizes "all" where whole."""
     d = cfg.to_dict()
-    return d | {"rerank_params": shown_params(d["rerank_params"]), "label": config_label(cfg)}
+    return d | {"rerank_params": shown_params(d["rerank_params"]), "label": cfg.label()}
 
 
 def rerank_params_from(given) -> dict:

@@ -37,7 +37,7 @@ from .backend import Served, open_served
 from .cache import AppCache
 from .compare_view import ap_scatter, class_colours, metric_features, project_2d, subsample, svg_scatter
 from .limits import COMPARE_ALL_UP_TO, COMPARE_SAMPLE, DEFAULT_CACHE_MB, DEFAULT_MAX_RERANK_SIZE
-from .params import api_params, config_dict, config_label, rerank_params_from, spec_from, whole_number
+from .params import api_params, config_dict, rerank_params_from, spec_from, whole_number
 from .sampled import GalleryComparer
 
 __all__ = ["Panel", "Query", "RetrievalService", "SearchConfig"]
@@ -204,7 +204,7 @@ class RetrievalService:
         if q.label is not None and results:
             p_at_k = float(np.mean([r["correct"] for r in results]))
             ap = self.query_ap(q, cfg)
-        return Panel(config_label(cfg), results, p_at_k, ap, note)
+        return Panel(cfg.label(), results, p_at_k, ap, note)
 
     def _search(self, q: Query, cfg: SearchConfig, k: int):
         """The top k under `cfg` (mode resolved), the query's own row left out: without a

@@ -185,11 +185,11 @@ def test_reranker_controls_show_only_the_chosen_ones(svc):
                      "out (kreciprocal; default: all) ('all' or a number)"]
     # the whole gallery reads "all" in the control, and "all" searches the whole gallery
     assert len(pools) == 2 and all(p.visible is False and p.value == "all" for p in pools)
-    from app.params import config_label, spec_from
+    from app.params import spec_from
 
     cfg = spec_from("trained", "cosine", {}, "kreciprocal", {"pool": "all"})
     assert cfg.rerank_params["pool"] == RERANKERS.params("kreciprocal", {}).pool  # the default: every item
-    assert "all" in config_label(cfg) and "1000000000" not in config_label(cfg)
+    assert "all" in cfg.label() and "1000000000" not in cfg.label()
 
 
 # ---------------------------------------------------------------- the HTTP APIs
