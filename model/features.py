@@ -207,7 +207,10 @@ def cached_prefix(backbone, n_stages: int, splits, subset, spec: TransformSpec, 
     d = _prefix_dir(backbone, n_stages, splits, subset, spec, cache_dir)
     if not (d / "meta.json").is_file():
         device = device or torch.device("cpu")
-        backbone.eval().to(device)
+        # a move inside inference mode would make the parameters inference tensors, which the tail
+        # that trains next cannot set to require gradients (on CUDA, where the move copies)
+        with torch.inference_mode(False):
+            backbone.eval().to(device)
         loader = make_loader(subset, spec.build(), batch_size=dcfg.eval_batch_size, workers=dcfg.workers)
 
         def rows(images):

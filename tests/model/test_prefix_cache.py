@@ -57,6 +57,26 @@ def test_prefix_maps_equal_on_the_fly_and_are_reused(folder):
     assert again.path == pc.path and len(list(Path(folder / "cache").iterdir())) == 1
 
 
+def test_the_prefix_moves_the_backbone_outside_inference_mode(folder, monkeypatch):
+    """A move to the device inside inference mode makes the parameters inference tensors (on CUDA,
+    where it copies them), which the tail that trains next cannot set to require gradients; the
+    cache may also be computed inside a caller's inference mode (the test split, at the end)."""
+    cfg, splits, bb, spec = setup(folder)
+    modes, move = [], bb.to
+
+    def recording_to(*a, **k):
+        modes.append(torch.is_inference_mode_enabled())
+        return move(*a, **k)
+
+    monkeypatch.setattr(bb, "to", recording_to)
+    with torch.inference_mode():
+        cached_prefix(bb, 2, splits, splits.train, spec, cfg, str(folder / "cache"), progress=False)
+    assert modes == [False]
+    for p in bb.parameters():
+        assert not p.is_inference()
+        p.requires_grad_(True)
+
+
 def test_prefix_key_ignores_the_tail_and_tracks_the_prefix(folder):
     cfg = DataConfig(dataset="imagefolder", data_root=str(folder / "img"), image_size=32)
     splits = load_data(cfg, progress=False)
