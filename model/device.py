@@ -9,6 +9,7 @@ as contiguous float32.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 
 import torch
@@ -50,7 +51,7 @@ def autocast(device: torch.device, precision: str = "fp32"):
 
 # fine-tuning backbones whose channels_last speed was measured (bench/train_throughput.py, docs/training.md)
 CHANNELS_LAST_MEASURED = ("efficientnet_lite0",)
-CHANNELS_LAST_CUDA_MIN_SIZE = 128  # H200: 1.9× faster at 224 px, slower at 64 px (bf16)
+CHANNELS_LAST_CUDA_MIN_SIZE = 128  # H200: 1.54× faster at 224 px (fp32), slower at 64 px
 
 
 def use_channels_last(choice: str, device: torch.device, backbone: str, image_size: int,
@@ -75,3 +76,24 @@ def compile_mode(device: torch.device) -> str:
 def compiled(fn, device: torch.device):
     """`fn` compiled for `device` (shapes taken as static: one graph per batch shape)."""
     return torch.compile(fn, mode=compile_mode(device), dynamic=False)
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(on: bool = True):
+    """Deterministic kernels only, for this block: cuDNN's convolutions (no autotuning) and cuBLAS
+    with a fixed workspace, so that a CUDA run repeats bit for bit; an op with no deterministic
+    kernel warns.  The previous settings come back after."""
+    if not on:
+        yield
+        return
+    cudnn = torch.backends.cudnn
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             cudnn.deterministic, cudnn.benchmark)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS makes its handle
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    cudnn.deterministic, cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        cudnn.deterministic, cudnn.benchmark = saved[2], saved[3]

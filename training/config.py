@@ -13,7 +13,7 @@ from data.config import RUNTIME_FIELDS as DATA_RUNTIME_FIELDS
 
 # fields that do not change what a run computes (so resume/reuse may differ in them)
 RUNTIME_FIELDS = ("resume", "overwrite", "progress", "threads", "cache_dir", "out", "device", "tensorboard",
-                  "channels_last", "compile", *DATA_RUNTIME_FIELDS)
+                  "channels_last", "compile", "deterministic", *DATA_RUNTIME_FIELDS)
 # --image-cache auto: the decoded-image cache (train + validation, uint8) is used up to this size
 IMAGE_CACHE_AUTO_BYTES = 16 * 2**30
 
@@ -79,8 +79,8 @@ class TrainConfig(DataConfig):
     precision: Literal["fp32", "bf16", "fp16"] = param(
         "fp32", "forward-pass precision (autocast; fp16 adds a gradient scaler and needs CUDA); losses, flows and "
         "log-determinants stay fp32. Its cost for efficientnet_lite0 (docs/training.md#precision): a bf16 training "
-        "step runs at 0.58x fp32's speed at 64 px and 1.11x at 224 px on the 2-core CPU, and at 0.79x (64 px) and "
-        "1.03x (224 px, channels_last) on an H200")
+        "step runs at 0.58x fp32's speed at 64 px and 1.11x at 224 px on the 2-core CPU, and at 0.88x (64 px) and "
+        "1.12x (224 px, channels_last) on an H200")
     device: str = param("auto", "auto (CUDA when available) | cpu | cuda | cuda:N")
     image_cache: Literal["auto", "on", "off"] = param(
         "auto", "finetune: decode every training and validation image once into a uint8 cache at the input size "
@@ -91,7 +91,7 @@ class TrainConfig(DataConfig):
     channels_last: Literal["auto", "on", "off"] = param(
         "auto", "tail/finetune: run the backbone in channels_last memory layout; auto: where it was measured faster "
         "for fine-tuning efficientnet_lite0 (docs/training.md#training-speed): on the CPU (1.54x at 64 px, 1.51x at "
-        "224 px, fp32) and on CUDA from 128 px (1.9x at 224 px on an H200, slower at 64 px in bf16); a tail stays "
+        "224 px, fp32) and on CUDA from 128 px (1.54x at 224 px on an H200, slower at 64 px); a tail stays "
         "in the default layout, so that tail runs reproduce their recorded results (on: 1.55x at 64 px, 1.10x at "
         "224 px on the CPU)")
     compile: bool = param(False, "tail/finetune: compile the trained part of the backbone with torch.compile (CUDA: "
@@ -99,6 +99,9 @@ class TrainConfig(DataConfig):
                                  "pays the compilation. On the CPU, compiled, efficientnet_lite0's fine-tuning step "
                                  "at 64 px ran at 0.97x the eager one, after about 2 minutes of compiling; on CUDA "
                                  "it is not measured yet")
+    deterministic: bool = param(False, "deterministic kernels only (cuDNN without autotuning, cuBLAS with a fixed "
+                                       "workspace): a CUDA run then repeats bit for bit, at some cost in speed; an op "
+                                       "with no deterministic kernel warns")
     tensorboard: bool = param(False, "also write TensorBoard events to the run folder's tb/ (losses, learning "
                                      "rates, validation, the test embeddings for the projector)")
     cache_dir: str = param("cache/features", "trunk-feature and prefix-map cache folder")

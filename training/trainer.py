@@ -35,7 +35,7 @@ from data import load_data
 from data.config import resolve
 from model.backbones import build_backbone
 from model.checkpoint import read_checkpoint, save_checkpoint
-from model.device import compiled, resolve_device, use_channels_last
+from model.device import compiled, deterministic_algorithms, resolve_device, use_channels_last
 from model.network import EmbeddingModel
 from model.preprocess import transform_for
 
@@ -329,7 +329,8 @@ class Run:
         owns_group = not torch.distributed.is_initialized()
         self.dist = ddp.init_from_env(resolve_device(cfg.device))  # None in a plain process
         try:
-            result = self._fit()
+            with deterministic_algorithms(cfg.deterministic):
+                result = self._fit()
             if self.dist and owns_group:
                 # every rank leaves together: none closes its connections while a peer still waits on it
                 ddp.barrier()

@@ -47,3 +47,16 @@ def test_cuda_embedding_matches_cpu():
         cpu = bb(x)
         gpu = bb.to("cuda")(x.to("cuda")).cpu()
     assert torch.allclose(cpu, gpu, atol=1e-4)
+
+
+def test_deterministic_algorithms_hold_inside_the_block_only():
+    from model.device import deterministic_algorithms
+
+    cudnn = torch.backends.cudnn
+    before = (torch.are_deterministic_algorithms_enabled(), cudnn.deterministic, cudnn.benchmark)
+    with deterministic_algorithms(True):
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert cudnn.deterministic and not cudnn.benchmark
+    assert (torch.are_deterministic_algorithms_enabled(), cudnn.deterministic, cudnn.benchmark) == before
+    with deterministic_algorithms(False):
+        assert torch.are_deterministic_algorithms_enabled() == before[0]
