@@ -2,6 +2,7 @@
 
   python bench/train_throughput.py [--device cpu|cuda] [--sizes 64,224] [--modes finetune,tail]
                                    [--precisions fp32,bf16] [--batch-size N] [--steps N] [--rounds R]
+                                   [--imagefolders DIR] [--export-imagefolders DIR]
 
 ProxyAnchor on efficientnet_lite0 (ImageNet weights), kanji glyphs rendered at the input size, the
 fine-tune recipe's BatchNorm (statistics frozen), no probe, seed 0.  For each mode × size × precision:
@@ -19,10 +20,16 @@ fine-tune recipe's BatchNorm (statistics frozen), no probe, seed 0.  For each mo
              graphs on CUDA, inductor on the CPU); the best of them is the reference;
   epoch      a whole training epoch as `train` runs it: training, validation and the checkpoint writes.
 
+A machine without the kanji fonts (a lent GPU machine) trains on the same images as ImageFolders:
+`--export-imagefolders DIR` renders the 200-class set here at each of --sizes into DIR/<size>px/,
+and `--imagefolders DIR` there loads them through `--dataset imagefolder` (resize mode `resize`
+as kanji's; the ImageFolder split draws other classes of the same count, and its augmentation may
+flip).  Each row records its data.
+
 Trainer and bare loops alternate for --rounds rounds in this one process, so the shared machine's
 load hits both alike: rates are medians over rounds, the ratio the median of each round's ratio.
-Prints a table and writes bench/results/train_throughput/<device>.json, one row per setting (rows
-of settings measured by an earlier run stay, each with its date and command).  On
+Prints a table and writes bench/results/train_throughput/<device>.json after each setting, one row
+per setting (rows of settings measured by an earlier run stay, each with its date and command).  On
 the CPU the default batch is smaller (--batch-size) and steps are few: a CPU step of this model
 takes seconds.
 """
@@ -69,7 +76,7 @@ def sized_classes(args, size: int) -> tuple[int, tuple[str, ...]]:
     """(characters, fonts) giving about --steps full batches per epoch: 200 classes × 23 fonts on
     CUDA (1,840 training images); on the CPU, 8 fonts (images per class) and as few classes as the
     steps need."""
-    if args.device == "cuda" and args.steps is None:
+    if (args.device == "cuda" and args.steps is None) or args.imagefolders:
         return INPUT_CLASSES, ()
     from data.kanji import find_fonts
 
@@ -86,11 +93,15 @@ def config(args, mode: str, size: int, precision: str, out: Path, classes: int, 
            batch_size: int | None = None, **kw) -> TrainConfig:
     """The benchmark's run: ProxyAnchor, efficientnet_lite0, kanji at `size` px."""
     extra = dict(train_blocks=2) if mode == "tail" else dict(mode="finetune")
-    return TrainConfig(dataset="kanji", num_classes=classes, kanji_fonts=fonts, image_size=size,
+    if args.imagefolders:  # the kanji images exported by --export-imagefolders, for a machine without the fonts
+        kw |= dict(dataset="imagefolder", resize_mode="resize", data_root=str(Path(args.imagefolders) / f"{size}px"))
+    else:
+        kw |= dict(dataset="kanji", kanji_fonts=fonts, data_root=args.data_root)
+    return TrainConfig(num_classes=classes, image_size=size,
                        backbone="efficientnet_lite0", loss="proxy_anchor", batch_size=batch_size or args.batch_size,
                        m_per_class=4,
                        probe_epochs=0, bn_freeze="on", precision=precision, device=args.device, out=str(out),
-                       cache_dir=args.cache_dir, data_root=args.data_root, progress=False, seed=0, overwrite=True,
+                       cache_dir=args.cache_dir, progress=False, seed=0, overwrite=True,
                        **extra, **kw)
 
 
@@ -226,7 +237,9 @@ def measure(args, mode: str, size: int, precision: str, tmp: Path, inputs: dict)
     """One row; `inputs` keeps the input path's rates per (mode, size): they do not depend on the precision."""
     device = torch.device(args.device)
     row = {"device": args.device, "mode": mode, "size": size, "precision": precision, "batch_size": args.batch_size,
-           "date": datetime.date.today().isoformat()}
+           "date": datetime.date.today().isoformat(),
+           "data": (f"imagefolder: the 200-class kanji set exported at {size} px" if args.imagefolders
+                    else "kanji")}
     classes, fonts = sized_classes(args, size)
     t = time.perf_counter()
     run = Run(config(args, mode, size, precision, tmp / "run", classes, fonts))
@@ -312,6 +325,39 @@ def whole_epoch(args, mode: str, size: int, precision: str, tmp: Path, classes: 
     return epoch_images(runs[0]) / (stamps[1] - stamps[0])
 
 
+def export_imagefolders(args) -> None:
+    """Render the 200-class kanji set (every font) at each of --sizes and copy its images to
+    DIR/<size>px/<code point>/<font>.png, an ImageFolder."""
+    import shutil
+
+    from core.errors import UserError
+    from data.kanji import KanjiConfig, prepare_kanji
+
+    out = Path(args.export_imagefolders)
+    for size in (int(s) for s in args.sizes.split(",")):
+        dest = out / f"{size}px"
+        if dest.exists():
+            raise UserError(f"{dest} exists; remove it or export elsewhere")
+        rendered = prepare_kanji(KanjiConfig(root=args.data_root or KanjiConfig.root, num_classes=INPUT_CLASSES,
+                                             image_size=size))
+        shutil.copytree(rendered / "images", dest)
+        print(f"{dest}: {sum(1 for _ in dest.rglob('*.png')):,} images")
+
+
+def save(args, rows: list[dict], meta: dict) -> list[dict]:
+    """Merge `rows` (with `meta`) into OUT/<device>.json: rows of settings not measured this time
+    stay, each with its own date and command.  Written after every setting, so a run stopped at a
+    time limit keeps what it measured."""
+    path = Path(args.out) / f"{args.device}.json"
+    kept = json.loads(path.read_text())["rows"] if path.is_file() else []
+    key = ("mode", "size", "precision")
+    measured = {tuple(r[k] for k in key) for r in rows}
+    merged = [r for r in kept if tuple(r[k] for k in key) not in measured] + [r | meta for r in rows]
+    merged.sort(key=lambda r: (r["mode"], r["size"], r["precision"]))
+    write_json(path, {"rows": merged})
+    return merged
+
+
 # ---------------------------------------------------------------- report
 def table(rows: list[dict]) -> str:
     lines = ["| mode | size | precision | input before | input streaming | input (default) | trainer | "
@@ -346,7 +392,8 @@ def main():
                     help="epochs of each input path alone, alternated (default: %(default)s)")
     ap.add_argument("--compile-sizes", default=None,
                     help="sizes whose bare loop is also timed compiled (torch.compile: CUDA graphs on CUDA, inductor "
-                         "on the CPU; the warm-up pays the compilation) (default: 64,224 on CUDA, none on the CPU)")
+                         "on the CPU; the warm-up pays the compilation), or none "
+                         "(default: 64,224 on CUDA, none on the CPU)")
     ap.add_argument("--no-whole-epoch", dest="whole_epoch", action="store_false",
                     help="skip the whole-epoch measurement (training + validation + checkpoints)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -355,19 +402,35 @@ def main():
     ap.add_argument("--cache-dir", default="cache/train_throughput",
                     help="decoded-image and prefix caches, kept between runs (default: %(default)s)")
     ap.add_argument("--data-root", default=None, help="kanji render cache (default: the data set's)")
+    ap.add_argument("--imagefolders", default=None,
+                    help="train on the ImageFolders DIR/<size>px that --export-imagefolders made (a machine "
+                         "without the kanji fonts) (default: render kanji here)")
+    ap.add_argument("--export-imagefolders", default=None, metavar="DIR",
+                    help="render the 200-class kanji set at each of --sizes into DIR/<size>px/ and exit")
     ap.add_argument("--out", default="bench/results/train_throughput", help="results folder (default: %(default)s)")
     args = ap.parse_args()
     cuda = args.device == "cuda"
     args.precisions = args.precisions or ("fp32,bf16" if cuda else "fp32")
     args.batch_size = args.batch_size or (120 if cuda else 32)
     args.rounds = args.rounds or (3 if cuda else 5)
-    args.compile_sizes = [int(s) for s in (args.compile_sizes or ("64,224" if cuda else "")).split(",") if s]
+    sizes = args.compile_sizes or ("64,224" if cuda else "none")
+    args.compile_sizes = [] if sizes == "none" else [int(s) for s in sizes.split(",") if s]
     if args.threads:
         torch.set_num_threads(args.threads)
     setup_logging()
+    if args.export_imagefolders:
+        export_imagefolders(args)
+        return
+    if args.imagefolders and args.steps is not None:
+        print("error: --imagefolders holds the 200-class set; it takes no --steps", file=sys.stderr)
+        sys.exit(2)
     rows: list[dict] = []
     inputs: dict = {}
     started = time.time()
+    env = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "THP_MEM_ALLOC_ENABLE") if k in os.environ}
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "env": env,
+            "device_name": torch.cuda.get_device_name() if cuda else "cpu",
+            "command": "python bench/train_throughput.py " + " ".join(sys.argv[1:])}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes.split(","):
             for size in (int(s) for s in args.sizes.split(",")):
@@ -375,23 +438,9 @@ def main():
                     print(f"{mode} {size} px {precision}", flush=True)
                     rows.append(measure(args, mode, size, precision, Path(tmp), inputs))
                     print(table(rows[-1:]), flush=True)
-    env = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "THP_MEM_ALLOC_ENABLE") if k in os.environ}
-    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "env": env,
-            "device_name": torch.cuda.get_device_name() if cuda else "cpu", "seconds": round(time.time() - started),
-            "command": "python bench/train_throughput.py " + " ".join(sys.argv[1:])}
-    for r in rows:
-        r |= meta
-    path = Path(args.out) / f"{args.device}.json"
-    # rows of settings not measured this time stay, each with its own date and command
-    kept = json.loads(path.read_text())["rows"] if path.is_file() else []
-    key = ("mode", "size", "precision")
-    measured = {tuple(r[k] for k in key) for r in rows}
-    merged = [r for r in kept if tuple(r[k] for k in key) not in measured] + rows
-    merged.sort(key=lambda r: (r["mode"], r["size"], r["precision"]))
-    write_json(path, {"rows": merged})
+                    merged = save(args, rows, meta | {"seconds": round(time.time() - started)})
     print(table(merged))
     print(json.dumps(meta))
-
 
 if __name__ == "__main__":
     main()
