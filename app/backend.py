@@ -24,8 +24,6 @@ from index.backends.gallery import Gallery
 from index.backends.search import Searcher
 from index.backends.store import IndexData, Items, read_index
 
-FETCH = 16384  # rows per Milvus query (its largest result window)
-
 
 class MilvusRows:
     """A Milvus collection's vectors as a read-only N × d array: `rows[i]`, `rows[a:b]`,
@@ -42,27 +40,7 @@ class MilvusRows:
         return 2
 
     def _fetch(self, rows: np.ndarray) -> np.ndarray:
-        out = np.empty((len(rows), self.shape[1]), dtype=np.float32)
-        uniq, back = np.unique(rows, return_inverse=True)
-        got: dict[int, list] = {}
-        g = self.gallery
-        for s in range(0, len(uniq), FETCH):
-            part = uniq[s: s + FETCH]
-            if len(part) and part[-1] - part[0] + 1 == len(part):
-                expr = f"row >= {int(part[0])} and row <= {int(part[-1])}"
-            else:
-                expr = f"row in [{','.join(str(int(r)) for r in part)}]"
-            try:
-                res = g.client.query(g.collection, filter=expr, output_fields=["row", "vector"], limit=len(part))
-            except g.pm.exceptions.MilvusException as e:
-                raise UserError(f"Milvus query in {g.collection!r} failed: {e.message}") from None
-            got.update({int(h["row"]): h["vector"] for h in res})
-        missing = [int(r) for r in uniq if int(r) not in got]
-        if missing:
-            raise UserError(f"Milvus collection {g.collection!r} has no row {missing[0]}")
-        vecs = np.asarray([got[int(r)] for r in uniq], dtype=np.float32).reshape(len(uniq), self.shape[1])
-        out[:] = vecs[back.reshape(-1)]
-        return out
+        return self.gallery.fetch_rows(rows)
 
     def __getitem__(self, key):
         if isinstance(key, slice):
@@ -80,20 +58,7 @@ class MilvusRows:
 
 def milvus_items(gallery) -> Items:
     """Every item's id, label, path and split, in row order (no vectors)."""
-    n = len(gallery)
-    ids, labels = np.full(n, -1, dtype=np.int64), np.full(n, -1, dtype=np.int64)
-    paths, splits = [""] * n, [""] * n
-    try:
-        it = gallery.client.query_iterator(gallery.collection, batch_size=FETCH, filter="",
-                                           output_fields=["id", "row", "label", "path", "split"])
-        while batch := it.next():
-            for h in batch:
-                r = int(h["row"])
-                ids[r], labels[r], paths[r], splits[r] = int(h["id"]), int(h["label"]), h["path"], h["split"]
-        it.close()
-    except gallery.pm.exceptions.MilvusException as e:
-        raise UserError(f"cannot read Milvus collection {gallery.collection!r}'s items: {e.message}") from None
-    return Items(ids, labels, paths, splits)
+    return gallery.items
 
 
 @dataclass

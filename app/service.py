@@ -151,8 +151,9 @@ class RetrievalService:
 
     @cached_property
     def rerank_refusal(self) -> str | None:
-        """The backend's own one-line refusal of re-rankers (Milvus keeps its vectors in the
-        database), None where it runs them: asked once, for a metric space that costs nothing."""
+        """The backend's own one-line refusal of re-rankers, None where it runs them (every
+        backend the app opens does): asked once, at the first re-ranked search, which needs that
+        metric space anyway (Milvus then finds or copies its vectors)."""
         try:
             self.gallery.metric_space("trained", {}, "bilinear")
         except UserError as e:

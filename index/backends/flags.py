@@ -13,16 +13,16 @@ def backend_args(p) -> None:
     g = p.add_argument_group("backends other than the index directory's FAISS index")
     g.add_argument("--backend", choices=BACKENDS, default="faiss",
                    help="faiss: --index's own index in RAM; ondisk: an on-disk IVF (see `index ivf-build`); "
-                        "milvus: a collection written by `index export --to milvus`, which does not re-rank "
-                        "(default: %(default)s)")
+                        "milvus: a collection written by `index export --to milvus` (default: %(default)s)")
     g.add_argument("--ivf", help="ondisk: the on-disk IVF directory (default: INDEX/ivf_ondisk)")
     g.add_argument("--nprobe", type=int, default=0,
                    help="ondisk, and milvus IVF_* collections: inverted lists probed; 0 = 32 (at most nlist) "
                         "for ondisk, Milvus's own for milvus (default: %(default)s)")
     g.add_argument("--rerank-factor", type=int, default=10,
-                   help="ondisk, and milvus in cosine mode or on a non-FLAT collection: candidates fetched per "
-                        "result for the exact re-rank under M′, × 4 for milvus in cosine mode (the on-disk IVF "
-                        "searches cosine in the strategy's cosine lists) (default: %(default)s)")
+                   help="ondisk, and milvus in cosine mode, on a non-FLAT collection or under a re-ranker: "
+                        "candidates fetched per result for the exact re-rank under M′, × 4 for milvus in cosine "
+                        "mode (the on-disk IVF searches cosine in the strategy's cosine lists) "
+                        "(default: %(default)s)")
     milvus_args(g)
 
 

@@ -4,9 +4,9 @@ A gallery holds trunk features φ(x) and searches them under any refined M′:
   search.Searcher              the index directory's FAISS index, in RAM
   ondisk.OnDiskIVF             an IVF index whose inverted lists live on disk
   milvus_store.MilvusGallery   a Milvus collection
-Each answers `search` with `Hits`, and gives the `MetricSpace` a re-ranker runs in where its
-gallery's vectors are in reach (in RAM or memory-mapped; Milvus keeps them in the database
-and refuses), so `SearchConfig.search` and `index search` read all three through this
+Each answers `search` with `Hits`, and gives the `MetricSpace` a re-ranker runs in over its
+gallery's vectors (in RAM or memory-mapped; Milvus's from its source index directory or copied
+from the collection), so `SearchConfig.search` and `index search` read all three through this
 interface alone.  Below the interface: what the on-disk IVF and Milvus share (they keep
 only the neck W, and re-rank candidates exactly under a `metric.QueryMetric`).
 """

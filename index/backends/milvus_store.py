@@ -1,34 +1,44 @@
 """A gallery in Milvus: φ(x) and its metadata in a collection searched by inner product with
 the query M′φ(q), since φ(q)ᵀM′φ(x) = (M′φ(q))ᵀφ(x); the metric type is always IP, never
 COSINE (cosine mode re-ranks IP candidates exactly).  A path URI is Milvus Lite, http(s)://
-a server.  `MilvusGallery` is a `gallery.Gallery`; it does not re-rank (the vectors stay in
-the database).  The collection layout and the reasons: docs/scale-out.md ("Milvus").
+a server.  `MilvusGallery` is a `gallery.Gallery`; re-rankers run in the `MetricSpace` of a
+`Searcher` whose candidates come from the collection and whose vectors are memory-mapped: the
+source index directory's features.npy where it still holds the collection's vectors, else a
+copy read from the collection once into the re-ranking cache folder.  The collection layout
+and the reasons: docs/scale-out.md ("Milvus").
 pymilvus and milvus-lite are an optional extra (requirements-milvus.txt), imported only here.
 """
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
+import shutil
+import threading
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from core.arrays import load_npy
+from core.atomic import write_with
 from core.errors import UserError
 
 from ..metric import QueryMetric
-from ..space import MetricSpace
+from ..space import MetricSpace, cache_root
 from .gallery import Hits, NeckGallery, exact_top
-from .store import Items
+from .search import Searcher
+from .store import IndexData, Items
 
 METRIC = "IP"            # never "COSINE": see the module docstring
 EXACT_INDEX = "FLAT"     # exact: bilinear scores come straight from Milvus
 MAX_TOPK = 16384         # Milvus's limit on one search's top-k
 PATH_MAX, SPLIT_MAX = 4096, 256
 OUTPUT = ["row", "label", "path", "split"]
+FETCH = 16384            # rows per query by row (Milvus's largest result window)
+SAMPLE_ROWS = 64         # rows of a source feature store compared with the collection before it is used
 INSTALL = "pip install -r requirements-milvus.txt"
-RERANK_REFUSAL = ("the milvus backend does not re-rank: re-rankers read the gallery's vectors, which stay in Milvus; "
-             "search the index directory (--backend faiss) or its on-disk IVF (--backend ondisk)")
 # index-manifest keys that travel with the gallery: query images are embedded by the same model
 MODEL_FACTS = ("checkpoint", "checkpoint_sha256", "backbone", "transform", "trunk_dim", "dataset", "split")
 
@@ -80,6 +90,8 @@ def export_features(uri: str, collection: str, features: np.ndarray, items, W: n
                     index_type: str = EXACT_INDEX, index_params: dict | None = None, batch: int = 5000) -> int:
     """Store the rows of `features` (φ(x) as the index stores them) with `items`' metadata
     (ids, labels, paths, splits) in a new collection; returns the number of rows stored.
+    `info` (model facts, the source index) and the checksum of the rows stored
+    (`content_sha256`, what re-rankers' caches are keyed by) go into the `dml.info` property.
 
     `index_type` other than FLAT (e.g. HNSW on a server) makes search fetch candidates and
     re-rank them exactly.  An existing collection is refused unless `overwrite`."""
@@ -100,18 +112,21 @@ def export_features(uri: str, collection: str, features: np.ndarray, items, W: n
         ip = client.prepare_index_params()
         ip.add_index("vector", index_type=index_type, metric_type=METRIC, params=index_params or {})
         client.create_collection(collection, schema=_schema(pm, d), index_params=ip)
-        meta = {"dim": int(d), "count": int(n), "embed_dim": int(W.shape[0]), "normalize": bool(normalize),
-                "index_type": index_type, **(info or {})}
-        client.alter_collection_properties(collection, properties={
-            "dml.info": json.dumps(meta),
-            "dml.neck": base64.b64encode(np.ascontiguousarray(W, dtype="<f4").tobytes()).decode(),
-            "dml.classes": json.dumps({str(k): v for k, v in (class_names or {}).items()})})
+        content = hashlib.sha256(repr((int(n), int(d))).encode())
         for s in range(0, n, batch):
-            x = np.asarray(features[s: s + batch], dtype=np.float32)
+            x = np.ascontiguousarray(features[s: s + batch], dtype="<f4")
+            content.update(x.tobytes())
             client.insert(collection, [
                 {"id": int(items.ids[i]), "row": i, "vector": x[i - s].tolist(), "label": int(items.labels[i]),
                  "path": items.paths[i], "split": items.splits[i]} for i in range(s, s + len(x))])
         client.flush(collection)
+        # written last: a collection whose export was interrupted has no dml.info and is refused
+        meta = {"dim": int(d), "count": int(n), "embed_dim": int(W.shape[0]), "normalize": bool(normalize),
+                "index_type": index_type, "content_sha256": content.hexdigest(), **(info or {})}
+        client.alter_collection_properties(collection, properties={
+            "dml.info": json.dumps(meta),
+            "dml.neck": base64.b64encode(np.ascontiguousarray(W, dtype="<f4").tobytes()).decode(),
+            "dml.classes": json.dumps({str(k): v for k, v in (class_names or {}).items()})})
         return n
     except pm.exceptions.MilvusException as e:
         raise UserError(f"Milvus export to {collection!r} at {uri} failed: {e.message}") from None
@@ -126,8 +141,32 @@ def export_index(index_dir, uri: str, collection: str, **kw) -> int:
     data = read_index(index_dir)
     m = data.manifest
     info = {k: m[k] for k in MODEL_FACTS if k in m}
+    # where re-rankers may memory-map the same vectors instead of reading them from the collection
+    info["source_index"] = {"path": str(Path(index_dir).resolve()),
+                            "features_sha256": m["files"]["features.npy"]["sha256"]}
     return export_features(uri, collection, data.features, data.items, data.W, normalize=bool(m["normalize"]),
                            info=info, class_names=data.class_names, **kw)
+
+
+class _Candidates:
+    """The collection as the candidate index of a `Searcher` (search.Searcher._rerank): FAISS's
+    `ntotal` and `search(qt, k)` → (scores, rows), by Milvus's inner product with qt (M′φ(q) or
+    its cosine scaling, which ranks alike), −1 past the collection or Milvus's top-k limit."""
+
+    def __init__(self, gallery: MilvusGallery):
+        self.gallery = gallery
+
+    @property
+    def ntotal(self) -> int:
+        return len(self.gallery)
+
+    def search(self, qt: np.ndarray, k: int):
+        D = np.full((len(qt), k), -np.inf, dtype=np.float32)
+        rows = np.full((len(qt), k), -1, dtype=np.int64)
+        for i, found in enumerate(self.gallery.search_ip(qt, min(k, MAX_TOPK), ["row"])):
+            rows[i, : len(found)] = [h["entity"]["row"] for h in found]
+            D[i, : len(found)] = [h["distance"] for h in found]
+        return D, rows
 
 
 class MilvusGallery(NeckGallery):
@@ -139,7 +178,9 @@ class MilvusGallery(NeckGallery):
                  rerank_factor: int = 10):
         self.pm = _pymilvus()
         self.uri, self.collection = str(uri), collection
-        self.nprobe, self.rerank_factor = nprobe, rerank_factor
+        self.rerank_factor = rerank_factor
+        self._nprobe = nprobe
+        self._space_lock = threading.Lock()   # the vectors are found (or copied) once, whoever asks first
         self.client = connect(uri, token)
         try:
             if not self.client.has_collection(collection):
@@ -170,8 +211,162 @@ class MilvusGallery(NeckGallery):
     def __len__(self) -> int:
         return int(self.info["count"])
 
+    @property
+    def nprobe(self) -> int | None:
+        return self._nprobe
+
+    @nprobe.setter
+    def nprobe(self, value: int | None) -> None:
+        self._nprobe = value
+        self.__dict__.pop("_in_memory", None)   # its caches are keyed by the candidate settings
+
+    # ------------------------------------------------------------ rows, items, vectors
+    def fetch_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The vectors of the given rows (any order, repeats allowed), float32, by the `row` field."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        uniq, back = np.unique(rows, return_inverse=True)
+        got: dict[int, list] = {}
+        for s in range(0, len(uniq), FETCH):
+            part = uniq[s: s + FETCH]
+            if len(part) and part[-1] - part[0] + 1 == len(part):
+                expr = f"row >= {int(part[0])} and row <= {int(part[-1])}"
+            else:
+                expr = f"row in [{','.join(str(int(r)) for r in part)}]"
+            try:
+                res = self.client.query(self.collection, filter=expr, output_fields=["row", "vector"],
+                                        limit=len(part))
+            except self.pm.exceptions.MilvusException as e:
+                raise UserError(f"Milvus query in {self.collection!r} failed: {e.message}") from None
+            got.update({int(h["row"]): h["vector"] for h in res})
+        missing = [int(r) for r in uniq if int(r) not in got]
+        if missing:
+            raise UserError(f"Milvus collection {self.collection!r} has no row {missing[0]}")
+        vecs = np.asarray([got[int(r)] for r in uniq], dtype=np.float32).reshape(len(uniq), self.dim)
+        return vecs[back.reshape(-1)]
+
+    @cached_property
+    def items(self) -> Items:
+        """Every item's id, label, path and split, in row order (no vectors); read once."""
+        n = len(self)
+        ids, labels = np.full(n, -1, dtype=np.int64), np.full(n, -1, dtype=np.int64)
+        paths, splits = [""] * n, [""] * n
+        try:
+            it = self.client.query_iterator(self.collection, batch_size=FETCH, filter="",
+                                            output_fields=["id", "row", "label", "path", "split"])
+            while batch := it.next():
+                for h in batch:
+                    r = int(h["row"])
+                    ids[r], labels[r], paths[r], splits[r] = int(h["id"]), int(h["label"]), h["path"], h["split"]
+            it.close()
+        except self.pm.exceptions.MilvusException as e:
+            raise UserError(f"cannot read Milvus collection {self.collection!r}'s items: {e.message}") from None
+        return Items(ids, labels, paths, splits)
+
+    @cached_property
+    def content_key(self) -> str:
+        """The checksum of the collection's vectors recorded at export (`content_sha256`); for a
+        collection without one, a checksum of its facts, neck and 256 evenly spaced rows."""
+        if self.info.get("content_sha256"):
+            return str(self.info["content_sha256"])
+        n = len(self)
+        h = hashlib.sha256(json.dumps(self.info, sort_keys=True).encode())
+        h.update(np.ascontiguousarray(self.W, dtype="<f4").tobytes())
+        h.update(self.fetch_rows(np.unique(np.linspace(0, n - 1, min(n, 256)).astype(np.int64))).tobytes())
+        return h.hexdigest()
+
+    def _source_features(self) -> tuple[np.ndarray, Path] | None:
+        """The source index's features.npy, memory-mapped, where it still holds this collection's
+        vectors (its manifest's checksum as at export, its shape, and SAMPLE_ROWS rows equal to
+        the collection's); None otherwise."""
+        src = self.info.get("source_index")
+        if not isinstance(src, dict) or not src.get("path"):
+            return None
+        path = Path(src["path"])
+        try:
+            man = json.loads((path / "manifest.json").read_text())
+            if man["files"]["features.npy"]["sha256"] != src.get("features_sha256"):
+                return None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        try:
+            x = load_npy(path / "features.npy", "features", mmap=True)
+        except UserError:
+            return None
+        n = len(self)
+        if x.shape != (n, self.dim) or x.dtype != np.dtype("<f4"):
+            return None
+        sample = np.unique(np.linspace(0, n - 1, min(n, SAMPLE_ROWS)).astype(np.int64))
+        if not np.array_equal(np.asarray(x[sample]), self.fetch_rows(sample)):
+            return None
+        return x, path
+
+    def _copied_features(self) -> tuple[np.ndarray, Path]:
+        """The collection's vectors copied once, FETCH rows at a time, into a .npy under the
+        re-ranking cache folder (space.cache_root(), beside the offline caches; named by
+        `content_key`), memory-mapped."""
+        n, d = len(self), self.dim
+        folder = cache_root() / f"milvus-{self.content_key[:32]}"
+        path = folder / "features.npy"
+        if path.is_file():
+            try:
+                x = load_npy(path, "features", mmap=True)
+                if x.shape == (n, d) and x.dtype == np.dtype("<f4"):
+                    return x, folder
+            except UserError:
+                pass  # unreadable (a full disk once): copied again
+        folder.mkdir(parents=True, exist_ok=True)
+        need = n * d * 4 + 4096
+        free = shutil.disk_usage(folder).free
+        if free < need:
+            raise UserError(f"re-ranking on Milvus collection {self.collection!r} copies its vectors "
+                            f"({need / 2**30:.2f} GiB) to {folder}, which has {free / 2**30:.2f} GiB free; free space "
+                            f"there or set XDG_CACHE_HOME to a larger disk")
+
+        def write(tmp: Path) -> None:
+            out = np.lib.format.open_memmap(tmp, mode="w+", dtype="<f4", shape=(n, d))
+            for s in range(0, n, FETCH):
+                out[s: s + FETCH] = self.fetch_rows(np.arange(s, min(n, s + FETCH)))
+            out.flush()
+            del out
+        write_with(path, write)
+        return load_npy(path, "features", mmap=True), folder
+
     def metric_space(self, strategy: str, params: dict | None, mode: str) -> MetricSpace:
-        raise UserError(RERANK_REFUSAL)
+        with self._space_lock:
+            searcher = self._in_memory
+        return searcher.metric_space(strategy, params, mode)
+
+    @cached_property
+    def _in_memory(self) -> Searcher:
+        """This gallery as a `Searcher`, for re-rankers: candidates from the collection, re-ranked
+        exactly over the memory-mapped vectors (the source index's, else the copied ones)."""
+        features, where = self._source_features() or self._copied_features()
+        # what re-rankers' offline caches are keyed by (space.store.fingerprint): the collection's
+        # content, the neck, and the candidate settings their neighbour lists were searched with
+        content = {"milvus": self.content_key, "index_type": self.info["index_type"],
+                   "W": hashlib.sha256(np.ascontiguousarray(self.W).tobytes()).hexdigest(),
+                   "nprobe": self.nprobe, "rerank_factor": self.rerank_factor}
+        data = IndexData(where, {"normalize": self.normalize, "factory": f"milvus {self.info['index_type']}",
+                                 "count": len(self), "files": content},
+                         features, self.items, np.asarray(self.W, dtype=np.float32),
+                         _Candidates(self), dict(self.class_names))  # type: ignore[arg-type]
+        return Searcher(data, rerank_factor=self.rerank_factor)
+
+    # ------------------------------------------------------------ search
+    def _search_params(self, limit: int, nprobe: int | None) -> dict:
+        index_type = self.info["index_type"]
+        params = {"ef": limit} if index_type == "HNSW" else {"nprobe": nprobe} if nprobe else {}
+        return {"metric_type": METRIC, "params": params}
+
+    def search_ip(self, qt: np.ndarray, limit: int, output_fields: list[str], nprobe: int | None = None) -> list:
+        """Milvus's top-`limit` hits per row of qt by inner product with the stored φ(x)."""
+        nprobe = self.nprobe if nprobe is None else nprobe
+        try:
+            return self.client.search(self.collection, data=np.asarray(qt, dtype=np.float32).tolist(), limit=limit,
+                                      anns_field="vector", search_params=self._search_params(limit, nprobe),
+                                      output_fields=output_fields)
+        except self.pm.exceptions.MilvusException as e:
+            raise UserError(f"Milvus search in {self.collection!r} failed: {e.message}") from None
 
     def search_metric(self, feats: np.ndarray, metric: QueryMetric, k: int = 10, nprobe: int | None = None,
                       rerank_factor: int | None = None, what: str = "query features") -> Hits:
@@ -180,19 +375,11 @@ class MilvusGallery(NeckGallery):
         (`nprobe`: lists probed in an IVF_* collection; HNSW searches with ef = the pool size)."""
         if not 1 <= k <= MAX_TOPK:
             raise UserError(f"k must be in [1, {MAX_TOPK}], got {k}")
-        nprobe = self.nprobe if nprobe is None else nprobe
         rerank_factor = self.rerank_factor if rerank_factor is None else rerank_factor
         qt = metric.transform(self.prepare_queries(feats, what))
-        index_type = self.info["index_type"]
-        rerank = metric.mode == "cosine" or index_type != EXACT_INDEX
+        rerank = metric.mode == "cosine" or self.info["index_type"] != EXACT_INDEX
         limit = min(MAX_TOPK, metric.candidate_count(k, len(self), rerank_factor)) if rerank else min(k, len(self))
-        params = {"ef": limit} if index_type == "HNSW" else {"nprobe": nprobe} if nprobe else {}
-        try:
-            res = self.client.search(self.collection, data=qt.tolist(), limit=limit, anns_field="vector",
-                                     search_params={"metric_type": METRIC, "params": params},
-                                     output_fields=OUTPUT + (["vector"] if rerank else []))
-        except self.pm.exceptions.MilvusException as e:
-            raise UserError(f"Milvus search in {self.collection!r} failed: {e.message}") from None
+        res = self.search_ip(qt, limit, OUTPUT + (["vector"] if rerank else []), nprobe)
         R = np.full((len(qt), k), -1, dtype=np.int64)
         S = np.full((len(qt), k), -np.inf, dtype=np.float32)
         at = np.full((len(qt), k), -1, dtype=np.int64)

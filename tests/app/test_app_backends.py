@@ -212,9 +212,8 @@ def test_milvus_panels_compare_and_why_are_the_index_directorys(ram, milvus):
 
 
 @pytest.mark.milvus
-def test_milvus_serves_both_apis_and_refuses_a_reranker_in_one_line(ram, milvus):
+def test_milvus_serves_both_apis_and_re_ranks_as_the_index_directory(ram, milvus):
     from app.handlers import api_search
-    from index.backends.milvus_store import RERANK_REFUSAL
 
     img = str(ram.root / ram.data.items.paths[2])
     got = api_search(milvus)(img, "spectral", p=0.5, k=6)
@@ -222,10 +221,15 @@ def test_milvus_serves_both_apis_and_refuses_a_reranker_in_one_line(ram, milvus)
     assert [r["id"] for r in got["results"]] == [r["id"] for r in want["results"]]
     r = post(milvus, strategy="spectral", p=0.5, k=6)
     assert r.status_code == 200 and r.json()["results"] == got["results"]
-    refused = post(milvus, rerank="aqe")
-    assert refused.status_code == 400 and refused.json()["error"] == RERANK_REFUSAL
-    with pytest.raises(UserError, match="does not re-rank"):
-        milvus.panel(milvus.query_from_item(int(ram.data.items.ids[0])), SearchConfig(rerank="aqe"), 4)
+    reranked = post(milvus, strategy="trained", rerank="aqe", rerank_params="n=3", k=4)
+    want = ram.api_search(img, {"strategy": "trained", "rerank": "aqe", "rerank_params": "n=3", "k": 4})
+    assert reranked.status_code == 200 and milvus.rerank_refusal is None
+    assert [x["id"] for x in reranked.json()["results"]] == [x["id"] for x in want["results"]]
+    spec = SearchConfig(rerank="kreciprocal")   # a gallery item as the query: left out of its own re-ranking
+    i = int(ram.data.items.ids[0])
+    a, b = ram.panel(ram.query_from_item(i), spec, 4), milvus.panel(milvus.query_from_item(i), spec, 4)
+    assert item_ids(a) == item_ids(b) and i not in item_ids(b)
+    assert [x["score"] for x in a.results] == pytest.approx([x["score"] for x in b.results], rel=1e-5)
 
 
 def test_an_ondisk_ivf_of_bare_features_is_refused_in_one_line(tmp_path):

@@ -1,6 +1,6 @@
 """One Gallery interface: the index directory's FAISS index in RAM, the on-disk IVF and Milvus
 (Lite) are each a `Gallery`, and `index search` gives the same JSON through any of them, re-rankers
-included where the backend holds its vectors in reach (Milvus refuses them in one line)."""
+included (tests/index/test_milvus.py runs every re-ranker on Milvus)."""
 import importlib.util
 import inspect
 import json
@@ -146,7 +146,7 @@ def test_rerankers_run_on_the_ondisk_backend_as_on_the_index(built, rerank, mode
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_searchconfig_searches_every_backend_through_the_gallery(built, backend):
     """`SearchConfig.search` takes any Gallery: without a re-ranker it is the gallery's own search;
-    with one it runs in the gallery's MetricSpace, or the backend refuses in one line."""
+    with one it runs in the gallery's MetricSpace (every backend has one)."""
     g = open_backend(built, backend)
     if backend == "ondisk":
         g.nprobe = NLIST
@@ -156,22 +156,9 @@ def test_searchconfig_searches_every_backend_through_the_gallery(built, backend)
     np.testing.assert_array_equal(plain.rows, want.rows)
     np.testing.assert_array_equal(plain.scores, want.scores)
     cfg = SearchConfig.of("trained", {}, "cosine", "aqe", {"n": 2})
-    if backend == "milvus":
-        with pytest.raises(UserError, match="the milvus backend does not re-rank") as e:
-            cfg.search(g, q, K)
-        assert "\n" not in str(e.value)
-        return
     assert isinstance(cfg.space(g), MetricSpace) and cfg.space(g) is cfg.space(g)  # kept per gallery
     exact = cfg.search(Searcher(read_index(built / "idx")), q, K)
     np.testing.assert_array_equal(cfg.search(g, q, K).rows, exact.rows)
-
-
-@pytest.mark.milvus
-@needs_milvus
-def test_milvus_refuses_a_reranker_before_any_query_is_embedded(built, tmp_path):
-    with pytest.raises(UserError, match="the milvus backend does not re-rank: .*--backend ondisk"):
-        main(["search", "--backend", "milvus", "--uri", str(built / "g.db"), "--collection", "gal",
-              "--image", str(tmp_path / "not-read.png"), "--rerank", "aqe"])
 
 
 def test_an_ondisk_ivf_of_bare_features_refuses_rerankers_in_one_line(built, tmp_path):

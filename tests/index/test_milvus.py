@@ -1,5 +1,6 @@
 """The Milvus backend (index/backends/milvus_store.py) on Milvus Lite: the same top-k as FAISS Flat under
-every strategy, metric type IP only, and the export/search CLI."""
+every strategy, metric type IP only, the export/search CLI, and every re-ranker with the results it
+gives on the in-RAM index."""
 import json
 
 import numpy as np
@@ -9,10 +10,12 @@ pytest.importorskip("pymilvus", reason="the Milvus backend needs pymilvus and mi
                                        "pip install -r requirements-milvus.txt")
 
 from core.errors import UserError
-from index.backends.milvus_store import MilvusGallery, export_index
+from index.backends.milvus_store import MilvusGallery, export_features, export_index
 from index.backends.search import Searcher
 from index.backends.store import Items, read_index, write_index
 from index.cli import main
+from index.rerankers import RERANKERS
+from index.search_config import SearchConfig
 
 pytestmark = pytest.mark.milvus
 
@@ -98,3 +101,129 @@ def test_cli_export_and_search_match_faiss(gallery, capsys):
         main(common + ["--backend", "milvus"])
     with pytest.raises(UserError, match="a file path ending in .db for Milvus Lite"):
         main(common + ["--backend", "milvus", "--uri", str(t / "x.sqlite"), "--collection", "c"])
+
+
+# ---------------------------------------------------------------- re-rankers on Milvus
+SMALL = 120  # the gallery×gallery passes search Milvus once per item: a small gallery keeps them fast
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A small index directory, its export (whose source feature store is still there), and an
+    export of the same rows without a source (its vectors are copied from the collection)."""
+    t = tmp_path_factory.mktemp("milvus-rerank")
+    rng = np.random.default_rng(5)
+    X = rng.standard_normal((SMALL, DIM)).astype(np.float32)
+    items = Items(np.arange(SMALL) * 3 + 1, rng.integers(0, 6, SMALL), [f"img/{i}.png" for i in range(SMALL)],
+                  ["gallery"] * SMALL)
+    idx = write_index(t / "idx", X, items, rng.standard_normal((5, DIM)).astype(np.float32), normalize=True,
+                      info={"backbone": "none"}, class_names={c: f"c{c}" for c in range(6)})
+    export_index(idx, str(t / "r.db"), "src")
+    data = read_index(idx)
+    export_features(str(t / "r.db"), "bare", data.features, data.items, data.W, normalize=True,
+                    class_names=data.class_names)
+    return t, Searcher(data), rng.standard_normal((4, DIM)).astype(np.float32)
+
+
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path, monkeypatch):
+    """The re-rankers' offline caches (and copied vectors) under the test's folder, never the user's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+
+
+def assert_same_hits(got, want):
+    np.testing.assert_array_equal(got.rows, want.rows)
+    np.testing.assert_array_equal(got.ids, want.ids)
+    np.testing.assert_allclose(got.scores, want.scores, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode,strategy,params", [("cosine", "trained", {}), ("bilinear", "spectral", {"p": 0.5})])
+@pytest.mark.parametrize("rerank", RERANKERS.names())
+def test_every_reranker_on_milvus_equals_the_index(small, rerank, mode, strategy, params):
+    """Each registered re-ranker (its defaults) on a FLAT collection: the rows and scores of the
+    same re-ranker on the in-RAM index of the same items, leave-one-out queries included."""
+    t, s, Q = small
+    g = MilvusGallery(str(t / "r.db"), "src")
+    try:
+        cfg = SearchConfig.of(strategy, params, mode, rerank)
+        assert_same_hits(cfg.search(g, Q, K), cfg.search(s, Q, K))
+        own = np.array([7, 50])  # gallery items as queries: their own rows neither returned nor used
+        fq = np.asarray(s.data.features[own])
+        assert_same_hits(cfg.search(g, fq, K, self_ids=own), cfg.search(s, fq, K, self_ids=own))
+        # the source index's features.npy, memory-mapped: no copy of the vectors was made
+        data = cfg.space(g).searcher.data
+        assert isinstance(data.features, np.memmap) and data.path == (t / "idx").resolve()
+    finally:
+        g.close()
+
+
+def test_without_its_source_index_milvus_copies_the_vectors_once(small):
+    """A collection with no source feature store (or one that changed) re-ranks over its own
+    vectors, copied once into the cache folder, keyed by the collection's content."""
+    t, s, Q = small
+    cfg = SearchConfig.of("trained", {}, "cosine", "kreciprocal")
+    g = MilvusGallery(str(t / "r.db"), "bare")
+    try:
+        assert_same_hits(cfg.search(g, Q, K), cfg.search(s, Q, K))
+        data = cfg.space(g).searcher.data
+        copy = data.path / "features.npy"
+        assert isinstance(data.features, np.memmap) and copy.is_file() and data.path.parent.name == "rerank"
+        np.testing.assert_array_equal(np.load(copy), s.data.features)
+        before = copy.stat().st_mtime_ns
+    finally:
+        g.close()
+    g = MilvusGallery(str(t / "r.db"), "bare")   # a new process's view: the copy is read, not made again
+    try:
+        assert_same_hits(cfg.search(g, Q, K), cfg.search(s, Q, K))
+        assert cfg.space(g).searcher.data.path / "features.npy" == copy and copy.stat().st_mtime_ns == before
+        # the same content: the same key as the collection with a source index
+        assert g.content_key == MilvusGallery(str(t / "r.db"), "src").content_key
+    finally:
+        g.close()
+
+
+def test_a_changed_source_index_is_not_read(small):
+    """A source index whose features no longer hold the collection's vectors is passed over; a
+    collection without a recorded checksum is keyed by a sample of its rows."""
+    t, s, Q = small
+    g = MilvusGallery(str(t / "r.db"), "src")
+    try:
+        g.info["source_index"]["features_sha256"] = "0" * 64   # as if the index were rebuilt since
+        recorded = g.info.pop("content_sha256")
+        assert len(g.content_key) == 64 and g.content_key != recorded
+        cfg = SearchConfig.of("trained", {}, "cosine", "aqe")
+        data = cfg.space(g).searcher.data
+        assert data.path.name == f"milvus-{g.content_key[:32]}" and data.path.parent.name == "rerank"
+        assert_same_hits(cfg.search(g, Q, K), cfg.search(s, Q, K))
+    finally:
+        g.close()
+
+
+def test_copying_the_vectors_without_disk_space_is_refused_in_one_line(small, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    t, _, Q = small
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: namedtuple("U", "total used free")(10**6, 10**6 - 100, 100))
+    g = MilvusGallery(str(t / "r.db"), "bare")
+    try:
+        with pytest.raises(UserError, match=r"re-ranking on Milvus collection 'bare' copies its vectors \(0\.00 GiB\) "
+                                            r"to .*; free space there or set XDG_CACHE_HOME to a larger disk$") as e:
+            SearchConfig.of("trained", {}, "cosine", "aqe").search(g, Q, K)
+        assert "\n" not in str(e.value)
+    finally:
+        g.close()
+
+
+def test_cli_search_reranks_on_milvus_as_on_the_index(small, capsys):
+    t, _, Q = small
+    np.save(t / "q.npy", Q)
+    common = ["search", "--features", str(t / "q.npy"), "--k", "5", "--rerank", "aqe", "--rerank-param", "n=3"]
+    assert main(common + ["--index", str(t / "idx")]) == 0
+    want = json.loads(capsys.readouterr().out)
+    assert main(common + ["--backend", "milvus", "--uri", str(t / "r.db"), "--collection", "bare"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["rerank"] == want["rerank"] == "aqe" and got["rerank_params"] == want["rerank_params"]
+    for a, b in zip(got["queries"], want["queries"], strict=True):
+        assert [r["id"] for r in a["results"]] == [r["id"] for r in b["results"]]
+        np.testing.assert_allclose([r["score"] for r in a["results"]], [r["score"] for r in b["results"]], rtol=1e-5)
