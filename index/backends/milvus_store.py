@@ -19,6 +19,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import faiss
 import numpy as np
 
 from core.arrays import load_npy
@@ -37,6 +38,7 @@ MAX_TOPK = 16384         # Milvus's limit on one search's top-k
 PATH_MAX, SPLIT_MAX = 4096, 256
 OUTPUT = ["row", "label", "path", "split"]
 FETCH = 16384            # rows per query by row (Milvus's largest result window)
+SCAN_ROWS = 65536        # rows of a FLAT collection's vectors scored at once for re-rankers' candidates
 SAMPLE_ROWS = 64         # rows of a source feature store compared with the collection before it is used
 INSTALL = "pip install -r requirements-milvus.txt"
 # index-manifest keys that travel with the gallery: query images are embedded by the same model
@@ -150,23 +152,39 @@ def export_index(index_dir, uri: str, collection: str, **kw) -> int:
 
 class _Candidates:
     """The collection as the candidate index of a `Searcher` (search.Searcher._rerank): FAISS's
-    `ntotal` and `search(qt, k)` → (scores, rows), by Milvus's inner product with qt (M′φ(q) or
-    its cosine scaling, which ranks alike), −1 past the collection or Milvus's top-k limit."""
+    `ntotal` and `search(qt, k)` → (scores, rows), by inner product with qt (M′φ(q) or its
+    cosine scaling, which ranks alike), −1 past the gallery.  A FLAT collection's top k is the
+    exact one: it is scanned from the memory-mapped `features` (a block of rows at a time), the
+    same rows Milvus would return, without a database round trip per candidate (Milvus Lite
+    spends tens of µs on each).  Other index types ask Milvus (at most its top-k limit)."""
 
-    def __init__(self, gallery: MilvusGallery):
-        self.gallery = gallery
+    def __init__(self, gallery: MilvusGallery, features: np.ndarray):
+        self.gallery, self.features = gallery, features
+        self.exact = gallery.info["index_type"] == EXACT_INDEX
 
     @property
     def ntotal(self) -> int:
         return len(self.gallery)
 
     def search(self, qt: np.ndarray, k: int):
+        qt = np.ascontiguousarray(qt, dtype=np.float32)
+        if self.exact:
+            return self._scan(qt, min(k, self.ntotal))
         D = np.full((len(qt), k), -np.inf, dtype=np.float32)
         rows = np.full((len(qt), k), -1, dtype=np.int64)
         for i, found in enumerate(self.gallery.search_ip(qt, min(k, MAX_TOPK), ["row"])):
             rows[i, : len(found)] = [h["entity"]["row"] for h in found]
             D[i, : len(found)] = [h["distance"] for h in found]
         return D, rows
+
+    def _scan(self, qt: np.ndarray, k: int):
+        heap = faiss.ResultHeap(len(qt), k, keep_max=True)
+        for s in range(0, self.ntotal, SCAN_ROWS):
+            x = np.ascontiguousarray(self.features[s: s + SCAN_ROWS], dtype=np.float32)
+            D, rows = faiss.knn(qt, x, min(k, len(x)), metric=faiss.METRIC_INNER_PRODUCT)
+            heap.add_result(np.ascontiguousarray(D, dtype=np.float32), np.ascontiguousarray(rows + s, dtype=np.int64))
+        heap.finalize()
+        return heap.D, heap.I
 
 
 class MilvusGallery(NeckGallery):
@@ -349,7 +367,7 @@ class MilvusGallery(NeckGallery):
         data = IndexData(where, {"normalize": self.normalize, "factory": f"milvus {self.info['index_type']}",
                                  "count": len(self), "files": content},
                          features, self.items, np.asarray(self.W, dtype=np.float32),
-                         _Candidates(self), dict(self.class_names))  # type: ignore[arg-type]
+                         _Candidates(self, features), dict(self.class_names))  # type: ignore[arg-type]
         return Searcher(data, rerank_factor=self.rerank_factor)
 
     # ------------------------------------------------------------ search

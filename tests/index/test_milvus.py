@@ -122,6 +122,8 @@ def small(tmp_path_factory):
     data = read_index(idx)
     export_features(str(t / "r.db"), "bare", data.features, data.items, data.W, normalize=True,
                     class_names=data.class_names)
+    export_features(str(t / "r.db"), "hnsw", data.features, data.items, data.W, normalize=True,
+                    class_names=data.class_names, index_type="HNSW", index_params={"M": 8, "efConstruction": 64})
     return t, Searcher(data), rng.standard_normal((4, DIM)).astype(np.float32)
 
 
@@ -153,6 +155,27 @@ def test_every_reranker_on_milvus_equals_the_index(small, rerank, mode, strategy
         # the source index's features.npy, memory-mapped: no copy of the vectors was made
         data = cfg.space(g).searcher.data
         assert isinstance(data.features, np.memmap) and data.path == (t / "idx").resolve()
+    finally:
+        g.close()
+
+
+def test_an_hnsw_collection_gives_rerankers_its_own_candidates(small, monkeypatch):
+    """A collection that is not FLAT proposes the re-rankers' candidates itself (Milvus's search,
+    with ef = the pool, which holds the whole small gallery here), re-ranked exactly: every
+    re-ranker as on the in-RAM index."""
+    from index.backends import milvus_store
+
+    t, s, Q = small
+    asked = []
+    search_ip = milvus_store.MilvusGallery.search_ip
+    monkeypatch.setattr(milvus_store.MilvusGallery, "search_ip", lambda g, qt, *a, **kw: asked.append(len(qt))
+                        or search_ip(g, qt, *a, **kw))
+    g = MilvusGallery(str(t / "r.db"), "hnsw")
+    try:
+        for rerank in RERANKERS.names():
+            cfg = SearchConfig.of("trained", {}, "cosine", rerank)
+            assert_same_hits(cfg.search(g, Q, K), cfg.search(s, Q, K))
+        assert SMALL in asked   # the gallery×gallery pass searched the collection
     finally:
         g.close()
 
