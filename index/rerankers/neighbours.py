@@ -3,7 +3,9 @@ space's similarity (the item itself included, where its own score puts it, as a 
 similarity matrix sorted would have it), and each row's extreme similarities.  Both are the
 space's artefacts (`space.artefact`); a leave-one-out query removes its own row from them online (`without`),
 which is why every list is stored one entry longer than any re-ranker reads.  Above
-APPROXIMATE_ABOVE items (PSD M′) the lists come from an HNSW index, re-scored exactly.
+APPROXIMATE_ABOVE items (PSD M′) both come from one HNSW index, every score re-computed exactly:
+the lists from a search for the most similar items, the extremes from one for the least similar
+(a search for −Fᵀ key(x)).
 """
 from __future__ import annotations
 
@@ -18,8 +20,12 @@ BLOCK = 2048        # rows per search call in the list pass
 # galleries above this many items build their lists with an HNSW index instead of an exact scan,
 # where M′ is PSD (measured: docs/reranking.md, "Approximate neighbour lists")
 APPROXIMATE_ABOVE = 250_000
+# the exact passes (an indefinite M′, which has no F for HNSW) are refused above this many items:
+# they scan N² pairs, about 9 CPU-minutes each at 400,000 items and 6 times that at 10⁶
+EXACT_MAX = 500_000
 HNSW = {"M": 32, "ef_construction": 80, "ef_search": 128}  # ef_search: at least twice the list length
 SCAN_CELLS = 1 << 23  # cells per full-scan block in the minima pass (rows × n float32: 32 MB)
+EXTREME_CANDIDATES = 8  # least similar candidates per item from the HNSW index, each re-scored exactly
 
 
 def stored_length(L: int, n: int) -> int:
@@ -43,10 +49,23 @@ def neighbour_lists(space: MetricSpace, L: int) -> tuple[np.ndarray, np.ndarray]
                             f"(--cache-memory {memory_budget() / 2**30:.1f}G); ask for fewer neighbours")
         if approximate:
             assert F is not None
-            return approximate_lists(space, F, Ls)
+            index = hnsw_index(space, F)
+            # the extremes from the same graph while it is at hand (row_extremes reads them)
+            space.artefact("extremes", HNSW, lambda: approximate_extremes(space, F, index))
+            return approximate_lists(space, F, Ls, index)
+        refuse_exact_scan(space, "neighbour lists")
         return exact_lists(space, np.arange(space.n), Ls)
     got = space.artefact("knn", HNSW if approximate else None, build, stale=lambda got: got["rows"].shape[1] < L)
     return got["rows"][:, :L], got["sims"][:, :L]
+
+
+def refuse_exact_scan(space: MetricSpace, what: str) -> None:
+    """One line instead of hours of work: the exact N² pass above EXACT_MAX items."""
+    if space.n > EXACT_MAX:
+        raise UserError(f"re-ranking needs the {what} of all {space.n:,} items, and this M′ is indefinite, so "
+                        f"they need an exact scan of every pair (hours at this size; approximate lists need a "
+                        f"positive semi-definite M′); choose a PSD strategy or a gallery of at most "
+                        f"{EXACT_MAX:,} items")
 
 
 def exact_lists(space: MetricSpace, items: np.ndarray, Ls: int) -> dict[str, np.ndarray]:
@@ -59,14 +78,20 @@ def exact_lists(space: MetricSpace, items: np.ndarray, Ls: int) -> dict[str, np.
     return {"rows": rows, "sims": sims}
 
 
-def approximate_lists(space: MetricSpace, F: np.ndarray, Ls: int) -> dict[str, np.ndarray]:
-    """Each item's top Ls from an HNSW inner-product index over Fᵀ key(x) (M′ = F Fᵀ, so its inner
-    product is s), re-scored exactly and sorted best first; an item whose search came back short
-    is searched exactly."""
+def hnsw_index(space: MetricSpace, F: np.ndarray) -> faiss.IndexHNSWFlat:
+    """An HNSW inner-product index over Fᵀ key(x) (M′ = F Fᵀ, so its inner product is s)."""
     index = faiss.IndexHNSWFlat(F.shape[1], HNSW["M"], faiss.METRIC_INNER_PRODUCT)
     index.hnsw.efConstruction = HNSW["ef_construction"]
     for s in range(0, space.n, BLOCK):
         index.add(np.ascontiguousarray(space.gallery_vectors(np.arange(s, min(s + BLOCK, space.n))) @ F))
+    return index
+
+
+def approximate_lists(space: MetricSpace, F: np.ndarray, Ls: int,
+                      index: faiss.IndexHNSWFlat | None = None) -> dict[str, np.ndarray]:
+    """Each item's top Ls from the HNSW index (built here when not given), re-scored exactly and
+    sorted best first; an item whose search came back short is searched exactly."""
+    index = hnsw_index(space, F) if index is None else index
     index.hnsw.efSearch = max(HNSW["ef_search"], 2 * Ls)
     rows = np.empty((space.n, Ls), dtype=np.int32)
     sims = np.empty((space.n, Ls), dtype=np.float32)
@@ -85,11 +110,42 @@ def approximate_lists(space: MetricSpace, F: np.ndarray, Ls: int) -> dict[str, n
     return {"rows": rows, "sims": sims}
 
 
+def approximate_extremes(space: MetricSpace, F: np.ndarray,
+                         index: faiss.IndexHNSWFlat | None = None) -> dict[str, np.ndarray]:
+    """row_extremes from the HNSW index: each item's least similar items are the most similar to
+    −Fᵀ key(x); the EXTREME_CANDIDATES found and x itself are scored exactly, so each minimum is
+    an exact similarity, at least the true minimum."""
+    index = hnsw_index(space, F) if index is None else index
+    index.hnsw.efSearch = HNSW["ef_search"]
+    n = space.n
+    out: dict[str, np.ndarray] = {"self": np.empty(n, np.float32), "min1": np.empty(n, np.float32),
+                                  "arg1": np.empty(n, np.int64), "min2": np.empty(n, np.float32)}
+    for s in range(0, n, BLOCK):
+        idx = np.arange(s, min(s + BLOCK, n))
+        keys = space.gallery_vectors(idx)
+        _, cand = index.search(np.ascontiguousarray(-(keys @ F)), EXTREME_CANDIDATES)
+        cand = np.concatenate([idx[:, None], cand.astype(np.int64)], axis=1)  # x itself: as the exact pass sees it
+        S = space.score(keys, cand)
+        S[:, 1:][(cand[:, 1:] < 0) | (cand[:, 1:] == idx[:, None])] = np.inf  # none found, or x twice
+        order = np.argsort(S, axis=1, kind="stable")[:, :2]
+        r = np.arange(len(idx))
+        out["self"][idx] = S[:, 0]
+        out["arg1"][idx] = cand[r, order[:, 0]]
+        out["min1"][idx] = S[r, order[:, 0]]
+        out["min2"][idx] = S[r, order[:, 1]]
+    return out
+
+
 def row_extremes(space: MetricSpace) -> dict[str, np.ndarray]:
     """Per item x: its self-similarity s(x, x), and over every item y (x included) the smallest
     s(x, y), its row, and the second smallest (the smallest once a leave-one-out query removes
-    the first)."""
+    the first).  Above APPROXIMATE_ABOVE items (PSD M′) from the HNSW index (`approximate_extremes`)."""
+    F = space.factor() if space.n > APPROXIMATE_ABOVE else None
+    if F is not None and F.shape[1] > 0:
+        return space.artefact("extremes", HNSW, lambda: approximate_extremes(space, F))
+
     def compute():
+        refuse_exact_scan(space, "row extremes")
         n = space.n
         out: dict[str, np.ndarray] = {"self": np.empty(n, np.float32), "min1": np.empty(n, np.float32),
                "arg1": np.empty(n, np.int64), "min2": np.empty(n, np.float32)}

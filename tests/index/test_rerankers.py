@@ -815,6 +815,50 @@ def test_the_factor_of_a_psd_metric_gives_its_similarity(gallery, strategy, para
     assert space_for(searcher, "diagonal", {"r": 0.5, "seed": 1}, "bilinear").factor() is None  # indefinite
 
 
+def test_an_exact_scan_above_its_size_limit_is_refused_in_one_line(tmp_path, monkeypatch):
+    """An indefinite M′ has no HNSW route: above EXACT_MAX items its N² passes are refused at
+    once, naming what to do; a PSD M′ of the same size takes the approximate route."""
+    import index.rerankers.neighbours as nb
+
+    x, lab, W = features(n=300, seed=3)
+    searcher = build(tmp_path / "idx", x, lab, W)
+    monkeypatch.setattr(nb, "EXACT_MAX", 100)
+    monkeypatch.setattr(nb, "APPROXIMATE_ABOVE", 100)
+    indefinite = space_for(searcher, "diagonal", {"r": 0.5, "seed": 1}, "bilinear")
+    for run in (lambda: nb.neighbour_lists(indefinite, 10), lambda: nb.row_extremes(indefinite),
+                lambda: rerank("kreciprocal", indefinite, queries(x), 5)):
+        with pytest.raises(UserError, match="choose a PSD strategy or a gallery of at most 100 items") as e:
+            run()
+        assert "\n" not in str(e.value)
+    psd = space_for(searcher, "trained", {}, "cosine")
+    assert nb.neighbour_lists(psd, 10)[0].shape == (300, 10) and psd.held("knn", nb.HNSW)
+
+
+def test_approximate_row_extremes_against_the_exact_ones(tmp_path, monkeypatch):
+    """Above APPROXIMATE_ABOVE items the row extremes come from the HNSW index (a search for
+    −Fᵀ key(x)), each re-scored exactly: on a small gallery the least similar item agrees with the
+    exact pass for ≥ 99 % of rows, every minimum is the exact score of its row and never below
+    the exact minimum, and the lists' pass leaves them behind for k-reciprocal to read."""
+    import index.rerankers.neighbours as nb
+
+    x, lab, W = features(n=1500, seed=7)
+    searcher = build(tmp_path / "idx", x, lab, W)
+    space = space_for(searcher, "trained", {}, "cosine")
+    exact = nb.row_extremes(space)
+    monkeypatch.setattr(nb, "APPROXIMATE_ABOVE", 0)
+    nb.neighbour_lists(space, 30)
+    assert space.held("extremes", nb.HNSW)  # built with the lists, from the same graph
+    got = nb.row_extremes(space)
+    assert (got["arg1"] == exact["arg1"]).mean() >= 0.99
+    keys = space.gallery_vectors(np.arange(len(x)))
+    np.testing.assert_allclose(got["self"], exact["self"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got["min1"], space.score(keys, got["arg1"][:, None])[:, 0])
+    assert (got["min1"] >= exact["min1"] - 1e-5).all() and (got["min2"] >= got["min1"]).all()
+    assert (got["arg1"] != np.arange(len(x))).all()  # cosine: no item is its own least similar
+    CACHE.clear()
+    assert nb.row_extremes(space) is not None and space.held("extremes", nb.HNSW)  # alone, without the lists
+
+
 def test_approximate_neighbour_lists_against_the_exact_ones(tmp_path, monkeypatch):
     """Above APPROXIMATE_ABOVE items the lists come from HNSW, each re-scored exactly: on a small
     gallery they hold at least 99 % of the exact top L, every score is the exact s, best first,
