@@ -27,7 +27,7 @@ from core.atomic import write_with
 from core.errors import UserError
 
 from ..metric import QueryMetric
-from ..space import MetricSpace, cache_root
+from ..space import MetricSpace, cache_root, read_rows
 from .gallery import Hits, NeckGallery, exact_top
 from .search import Searcher
 from .store import IndexData, Items
@@ -180,7 +180,7 @@ class _Candidates:
     def _scan(self, qt: np.ndarray, k: int):
         heap = faiss.ResultHeap(len(qt), k, keep_max=True)
         for s in range(0, self.ntotal, SCAN_ROWS):
-            x = np.ascontiguousarray(self.features[s: s + SCAN_ROWS], dtype=np.float32)
+            x = read_rows(self.features, s, s + SCAN_ROWS)  # the map's pages released after
             D, rows = faiss.knn(qt, x, min(k, len(x)), metric=faiss.METRIC_INNER_PRODUCT)
             heap.add_result(np.ascontiguousarray(D, dtype=np.float32), np.ascontiguousarray(rows + s, dtype=np.int64))
         heap.finalize()

@@ -24,7 +24,7 @@ from core.errors import UserError
 from ..metric import MODES, matrix_report, resolve_mode, symmetrized
 from ..operator import MetricOperator
 from ..refinements import operator_kind, refine, strategy_key, strategy_label, strategy_params
-from ..space import CACHE, Hits, MetricSpace, SearcherSpace
+from ..space import CACHE, Hits, MetricSpace, SearcherSpace, read_rows
 from .gallery import prepare_queries
 from .store import IndexData
 
@@ -116,7 +116,11 @@ class Searcher:
                             f"{rm.report['min_eigenvalue']:.3g}). Use --mode bilinear.")
 
         def build():
-            norms = rm.op.m_norms(self.data.features)
+            # 65536 rows at a time, a memory map's pages released after each (the norms of rows
+            # are computed 8192 at a time either way)
+            feats = self.data.features
+            norms = np.concatenate([rm.op.m_norms(read_rows(feats, s, s + 65536))
+                                    for s in range(0, len(feats), 65536)] or [np.zeros(0)])
             idx = None
             if self.exact:
                 inv = np.where(norms > 0, 1.0 / np.maximum(norms, 1e-30), 0.0).astype(np.float32)

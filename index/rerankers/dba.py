@@ -59,12 +59,10 @@ def augmented(space: MetricSpace, p: DBAParams) -> dict[str, np.ndarray]:
     return space.artefact("dba", asdict(p), compute)
 
 
-def _index(space: MetricSpace, p: DBAParams, aug: dict) -> tuple[faiss.Index, np.ndarray, np.ndarray]:
-    """An exact inner-product index over the augmented keys, and the reverse-neighbour lists
-    (CSR: rev[ptr[i]:ptr[i+1]] are the items whose nDBA neighbours include i); kept in memory."""
+def _reverse(space: MetricSpace, p: DBAParams, aug: dict) -> tuple[np.ndarray, np.ndarray]:
+    """The reverse-neighbour lists (CSR: rev[ptr[i]:ptr[i+1]] are the items whose nDBA neighbours
+    include i); kept in memory."""
     def build():
-        idx = faiss.IndexFlatIP(space.dim)
-        idx.add(np.ascontiguousarray(aug["keys"]))
         nb = aug["nb"]
         flat = nb.ravel()
         keep = flat >= 0
@@ -72,9 +70,15 @@ def _index(space: MetricSpace, p: DBAParams, aug: dict) -> tuple[faiss.Index, np
         order = np.argsort(flat[keep], kind="stable")
         ptr = np.zeros(space.n + 1, dtype=np.int64)
         np.add.at(ptr, flat[keep] + 1, 1)
-        return {"index": idx, "rev": src[order], "ptr": np.cumsum(ptr)}
-    m = space.artefact("dba-index", asdict(p), build, disk=False)
-    return m["index"], m["rev"], m["ptr"]
+        return {"rev": src[order], "ptr": np.cumsum(ptr)}
+    m = space.artefact("dba-reverse", asdict(p), build, disk=False)
+    return m["rev"], m["ptr"]
+
+
+def _search(keys: np.ndarray, t: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The exact inner-product top k of the augmented keys: FAISS's flat search (what an
+    IndexFlatIP over them runs) on the cached array itself, not on a second copy of it."""
+    return faiss.knn(np.ascontiguousarray(t, dtype=np.float32), keys, k, metric=faiss.METRIC_INNER_PRODUCT)
 
 
 @RERANKERS.register("dba", DBAParams, offline=True, reads_first=False,
@@ -83,22 +87,22 @@ def dba(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: int, *, 
         params: DBAParams) -> Hits:
     """Database-side augmentation (Radenović et al. TPAMI 2019): search x′ = normalise(x + Σ s(x, yᵢ)^α yᵢ)."""
     aug = augmented(space, params)
-    index, rev, ptr = _index(space, params, aug)
+    rev, ptr = _reverse(space, params, aug)
     t = space.transform(queries)
     k = min(k, space.n)
-    sc, found = index.search(t, k)
+    sc, found = _search(aug["keys"], t, k)
     rows, scores = found.astype(np.int64), sc.astype(np.float32)
     for b in np.nonzero(self_ids >= 0)[0]:
-        rows[b], scores[b] = _leave_one_out(space, params, index, rev, ptr, t[b], int(self_ids[b]), k)
+        rows[b], scores[b] = _leave_one_out(space, params, aug["keys"], rev, ptr, t[b], int(self_ids[b]), k)
     return space.hits(rows, scores)
 
 
-def _leave_one_out(space: MetricSpace, p: DBAParams, index: faiss.Index, rev: np.ndarray, ptr: np.ndarray,
+def _leave_one_out(space: MetricSpace, p: DBAParams, aug_keys: np.ndarray, rev: np.ndarray, ptr: np.ndarray,
                    t: np.ndarray, i: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """One query's top k against the gallery augmented without item i."""
     affected = rev[ptr[i]: ptr[i + 1]]
     kk = min(space.n, k + len(affected) + 1)
-    sc, found = index.search(t[None], kk)
+    sc, found = _search(aug_keys, t[None], kk)
     ok = (found[0] >= 0) & (found[0] != i) & ~np.isin(found[0], affected)
     rows, scores = found[0][ok].astype(np.int64), sc[0][ok].astype(np.float32)
     if len(affected):

@@ -4,6 +4,7 @@ result type `Hits`, and the state kept for it (the process's one memory cache wi
 budget, and the offline artefacts on disk).  Backends return a space; re-rankers read one."""
 from .hits import HIT_FIELDS, Hits
 from .memory import CACHE, memory_budget, parse_bytes, set_memory_budget
+from .pages import read_rows
 from .protocol import MetricSpace, as_rows, drop_rows
 from .searcher_space import GATHER_CELLS, SearcherSpace
 from .spaces import gallery_space
@@ -11,4 +12,4 @@ from .store import OfflineStore, cache_root, fingerprint, key_hash, prune
 
 __all__ = ["CACHE", "GATHER_CELLS", "HIT_FIELDS", "Hits", "MetricSpace", "OfflineStore", "SearcherSpace", "as_rows",
            "cache_root", "drop_rows", "fingerprint", "gallery_space", "key_hash", "memory_budget", "parse_bytes",
-           "prune", "set_memory_budget"]
+           "prune", "read_rows", "set_memory_budget"]

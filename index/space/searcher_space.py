@@ -13,11 +13,14 @@ from core.arrays import l2_normalize
 
 from ..refinements import strategy_key
 from .hits import Hits
-from .memory import CACHE
+from .memory import CACHE, memory_budget
+from .pages import read_rows
 from .protocol import as_rows, drop_rows
 from .store import OfflineStore, cache_root, check_outside, fingerprint, key_hash
 
 GATHER_CELLS = 1 << 24  # keys gathered at once, by a score or a weighted sum (queries × rows × d float32: 64 MB)
+SCAN_CELLS = 1 << 22    # keys per block of a full-gallery score (rows × d float32: 16 MB)
+KEYS_SHARE = 2          # every key is kept in RAM only while the keys take at most 1/2 of the memory budget
 
 
 class SearcherSpace:
@@ -110,9 +113,21 @@ class SearcherSpace:
             x = x * self._inverse_norms()[rows][..., None]
         return np.ascontiguousarray(x, dtype=np.float32)
 
+    def keys_fit(self) -> bool:
+        """Whether every key may be kept in RAM: they take at most 1/KEYS_SHARE of the memory budget."""
+        return self.n * self.dim * 4 <= memory_budget() // KEYS_SHARE
+
+    def _key_rows(self, start: int, stop: int) -> np.ndarray:
+        """Keys of rows start:stop read from the features (a memory map's pages released after)."""
+        x = read_rows(self.searcher.data.features, start, stop)
+        if self._mode == "cosine":
+            x *= self._inverse_norms()[start:stop, None]
+        return x
+
     @property
     def keys(self) -> np.ndarray:
-        """Every item's key, in RAM (n × d float32): what full scans and offline passes read."""
+        """Every item's key, in RAM (n × d float32), kept in the memory cache.  Full-gallery scores
+        read it only where it is held or `keys_fit()`; otherwise they stream the features."""
         def build():
             x = np.ascontiguousarray(self.searcher.data.features, dtype=np.float32)
             if self._mode == "cosine":
@@ -176,7 +191,7 @@ class SearcherSpace:
     def score(self, v: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
         t = self.transform(v)
         if rows is None:
-            return t @ self.keys.T
+            return self._score_all(t)
         rows = np.asarray(rows, dtype=np.int64)
         if rows.ndim == 1:
             return t @ self.gallery_vectors(rows).T
@@ -185,6 +200,20 @@ class SearcherSpace:
         for a in range(0, rows.shape[1], step):
             s[:, a: a + step] = np.einsum("qd,qmd->qm", t, self.gallery_vectors(np.maximum(rows[:, a: a + step], 0)))
         return np.where(rows >= 0, s, -np.inf).astype(np.float32)
+
+    def _score_all(self, t: np.ndarray) -> np.ndarray:
+        """t @ keysᵀ (n_q × n), a block of SCAN_CELLS keys at a time: from the held keys, or, where
+        they would not fit (`keys_fit`), read block by block from the features, holding none
+        (the same blocks either way, so the same products, bit for bit)."""
+        keys = self._held("keys", None)
+        if keys is None and self.keys_fit():
+            keys = self.keys
+        out = np.empty((len(t), self.n), dtype=np.result_type(t.dtype, np.float32))
+        step = max(1, SCAN_CELLS // max(1, self.dim))
+        for a in range(0, self.n, step):
+            b = min(a + step, self.n)
+            out[:, a:b] = t @ (keys[a:b] if keys is not None else self._key_rows(a, b)).T
+        return out
 
     def hits(self, rows: np.ndarray, scores: np.ndarray) -> Hits:
         return Hits(np.asarray(rows, dtype=np.int64), np.asarray(scores, dtype=np.float32), self.searcher.data.items,
