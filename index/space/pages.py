@@ -9,9 +9,10 @@ import mmap
 import numpy as np
 
 
-def _file_map(a: np.ndarray) -> mmap.mmap | None:
-    """The mmap object a read-only `a` is a view of (np.memmap or np.frombuffer over one), else None."""
-    if a.flags.writeable or not hasattr(mmap, "MADV_DONTNEED"):
+def _file_map(a) -> mmap.mmap | None:
+    """The mmap object a read-only `a` is a view of (np.memmap or np.frombuffer over one), else None
+    (also for a row source that is no array, such as the app's rows read from Milvus)."""
+    if not isinstance(a, np.ndarray) or a.flags.writeable or not hasattr(mmap, "MADV_DONTNEED"):
         return None  # writable: possibly anonymous memory, whose pages MADV_DONTNEED would zero
     base: object = a
     while base is not None:
