@@ -158,6 +158,10 @@ def synthetic_features(real: np.ndarray, chars: np.ndarray, n: int, out: np.ndar
 
 def run_cell(args) -> dict:
     """One process: the gallery at one level under one strategy, each re-ranker in turn."""
+    import index.rerankers.neighbours as nb
+
+    if args.approximate_above is not None:  # the offline passes' switch to the HNSW index
+        nb.APPROXIMATE_ABOVE = args.approximate_above
     import faiss
     from threadpoolctl import threadpool_limits
 
@@ -231,19 +235,32 @@ def run_cell(args) -> dict:
         print(json.dumps({"level": level, "strategy": strategy, name: out["rerankers"][name]}), flush=True)
         Path(args.result).write_text(json.dumps(out))  # what is measured survives a cell stopped later
     out["queries"] = int(len(q))
-    from index.rerankers.neighbours import APPROXIMATE_ABOVE, exact_lists, neighbour_lists
-
-    if len(labels) > APPROXIMATE_ABOVE and {"dba", "kreciprocal", "diffusion"} & set(out["rerankers"]):
+    out["approximate_above"] = nb.APPROXIMATE_ABOVE
+    if len(labels) > nb.APPROXIMATE_ABOVE and {"dba", "kreciprocal", "diffusion"} & set(out["rerankers"]):
         # the HNSW lists (built above by the first re-ranker that read them) against an exact
         # scan, on a fixed draw of gallery items: recall of the exact top k1 (the item included)
         space = cfg.space(searcher)
         k1 = int(rr_params.get("kreciprocal", {}).get("k1", 20))
-        lists, _ = neighbour_lists(space, k1)
+        lists, _ = nb.neighbour_lists(space, k1)
         items = np.sort(np.random.default_rng(1).choice(len(labels), args.list_sample, replace=False))
-        exact = exact_lists(space, items, k1)["rows"]
+        exact = nb.exact_lists(space, items, k1)["rows"]
         found = (lists[items][:, :, None] == exact[:, None, :]).any(1).sum()
         out["list_recall"] = {"k": k1, "items": int(len(items)), "recall": float(found / exact.size)}
         print(json.dumps(out["list_recall"]), flush=True)
+        if "kreciprocal" in out["rerankers"]:
+            # the HNSW row extremes against an exact scan of the same items: the least similar item
+            # found, and the row maximum of d (s(x, x) − min s) that k-reciprocal scales by
+            ext = nb.row_extremes(space)
+            keys = space.gallery_vectors(items)
+            S = space.score(keys)
+            exact_min, exact_arg = S.min(1), S.argmin(1)
+            self_s = ext["self"][items]
+            err = 1 - (self_s - ext["min1"][items]) / (self_s - exact_min)
+            out["extremes_check"] = {"items": int(len(items)),
+                                     "arg1_share": float((ext["arg1"][items] == exact_arg).mean()),
+                                     "row_max_rel_err_median": float(np.median(err)),
+                                     "row_max_rel_err_max": float(err.max())}
+            print(json.dumps(out["extremes_check"]), flush=True)
     return out
 
 
@@ -281,6 +298,9 @@ def main():
                     "lists are checked against an exact scan (galleries above 200,000 items)")
     ap.add_argument("--cells", default="", help="re-rankers per (level, strategy), `LEVEL:STRATEGY:rr+rr;…`")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--approximate-above", type=int, default=None,
+                    help="gallery size above which the offline passes use the HNSW index (default: the product's, "
+                         "index.rerankers.neighbours.APPROXIMATE_ABOVE); 0 measures them approximate at every level")
     ap.add_argument("--embed-workers", type=int, default=1, help="processes embedding the real distractors "
                     "(one thread each; default: %(default)s)")
     ap.add_argument("--embed-only", action="store_true", help="render and embed the real distractors, then stop")
@@ -363,6 +383,8 @@ def main():
                    "--rerankers", ",".join(r for r in RERANK_ORDER if r in rrs) or "none",
                    "--level", str(lv), "--strategy", s, "--selected", str(sel),
                    "--rerank-params", json.dumps(rr_params), "--result", str(res_file)]
+            if args.approximate_above is not None:
+                cmd += ["--approximate-above", str(args.approximate_above)]
             if args.data_root:
                 cmd += ["--data-root", args.data_root]
             t = time.time()
@@ -413,7 +435,8 @@ def table(runs: list[dict], cells: list[dict]) -> str:
               "≤ 15 min at 10⁶); the approximate neighbour lists' recall@k1 against an exact scan of a sample "
               "(target ≥ 0.95).", "",
               "| distractors | strategy | k-reciprocal ÷ plain | offline s together | re-rankers run | "
-              "neighbour-list recall |", "|---|---|---|---|---|---|"]
+              "neighbour-list recall | row extremes: least similar item found, row-max error median / max |",
+              "|---|---|---|---|---|---|---|"]
     for c in cells:
         rr = c["rerankers"]
         if not rr:
@@ -422,8 +445,12 @@ def table(runs: list[dict], cells: list[dict]) -> str:
                  if "kreciprocal" in rr and "none" in rr else "not measured")
         lr = c.get("list_recall")
         rec = f"{lr['recall']:.4f} (k = {lr['k']}, {lr['items']:,} items)" if lr else "—"
+        ex = c.get("extremes_check")
+        ext = (f"{ex['arg1_share']:.4f}, {ex['row_max_rel_err_median']:.1e} / {ex['row_max_rel_err_max']:.1e}"
+               if ex else "—")
         offline = sum(r["offline_s_cpu"] for r in rr.values())
-        lines.append(f"| {c['level']:,} | {c['strategy']} | {ratio} | {offline:.1f} | {', '.join(rr)} | {rec} |")
+        lines.append(f"| {c['level']:,} | {c['strategy']} | {ratio} | {offline:.1f} | {', '.join(rr)} | {rec} | "
+                     f"{ext} |")
     return "\n".join(lines) + "\n"
 
 
