@@ -11,7 +11,7 @@ s(key(x), ·) = s(x, ·) (t is scale-invariant in cosine mode).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -78,6 +78,11 @@ class MetricSpace(Protocol):
     def score(self, v: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
         """Exact s(v, x): rows None → every item (n_q × n); 1-D → those for every query;
         2-D (n_q × m) → per query (−inf where a row is −1)."""
+
+    def score_blocks(self, v: np.ndarray, width: int | None = None) -> Iterator[tuple[int, int, np.ndarray]]:
+        """`score(v)` a block of consecutive rows at a time: (start, stop, n_q × (stop − start)
+        scores) covering the gallery in order, `width` rows each (None: the space's own block),
+        so that a pass over every item holds one block of scores, not n_q × n."""
 
     def factor(self) -> np.ndarray | None:
         """F (d × r, float32) with s(key(a), key(b)) = (Fᵀ key(a)) · (Fᵀ key(b)) for every pair of

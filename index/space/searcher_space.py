@@ -201,18 +201,26 @@ class SearcherSpace:
             s[:, a: a + step] = np.einsum("qd,qmd->qm", t, self.gallery_vectors(np.maximum(rows[:, a: a + step], 0)))
         return np.where(rows >= 0, s, -np.inf).astype(np.float32)
 
-    def _score_all(self, t: np.ndarray) -> np.ndarray:
-        """t @ keysᵀ (n_q × n), a block of SCAN_CELLS keys at a time: from the held keys, or, where
-        they would not fit (`keys_fit`), read block by block from the features, holding none
-        (the same blocks either way, so the same products, bit for bit)."""
+    def score_blocks(self, v: np.ndarray, width: int | None = None):
+        return self._blocks(self.transform(v), width)
+
+    def _blocks(self, t: np.ndarray, width: int | None = None):
+        """(start, stop, t @ keys[start:stop]ᵀ) for consecutive blocks covering the gallery: from
+        the held keys or, where they would not fit (`keys_fit`), read block by block from the
+        features, holding none (the same blocks either way, so the same products, bit for bit)."""
         keys = self._held("keys", None)
         if keys is None and self.keys_fit():
             keys = self.keys
-        out = np.empty((len(t), self.n), dtype=np.result_type(t.dtype, np.float32))
-        step = max(1, SCAN_CELLS // max(1, self.dim))
+        step = max(1, width or SCAN_CELLS // max(1, self.dim))
         for a in range(0, self.n, step):
             b = min(a + step, self.n)
-            out[:, a:b] = t @ (keys[a:b] if keys is not None else self._key_rows(a, b)).T
+            yield a, b, t @ (keys[a:b] if keys is not None else self._key_rows(a, b)).T
+
+    def _score_all(self, t: np.ndarray) -> np.ndarray:
+        """t @ keysᵀ (n_q × n), a block of SCAN_CELLS keys at a time."""
+        out = np.empty((len(t), self.n), dtype=np.result_type(t.dtype, np.float32))
+        for a, b, s in self._blocks(t):
+            out[:, a:b] = s
         return out
 
     def hits(self, rows: np.ndarray, scores: np.ndarray) -> Hits:

@@ -366,6 +366,7 @@ def test_kreciprocal_batches_in_threads_and_the_pair_lookup_change_nothing(tmp_p
     searcher = build(tmp_path / "idx", x, lab, W)
     own = np.concatenate([[-1, -1], np.arange(0, 400, 3)])
     q = np.vstack([queries(x, 2, seed=6), x[own[2:]]])
+    monkeypatch.setattr(kr, "BATCH", 32)
     assert len(q) > 3 * kr.BATCH  # several batches
     p = {"k1": 12, "k2": 4, "pool": 60}
     before = faiss.omp_get_max_threads()
@@ -401,6 +402,78 @@ def test_kreciprocal_candidates_are_each_rows_exact_top():
         np.testing.assert_array_equal(got[b], order)
 
 
+@pytest.mark.parametrize("depth", [1, 7, 40, 149, 150])
+def test_the_probe_scan_keeps_what_the_whole_rows_give(tmp_path, monkeypatch, depth):
+    """One blocked pass over the gallery (blocks of 3 rows here, so that a row's best are cut back
+    many times) keeps each probe's best rows (own row out, ties: the lower row first), the rows
+    whose list it enters, those it is below the least similarity of, and its least similarity:
+    those of its whole row."""
+    import index.rerankers.kreciprocal.scan as sc
+    from index.rerankers.kreciprocal.sets import top_rows
+
+    x, lab, W = features(seed=7)
+    x[100:120] = x[80:100]  # equal items: tied scores
+    searcher = build(tmp_path / "idx", x, lab, W)
+    space = space_for(searcher, "identity", {}, "bilinear")
+    q = space.prepare(np.vstack([queries(x, 4, seed=8), x[[3, 85, 110]]]))
+    own = np.array([-1, -1, -1, -1, 3, 85, 110])
+    S = space.score(q)
+    rng = np.random.default_rng(0)
+    enter = np.quantile(S, 0.9, axis=0) + rng.normal(0, 0.01, space.n).astype(np.float32)
+    floor = np.quantile(S, 0.1, axis=0).astype(np.float32)
+    monkeypatch.setattr(sc, "SCAN_CELLS", 3 * len(q))
+    scan = sc.ProbeScan(space, q, own, depth, enter=enter, floor=floor)
+    np.testing.assert_array_equal(scan.top, top_rows(S, own, depth))
+    np.testing.assert_array_equal(scan.top_s, np.where(scan.top >= 0, np.take_along_axis(S, np.maximum(scan.top, 0), 1),
+                                                       -np.inf))
+    b, g, s = scan.entered
+    want_b, want_g = np.nonzero(S >= enter)
+    assert sorted(zip(b.tolist(), g.tolist(), strict=True)) == list(zip(want_b.tolist(), want_g.tolist(), strict=True))
+    np.testing.assert_array_equal(s, S[b, g])
+    assert scan.below is not None
+    np.testing.assert_array_equal(np.stack(scan.below.pairs()), np.stack(np.nonzero(S < floor)))
+    masked = S.copy()
+    masked[np.flatnonzero(own >= 0), own[own >= 0]] = np.inf
+    np.testing.assert_array_equal(scan.q_min, masked.min(1))
+    bb, gg = np.divmod(rng.choice(S.size, 300, replace=False), space.n)  # recorded or computed alike
+    np.testing.assert_allclose(scan.at(bb, gg), S[bb, gg], rtol=1e-5, atol=1e-6)
+
+
+def test_pairs_are_the_boolean_matrix_they_stand_for():
+    from index.rerankers.kreciprocal.scan import Pairs
+
+    rng = np.random.default_rng(0)
+    A, B = rng.random((5, 30)) < 0.2, rng.random((5, 30)) < 0.2
+    pa, pb = Pairs.of(*np.nonzero(A), 30), Pairs.of(*np.nonzero(B), 30)
+    for got, want in ((pa | pb, A | B), (pa & pb, A & B), (pa - pb, A & ~B)):
+        np.testing.assert_array_equal(np.stack(got.pairs()), np.stack(np.nonzero(want)))
+        assert len(got) == want.sum()
+    b, g = np.divmod(np.arange(150), 30)
+    np.testing.assert_array_equal(pa.has(b, g), A.ravel())
+    assert not Pairs.of([], [], 30).has(b, g).any()
+
+
+def test_kreciprocal_rows_past_the_scans_best_come_from_the_whole_row(gallery, monkeypatch):
+    """Where a probe's best rows run out before its first k outside the d*-computed ones are
+    found (no slack kept), those come from its whole row: the same ranking."""
+    import index.rerankers.kreciprocal as kr
+    from index.rerankers.kreciprocal.scan import ProbeScan
+
+    monkeypatch.setattr(kr, "BRUTE_POOL", 0)  # the whole gallery through the inverted index
+    searcher, x, _ = gallery
+    q, own = np.vstack([queries(x, 4), x[:6]]), np.concatenate([np.full(4, -1), np.arange(6)])
+    p = {"k1": 10, "k2": 3}
+    want = rerank("kreciprocal", space_for(searcher, "trained", {}, "cosine"), q, 30, params=p, self_ids=own)
+    CACHE.clear()
+    rows, whole = ProbeScan.row, []
+    monkeypatch.setattr(kr, "TOP_SLACK", 0)
+    monkeypatch.setattr(ProbeScan, "row", lambda self, b: whole.append(b) or rows(self, b))
+    got = rerank("kreciprocal", space_for(searcher, "trained", {}, "cosine"), q, 30, params=p, self_ids=own)
+    assert len(whole) > 0
+    np.testing.assert_array_equal(got.rows, want.rows)
+    np.testing.assert_allclose(got.scores, want.scores, rtol=0, atol=1e-6)
+
+
 def check_universes(space, ref, q, own, k1):
     """For each probe (a leave-one-out one too), every node's R(x, k1), R(x, ½k1) (offline sets
     reused where the probe changes nothing) and largest distance are those of the universe
@@ -413,10 +486,12 @@ def check_universes(space, ref, q, own, k1):
     lists = neighbour_lists(space, k1 + 2)
     ext = row_extremes(space)
     offline, reverse = kr.gallery_sets(space, lists, ext, k1), kr.reverse_lists(space, lists[0], k1)
+    from index.rerankers.kreciprocal.scan import ProbeScan
+
     q = space.prepare(q)
-    first = space.search(q, n, exclude=own)
-    batch = kr.ProbeBatch(space, lists, ext, space.score(q), np.einsum("qd,qd->q", space.transform(q), space.key(q)),
-                      own, first.rows, k1, offline, reverse)
+    scan = ProbeScan(space, q, own, n, enter=lists[1][:, k1], floor=ext["min1"])
+    batch = kr.ProbeBatch(space, lists, ext, scan, np.einsum("qd,qd->q", space.transform(q), space.key(q)), own, k1,
+                          offline, reverse)
     for b, (qb, i) in enumerate(zip(ref.prep(q), own, strict=True)):
         keep = np.flatnonzero(np.arange(n) != i)                 # universe: [probe, gallery rows in keep]
         U = np.vstack([qb[None], ref.G[keep]])

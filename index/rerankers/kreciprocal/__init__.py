@@ -4,6 +4,7 @@ person-re-ranking, python-version/re_ranking_ranklist.py).  Over U = gallery ∪
 (Eq. 3), R*(p, k) (Eq. 6), V_{p,g_i} (Eq. 7), the local query expansion over N(p, k2) (§4.4),
 the Jaccard distance d_J (Eq. 10) and d* = (1 − λ) d_J + λ d (Eq. 12).  Modules:
   paper.py   the algorithm whole, one dense distance matrix per probe (reference, tests)
+  scan.py    one pass over the gallery per batch of probes: what the sets read of each row
   sets.py    R, R*, V for a batch of probes, from the gallery's offline sets where possible
   engine.py  d_J and d only where the probe can change them; the offline inverted index
   cache.py   the pair matrix and the λ-free terms kept in the memory cache
@@ -25,10 +26,11 @@ from ..registry import RERANKERS, WHOLE_GALLERY
 from .cache import digest, gallery_similarities, remembered_terms
 from .engine import support_index, terms, whole_gallery
 from .paper import final_distance
-from .sets import ProbeBatch, gallery_sets, reverse_lists, top_rows
+from .scan import ProbeScan
+from .sets import ProbeBatch, gallery_sets, reverse_lists
 
-BATCH = 32          # probes re-ranked together (one vectorised pass) ...
-BATCH_CELLS = 1 << 22  # ... at most this many probe × gallery cells (S and the change flags: ~30 MB)
+BATCH = 256  # probes re-ranked together: one pass over the keys and one vectorised pass of the sets
+TOP_SLACK = 256  # plain-order rows kept per probe beyond k: those d* leaves in the plain order come from them
 BRUTE_POOL = 150  # a pool up to this is cheaper ranked candidate by candidate; above, through the inverted index
 
 
@@ -65,21 +67,26 @@ def kreciprocal(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: 
     support = support_index(space, lists[0], ext, offline, p.k1, p.k2) if offline and pool > BRUTE_POOL else None
     reverse_k2 = (reverse_index(space, lists[0], p.k2, f"kreciprocal-reverse-{p.k2}")
                   if support is not None and p.k2 > 1 else None)
-    # the probe's own list N(p, k1 + 1) is read from its candidates
-    depth = min(p.k1 + 1 if support is not None else max(pool, p.k1 + 1), space.n)
-    step = max(1, min(BATCH, BATCH_CELLS // max(space.n, 1)))
+    # the probe's own list N(p, k1 + 1) is read from its candidates; the whole gallery's ranking
+    # reads the first k rows of the plain order outside those it computes, TOP_SLACK more kept
+    depth = p.k1 + 1 if support is not None else max(pool, p.k1 + 1)
+    if support is not None:
+        depth = max(depth, min(pool, space.n) if pool < space.n else k + TOP_SLACK)
+    depth = min(depth, space.n)
+    step = max(1, BATCH)
     starts = range(0, len(queries), step)
 
     def one(a: int) -> tuple:
         """One batch's terms, returned (never written into shared state): (pools, d_J, d)."""
         q, own = queries[a: a + step], self_ids[a: a + step]
-        S = space.score(q)  # each probe's row: its place in every list, its largest distance, its candidates
-        cand = top_rows(S, own, depth)
+        # one pass over the gallery: each probe's place in every list, its largest distance, its candidates
+        scan = ProbeScan(space, q, own, depth, enter=lists[1][:, p.k1] if offline is not None else None,
+                         floor=ext["min1"] if support is not None else None)
         s_qq = np.einsum("qd,qd->q", space.transform(q), space.key(q))
-        batch = ProbeBatch(space, lists, ext, S, s_qq, own, cand, p.k1, offline, reverse)
+        batch = ProbeBatch(space, lists, ext, scan, s_qq, own, p.k1, offline, reverse)
         if support is not None:
             return whole_gallery(batch, p, support, reverse_k2, k, pool if pool < space.n else None)
-        pools = cand[:, :pool]
+        pools = scan.top[:, :pool]
         return (pools, *terms(batch, pools, p))
 
     def compute() -> dict:

@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...space import MetricSpace
-from .sets import ProbeBatch, gather, top_rows
+from ..neighbours import reverse_index
+from .scan import Pairs, ProbeScan
+from .sets import ProbeBatch, gather, lookup, top_rows, unique_inverse
 
 if TYPE_CHECKING:
     from . import KReciprocalParams
@@ -24,7 +26,7 @@ def terms(batch: ProbeBatch, pools: np.ndarray, p: KReciprocalParams) -> tuple[n
     valid = Y.ravel() >= 0
     # k2 = 1 is no expansion in the code (V_y itself), not V of y's nearest, which need not be y
     Lk2[valid] = batch.lists(Y.ravel()[valid], p.k2) if p.k2 > 1 else Y.ravel()[valid][:, None]
-    X, inv = np.unique(Lk2[Lk2 >= 0], return_inverse=True)
+    X, inv = unique_inverse(Lk2[Lk2 >= 0])
     ri, col, w = batch.V(X, p.k1)                              # V_z for every z there
     # V_qe(y) = mean of V_z over z ∈ N(y, k2) (§4.4).  The probe's first, as a dense table over
     # the codes (a column is b·(n + 1) + x: one table serves the whole batch)
@@ -36,9 +38,10 @@ def terms(batch: ProbeBatch, pools: np.ndarray, p: KReciprocalParams) -> tuple[n
     pz = p_rows[p_rows >= 0]
     pb = np.flatnonzero(p_rows >= 0) // p_rows.shape[1]
     i, at = gather(ptr, pz)
-    vp = np.bincount(col[at], weights=w[at] / n_y[pb[i] * (width + 1)], minlength=batch.n_codes)
+    pc, pinv = unique_inverse(col[at])  # V_qe(p), sparse: (columns, values)
+    pv = np.bincount(pinv, weights=w[at] / n_y[pb[i] * (width + 1)])
     # the pool's: only entries in the probe's support count (min(·) is 0 elsewhere), summed per (y, column)
-    keep = vp[col] > 0
+    keep = lookup(pc, pv, col) > 0
     yi = np.flatnonzero(Lk2 >= 0) // p.k2                       # row-major: the order of `inv`
     yi, zi = yi[~(yi % (width + 1) == 0)], inv[~(yi % (width + 1) == 0)]
     k_ptr = np.concatenate([[0], np.cumsum(np.bincount(ri[keep], minlength=len(X)))])  # kept entries, by node
@@ -46,28 +49,29 @@ def terms(batch: ProbeBatch, pools: np.ndarray, p: KReciprocalParams) -> tuple[n
     at = np.flatnonzero(keep)[at]
     t_y = yi[i]
     key = t_y * batch.n_codes + col[at]
-    uk, kinv = np.unique(key, return_inverse=True)
+    uk, kinv = unique_inverse(key)
     val = np.bincount(kinv, weights=w[at] / n_y[t_y])
     ky, kcol = np.divmod(uk, batch.n_codes)
-    tmin = np.bincount(ky, weights=np.minimum(val, vp[kcol]), minlength=Y.size).reshape(B, width + 1)[:, 1:]
+    tmin = np.bincount(ky, weights=np.minimum(val, lookup(pc, pv, kcol)), minlength=Y.size).reshape(B, width + 1)[:, 1:]
     d_j = 1.0 - tmin / (2.0 - tmin)                            # Σ max = Σ V_p + Σ V_g − Σ min = 2 − Σ min
-    s_pg = np.take_along_axis(batch.S, np.maximum(pools, 0), 1)
+    s_pg = batch.scan.at(np.arange(B)[:, None], np.maximum(pools, 0))
     d_orig = (batch.s_qq[:, None] - s_pg) / batch.row_max(probes)[:, None]
     return d_j, d_orig
 
 
-def probe_vector(batch: ProbeBatch, p: KReciprocalParams) -> np.ndarray:
-    """Each probe's query-expanded V_qe(p) (§4.4: the mean of V_z over z ∈ N(p, k2)) as one dense
-    table over the batch's codes (M,), summed as `distances` sums it."""
+def probe_vector(batch: ProbeBatch, p: KReciprocalParams) -> tuple[np.ndarray, np.ndarray]:
+    """Each probe's query-expanded V_qe(p) (§4.4: the mean of V_z over z ∈ N(p, k2)), one sparse
+    vector over the batch's codes (its sorted columns, their values), summed as `terms` sums it."""
     probes = batch.probe()
     Lp = batch.lists(probes, p.k2) if p.k2 > 1 else probes[:, None]
-    X, inv = np.unique(Lp[Lp >= 0], return_inverse=True)
+    X, inv = unique_inverse(Lp[Lp >= 0])
     ri, col, w = batch.V(X, p.k1)
     n_p = (Lp >= 0).sum(1)
     ptr = np.concatenate([[0], np.cumsum(np.bincount(ri, minlength=len(X)))])  # ri is sorted: V_z is ri's run z
     pb = np.flatnonzero(Lp >= 0) // Lp.shape[1]
     i, at = gather(ptr, inv)
-    return np.bincount(col[at], weights=w[at] / n_p[pb[i]], minlength=batch.n_codes)
+    pc, pinv = unique_inverse(col[at])
+    return pc, np.bincount(pinv, weights=w[at] / n_p[pb[i]])
 
 
 def support_index(space: MetricSpace, rows: np.ndarray, ext: dict, sets: dict, k1: int,
@@ -94,7 +98,7 @@ def support_index(space: MetricSpace, rows: np.ndarray, ext: dict, sets: dict, k
             flat = np.flatnonzero(z >= 0)
             gi, at = gather(sets["ptr"], z.ravel()[flat])
             gi = flat[gi] // z.shape[1]
-            uk, kinv = np.unique(sets["rows"][at].astype(np.int64) * n + g[gi], return_inverse=True)
+            uk, kinv = unique_inverse(sets["rows"][at].astype(np.int64) * n + g[gi])
             keys.append(uk)
             vals.append(np.bincount(kinv, weights=V[at] / n_y[gi]))
         key, val = np.concatenate(keys), np.concatenate(vals)
@@ -106,8 +110,13 @@ def support_index(space: MetricSpace, rows: np.ndarray, ext: dict, sets: dict, k
     return space.artefact("kreciprocal-support", {"k1": k1, "k2": k2}, compute)
 
 
-def refresh(batch: ProbeBatch, p: KReciprocalParams, reverse_k2) -> np.ndarray:
-    """B × n: the gallery rows g whose V_qe(g) in the probe's universe may differ from the
+def least_similar_of(space: MetricSpace, ext: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(ptr, src): src[ptr[i]:ptr[i+1]] the items whose least similar item is i (`row_extremes`'s arg1)."""
+    return reverse_index(space, ext["arg1"][:, None], 1, "kreciprocal-least-similar")
+
+
+def refresh(batch: ProbeBatch, p: KReciprocalParams, reverse_k2) -> Pairs:
+    """The (probe, gallery row g) pairs whose V_qe(g) in the probe's universe may differ from the
     gallery's: g's list N(g, k2) changed, or it holds a node z whose V_z changed.  V_z changes
     where R*(z, k1) does or z's row maximum moves (the probe below z's smallest similarity, or
     the own row was it).  R*(z) can change only where R(z, k1) changed or R(c, ½k1) did for a
@@ -118,22 +127,24 @@ def refresh(batch: ProbeBatch, p: KReciprocalParams, reverse_k2) -> np.ndarray:
     ext, offline = batch.ext, batch.offline
     assert offline is not None  # built with the offline sets (kreciprocal)
     n, stride = batch.n, batch.stride
-    maybe = np.zeros_like(batch.touched[p.k1])
+    maybe_b, maybe_x = [], []
     for k in dict.fromkeys((p.k1, batch.k_half)):
         # R(c, k) where it can have changed (c touched at k), compared with the offline set
-        tb, tc = np.nonzero(batch.touched[k])
+        tb, tc = batch.touched[k].pairs()
         R = np.sort(batch.reciprocal(tb * stride + tc, k), axis=1)
         off = offline["r1" if k == p.k1 else "rh"][tc]
         off = np.sort(np.where(off >= 0, tb[:, None] * stride + off, -1), axis=1)
         moved = (R != off).any(1)
         tb, tc = tb[moved], tc[moved]
         if k == p.k1:
-            maybe[tb, tc] = True
+            maybe_b.append(tb)
+            maybe_x.append(tc)
         if k == batch.k_half:  # R*(x) reads R(c, ½k1) for c ∈ R(x, k1): by the symmetry of R, x ∈ R(c, k1)
             r1 = offline["r1"][tc]
             ok = r1 >= 0
-            maybe[np.broadcast_to(tb[:, None], r1.shape)[ok], r1[ok]] = True
-    mb, mx = np.nonzero(maybe)
+            maybe_b.append(np.broadcast_to(tb[:, None], r1.shape)[ok])
+            maybe_x.append(r1[ok])
+    mb, mx = Pairs.of(np.concatenate(maybe_b), np.concatenate(maybe_x), n).pairs()
     codes = np.concatenate([mb * stride + mx, batch.probe()])
     codes.sort()
     ri, y = batch.expanded(codes, p.k1)
@@ -152,17 +163,19 @@ def refresh(batch: ProbeBatch, p: KReciprocalParams, reverse_k2) -> np.ndarray:
     differ = np.bincount(node, weights=y[kptr[node] + (at - optr[cx[node]])] != cb[node] * stride + offline["rows"][at],
                          minlength=len(codes)) > 0
     same &= ~differ
-    batch.refreshed = np.zeros_like(maybe)
-    batch.refreshed[cb[gal & ~same], cx[gal & ~same]] = True
-    vz = batch.refreshed | (batch.S < ext["min1"][None, :]) | (ext["arg1"][None, :] == batch.own[:, None])
+    batch.refreshed = Pairs.of(cb[gal & ~same], cx[gal & ~same], n)
+    # V_z also changes where the probe is z's least similar item, or z's was the probe's own row
+    has = np.flatnonzero(batch.own >= 0)
+    ptr, src = least_similar_of(batch.space, ext)
+    i, at = gather(ptr, batch.own[has])
+    assert batch.scan.below is not None  # scanned with the rows' least similarities
+    vz = batch.refreshed | batch.scan.below | Pairs.of(has[i], src[at], n)
     if p.k2 == 1:  # V_qe(g) = V_g
         return vz
-    out = batch.changed[p.k1].copy()  # N(g, k2) ⊂ N(g, k1 + 1)
-    zb, zx = np.nonzero(vz)
+    zb, zx = vz.pairs()
     ptr, src = reverse_k2
     i, at = gather(ptr, zx)
-    out[zb[i], src[at]] = True
-    return out
+    return batch.changed[p.k1] | Pairs.of(zb[i], src[at], n)  # N(g, k2) ⊂ N(g, k1 + 1)
 
 
 def whole_gallery(batch: ProbeBatch, p: KReciprocalParams, support: dict, reverse_k2, k: int,
@@ -177,56 +190,55 @@ def whole_gallery(batch: ProbeBatch, p: KReciprocalParams, support: dict, revers
     may have changed go through `terms`; every other row has d_J = 1 and d* = (1 − λ) +
     λ d(p, g), so the first k of them in the plain order are all that can reach the top k."""
     B, n, stride = batch.B, batch.n, batch.stride
-    S, own = batch.S, batch.own
-    fresh = refresh(batch, p, reverse_k2)
-    vp = probe_vector(batch, p)
-    fresh[np.flatnonzero(own >= 0), own[own >= 0]] = False
+    scan, own = batch.scan, batch.own
+    has = np.flatnonzero(own >= 0)
+    fresh = refresh(batch, p, reverse_k2) - Pairs.of(has, own[has], n)
+    pc, pv = probe_vector(batch, p)
     inpool = None
     if pool is not None:  # only the plain search's top `pool` are ranked
-        top = top_rows(S, own, pool)
-        inpool = np.zeros_like(fresh)
+        top = scan.top[:, :pool]
         ok = top >= 0
-        inpool[np.broadcast_to(np.arange(B)[:, None], top.shape)[ok], top[ok]] = True
-        fresh &= inpool
+        inpool = Pairs.of(np.broadcast_to(np.arange(B)[:, None], top.shape)[ok], top[ok], n)
+        fresh = fresh & inpool
     # unchanged vectors that meet the probe's support: Σ_j min(V_p[j], V_g[j]) over the index
-    codes = np.flatnonzero(vp > 0)
+    codes, vals = pc[pv > 0], pv[pv > 0]
     pb, pj = np.divmod(codes, stride)
     keep = pj < n  # the probe's own column: no unchanged vector holds it
     i, at = gather(support["ptr"], pj[keep])
     b, g = pb[keep][i], support["items"][at].astype(np.int64)
-    mins = np.minimum(support["values"][at], vp[codes[keep][i]])
-    ok = ~fresh[b, g] & (g != own[b]) & (True if inpool is None else inpool[b, g])
+    mins = np.minimum(support["values"][at], vals[keep][i])
+    ok = ~fresh.has(b, g) & (g != own[b])
+    if inpool is not None:
+        ok &= inpool.has(b, g)
     key = b[ok] * n + g[ok]
     order = np.argsort(key, kind="stable")  # per (probe, g): columns in ascending order, as `distances` sums
-    uk, kinv = np.unique(key[order], return_inverse=True)
+    uk, kinv = unique_inverse(key[order])
     tmin = np.bincount(kinv, weights=mins[ok][order])
     ob, og = np.divmod(uk, n)
-    # the changed ones, by `terms` (each probe's in the plain order: top_rows's)
-    fb, fg = np.nonzero(fresh)
+    # the changed ones, by `terms` (each probe's in the plain order)
+    fb, fg = fresh.pairs()
     per = np.bincount(fb, minlength=B)
     pools = np.full((B, max(int(per.max(initial=0)), 1)), -1, dtype=np.int64)
-    o = np.lexsort((fg, -S[fb, fg], fb))
+    o = np.lexsort((fg, -scan.at(fb, fg), fb))
     fb, fg = fb[o], fg[o]
     pools[fb, np.arange(len(fb)) - np.repeat(np.cumsum(per) - per, per)] = fg
     dj_fresh, do_fresh = terms(batch, pools, p)
     # the rest: the first k in the plain order outside both (and inside the pool)
-    allowed = ~fresh if inpool is None else inpool & ~fresh
-    allowed[ob, og] = False
-    top = top_rows(np.where(allowed, S, -np.inf), own, min(k, n))
+    taken = fresh | Pairs(uk, n)
     rm = batch.row_max(batch.probe())
     o_start = np.searchsorted(ob, np.arange(B + 1))
+    s_o = scan.at(ob, og)
     parts = []
     for j in range(B):
         og_j, t_j = og[o_start[j]: o_start[j + 1]], tmin[o_start[j]: o_start[j + 1]]
         f_j = pools[j][pools[j] >= 0]
-        t = top[j][top[j] >= 0]
-        rest = t[allowed[j, t]]
-        rows = np.concatenate([og_j, rest])
+        rest, s_rest = first_outside(scan, j, taken, min(k, n), pool)
+        rows = np.concatenate([f_j, og_j, rest])
+        s_j = np.concatenate([scan.at(j, f_j), s_o[o_start[j]: o_start[j + 1]], s_rest])
         tm = np.concatenate([t_j, np.zeros(len(rest))])
-        rows = np.concatenate([f_j, rows])
         d_j = np.concatenate([dj_fresh[j, : len(f_j)], 1.0 - tm / (2.0 - tm)])
-        d_o = np.concatenate([do_fresh[j, : len(f_j)], (batch.s_qq[j] - S[j, rows[len(f_j):]]) / rm[j]])
-        o = np.lexsort((rows, -S[j, rows]))  # the plain order (ranked stably by d* after)
+        d_o = np.concatenate([do_fresh[j, : len(f_j)], (batch.s_qq[j] - s_j[len(f_j):]) / rm[j]])
+        o = np.lexsort((rows, -s_j))  # the plain order (ranked stably by d* after)
         parts.append((rows[o], d_j[o], d_o[o]))
     width = max(len(r) for r, _, _ in parts)
     out = np.full((B, width), -1, dtype=np.int64), np.ones((B, width)), np.zeros((B, width))  # pads: finite
@@ -234,3 +246,25 @@ def whole_gallery(batch: ProbeBatch, p: KReciprocalParams, support: dict, revers
         for a, v in zip(out, part, strict=True):
             a[j, : len(v)] = v
     return out
+
+
+def first_outside(scan: ProbeScan, j: int, taken: Pairs, k: int, pool: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Probe j's first k rows in the plain order outside `taken` (and within its first `pool`),
+    with their scores: from the scan's top rows, or, where those run out before k are found and
+    the probe's universe holds more, from its whole row."""
+    top, top_s = scan.top[j], scan.top_s[j]
+    if pool is not None:
+        top, top_s = top[:pool], top_s[:pool]
+    ok = (top >= 0) & ~taken.has(j, top)
+    if ok.sum() >= k or pool is not None or (top >= 0).sum() < scan.depth:
+        at = np.flatnonzero(ok)[:k]
+        return top[at], top_s[at]
+    s = scan.row(j)
+    mine = taken.codes[(taken.codes >= j * scan.n) & (taken.codes < (j + 1) * scan.n)]
+    s[mine - j * scan.n] = -np.inf
+    if scan.own[j] >= 0:
+        s[scan.own[j]] = -np.inf
+    rows = top_rows(s[None], np.array([scan.own[j]]), k)[0]
+    rows = rows[rows >= 0]
+    rows = rows[np.isfinite(s[rows])]
+    return rows, s[rows]

@@ -10,6 +10,7 @@ from ...space import MetricSpace
 from ..neighbours import reverse_index, without
 from .cache import gallery_similarities
 from .paper import half
+from .scan import Pairs, ProbeScan
 
 SET_CELLS = 1 << 23  # the offline sets' reverse checks per block (64 MB of int64)
 
@@ -18,6 +19,26 @@ def unique(a: np.ndarray) -> np.ndarray:
     """np.unique by sorting (numpy's hash-based unique is several times slower on these codes)."""
     a = np.sort(a, kind="stable")
     return a[np.concatenate([[True], a[1:] != a[:-1]])] if len(a) else a
+
+
+def unique_inverse(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """np.unique(a, return_inverse=True) by a stable sort: the codes here come in sorted runs
+    (by node, then member), which it merges in near-linear time."""
+    order = np.argsort(a, kind="stable")
+    s = a[order]
+    first = np.ones(len(s), dtype=bool)
+    first[1:] = s[1:] != s[:-1]
+    inv = np.empty(len(a), dtype=np.int64)
+    inv[order] = np.cumsum(first) - 1
+    return s[first], inv
+
+
+def lookup(keys: np.ndarray, values: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """A sparse vector (sorted unique keys, values) read at `at` (0 where it has no entry)."""
+    if not len(keys):
+        return np.zeros(np.shape(at))
+    pos = np.minimum(np.searchsorted(keys, at), len(keys) - 1)
+    return np.where(keys[pos] == at, values[pos], 0.0)
 
 
 def top_rows(S: np.ndarray, own: np.ndarray, m: int) -> np.ndarray:
@@ -65,55 +86,46 @@ class ProbeBatch:
     is computed."""
 
     def __init__(self, space: MetricSpace, lists: tuple[np.ndarray, np.ndarray], ext: dict[str, np.ndarray],
-                 S: np.ndarray, s_qq: np.ndarray, own: np.ndarray, cand: np.ndarray,
-                 k1: int, offline: dict | None = None, reverse: dict | None = None):
+                 scan: ProbeScan, s_qq: np.ndarray, own: np.ndarray, k1: int, offline: dict | None = None,
+                 reverse: dict | None = None):
         self.space, self.n = space, space.n
         self.stride = space.n + 1
         self.rows, self.sims = lists
-        self.ext, self.S, self.s_qq, self.own = ext, S, s_qq.astype(np.float64), own
+        self.ext, self.scan, self.s_qq, self.own = ext, scan, s_qq.astype(np.float64), own
         self.k1, self.k_half = k1, half(k1)
-        self.B = len(S)
+        self.B = scan.B
         self.n_codes = self.B * self.stride  # one past the largest code
-        has = own >= 0
-        self.q_min = np.minimum(S.min(1) if self.n else np.inf, self.s_qq)
-        for b in np.flatnonzero(has):  # the probe's own row is not in its universe
-            if S[b, own[b]] <= self.q_min[b]:
-                self.q_min[b] = min(float(np.delete(S[b], own[b]).min()) if self.n > 1 else np.inf, self.s_qq[b])
-        # the probes' own lists: their candidates by s(p, ·), each probe in its place
-        cs = np.where(cand >= 0, np.take_along_axis(S, np.maximum(cand, 0), 1), -np.inf)
-        order = np.argsort(-cs, axis=1, kind="stable")
-        c, cs = np.take_along_axis(cand, order, 1), np.take_along_axis(cs, order, 1)
-        self.q_rows = self._insert(c, cs, self.s_qq, k1 + 1)
+        self.q_min = np.minimum(scan.q_min.astype(np.float64), self.s_qq)  # the own row is not in its universe
+        # the probes' own lists: their best rows by s(p, ·), each probe in its place
+        self.q_rows = self._insert(scan.top, scan.top_s, self.s_qq, k1 + 1)
         self.offline = offline
-        # set by `refresh`: which gallery nodes' R*(x, k1) differ from the offline sets (B × n), and
-        # the sets it computed (codes sorted; CSR members and similarities)
-        self.refreshed: np.ndarray | None = None
+        # set by `refresh`: which gallery nodes' R*(x, k1) differ from the offline sets, and the
+        # sets it computed (codes sorted; CSR members and similarities)
+        self.refreshed: Pairs | None = None
         self.known: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         if offline is not None:
-            assert reverse is not None  # built with the offline lists (`kreciprocal`)
-            # changed[k][b, y]: N(y, k+1) over U_b differs from the gallery's; touched[k]: the
-            # nodes whose R(·, k) that can change: y, the entry the probe pushes out of it, and
-            # where the probe's own row leaves it, the entry that comes in
-            self.changed, self.touched = {}, {}
-            # one pass over S: lists are nested (N(y, ½k1 + 1) ⊂ N(y, k1 + 1)), so the probe
-            # entering a shorter list enters the longer one
-            bb, yy = np.divmod(np.flatnonzero(S >= self.sims[:, k1][None, :]), self.n)  # not below the (k1+1)-th
+            assert reverse is not None and scan.entered is not None  # built with the offline lists (`kreciprocal`)
+            # changed[k]: the (probe, y) whose N(y, k+1) over U_b differs from the gallery's;
+            # touched[k]: the nodes whose R(·, k) that can change: y, the entry the probe pushes
+            # out of it, and where the probe's own row leaves it, the entry that comes in
+            self.changed: dict[int, Pairs] = {}
+            self.touched: dict[int, Pairs] = {}
+            # lists are nested (N(y, ½k1 + 1) ⊂ N(y, k1 + 1)), so the probe entering a shorter
+            # list enters the longer one: the scan's pairs at k1 hold those at ½k1
+            bb, yy, ss = scan.entered
+            has = np.flatnonzero(own >= 0)
             for k in (k1, self.k_half):
                 if k != k1:
-                    keep = S[bb, yy] >= self.sims[yy, k]
-                    bb, yy = bb[keep], yy[keep]
+                    keep = ss >= self.sims[yy, k]
+                    bb, yy, ss = bb[keep], yy[keep], ss[keep]
                 ptr, src = reverse[k]  # lists holding the probe's own row among their first k + 1
-                mine = [src[ptr[own[b]]: ptr[own[b] + 1]] for b in np.flatnonzero(has)]
-                ob = np.concatenate([np.zeros(0, dtype=np.int64),
-                                     *(np.full(len(m), b) for m, b in zip(mine, np.flatnonzero(has), strict=True))])
-                oy = np.concatenate([np.zeros(0, dtype=np.int64), *mine])
-                ch = np.zeros(S.shape, dtype=bool)
-                ch[bb, yy] = True
-                ch[ob, oy] = True
-                t = ch.copy()
-                t[bb, self.rows[yy, k]] = True      # the entry the probe pushes out
-                t[ob, self.rows[oy, k + 1]] = True  # the entry that comes in where the own row leaves
-                self.changed[k], self.touched[k] = ch, t
+                cnt = ptr[own[has] + 1] - ptr[own[has]]
+                ob = np.repeat(has, cnt)
+                oy = src[np.repeat(ptr[own[has]] - (np.cumsum(cnt) - cnt), cnt) + np.arange(int(cnt.sum()))]
+                ch = Pairs.of(np.concatenate([bb, ob]), np.concatenate([yy, oy]), self.n)
+                self.changed[k] = ch
+                self.touched[k] = ch | Pairs.of(np.concatenate([bb, ob]),
+                                                np.concatenate([self.rows[yy, k], self.rows[oy, k + 1]]), self.n)
 
     def probe(self) -> np.ndarray:
         return np.arange(self.B) * self.stride + self.n
@@ -138,7 +150,7 @@ class ProbeBatch:
         out[isq] = self.q_rows[b[isq], :L]
         g = np.flatnonzero(~isq)
         if self.offline is not None and len(g):  # an unchanged list is the gallery's
-            same = ~self.changed[self.k1][b[g], x[g]]
+            same = ~self.changed[self.k1].has(b[g], x[g])
             out[g[same]] = self.rows[x[g[same]], :L]
             g = g[~same]
         if len(g):
@@ -155,7 +167,7 @@ class ProbeBatch:
                 r, s = r.copy(), s.copy()
                 r[drop], s[drop] = r2, s2
                 r[drop, L], s[drop, L] = -1, -np.inf
-            out[g] = self._insert(r, s, self.S[bg, xg], L)
+            out[g] = self._insert(r, s, self.scan.at(bg, xg), L)
         return np.where(out >= 0, b[:, None] * self.stride + out, -1)
 
     def reciprocal(self, e: np.ndarray, k: int) -> np.ndarray:
@@ -166,7 +178,7 @@ class ProbeBatch:
         if self.offline is not None:
             b, x = np.divmod(e, self.stride)
             g = np.flatnonzero(x < self.n)
-            keep = g[~self.touched[k][b[g], x[g]]]
+            keep = g[~self.touched[k].has(b[g], x[g])]
             r = self.offline["r1" if k == self.k1 else "rh"][x[keep]].astype(np.int64)
             out[keep] = np.where(r >= 0, b[keep][:, None] * self.stride + r, -1)
             fresh[keep] = False
@@ -174,7 +186,7 @@ class ProbeBatch:
         if len(f):
             F = self.lists(e[f], k + 1)
             valid = F >= 0
-            u, inv = np.unique(F[valid], return_inverse=True)
+            u, inv = unique_inverse(F[valid])
             back = np.zeros(F.shape, dtype=bool)
             back[valid] = (self.lists(u, k + 1)[inv] == np.broadcast_to(e[f][:, None], F.shape)[valid][:, None]).any(1)
             out[f] = np.where(back, F, -1)
@@ -185,7 +197,7 @@ class ProbeBatch:
         R = self.reciprocal(e, k1)
         mem = R >= 0
         ri, rv = np.flatnonzero(mem) // mem.shape[1], R[mem]
-        u, inv = np.unique(rv, return_inverse=True)
+        u, inv = unique_inverse(rv)
         Rh = self.reciprocal(u, half(k1))[inv]  # R(c, ½k1) for each member c
         size = (Rh >= 0).sum(1)
         keys = np.sort(ri * self.n_codes + rv)
@@ -206,9 +218,9 @@ class ProbeBatch:
         qx, qy = xl == self.n, yl == self.n
         out[qx & qy] = self.s_qq[b[qx & qy]]
         m = qx & ~qy
-        out[m] = self.S[b[m], yl[m]]
+        out[m] = self.scan.at(b[m], yl[m])
         m = qy & ~qx
-        out[m] = self.S[b[m], xl[m]]
+        out[m] = self.scan.at(b[m], xl[m])
         g = np.flatnonzero(~qx & ~qy)
         if len(g):
             # most pairs are in x's cached list already; the rest are computed
@@ -222,7 +234,7 @@ class ProbeBatch:
                 if pairs is not None:
                     out[miss] = pairs[xl[miss], yl[miss]]
                 else:
-                    ux, ix = np.unique(xl[miss], return_inverse=True)
+                    ux, ix = unique_inverse(xl[miss])
                     T = self.space.transform(self.space.gallery_vectors(ux))
                     out[miss] = np.einsum("md,md->m", T[ix], self.space.gallery_vectors(yl[miss]))
         return out
@@ -236,8 +248,9 @@ class ProbeBatch:
         b, x = np.divmod(e, self.stride)
         g = np.minimum(x, self.n - 1)
         m = np.where(self.ext["arg1"][g] == self.own[b], self.ext["min2"][g], self.ext["min1"][g])
-        m = np.minimum(m, self.S[b, g])  # the probe's column
-        m = np.where(x == self.n, self.q_min[b], m)
+        gal = x < self.n
+        m[gal] = np.minimum(m[gal], self.scan.at(b[gal], g[gal]))  # the probe's column
+        m = np.where(gal, m, self.q_min[b])
         d = self.self_similarity(e) - m
         return np.where(d > 0, d, 1.0)  # a row without a positive distance: left unscaled
 
@@ -252,11 +265,11 @@ class ProbeBatch:
         fresh = x == self.n
         g = np.flatnonzero(~fresh)
         if self.known is not None and self.refreshed is not None:  # `refresh` computed these, kept those that changed
-            fresh[g] = self.refreshed[b[g], x[g]]
+            fresh[g] = self.refreshed.has(b[g], x[g])
         else:
             r1 = self.offline["r1"][x[g]]
             th = self.touched[self.k_half]
-            fresh[g] = self.touched[k1][b[g], x[g]] | ((r1 >= 0) & th[b[g][:, None], np.maximum(r1, 0)]).any(1)
+            fresh[g] = self.touched[k1].has(b[g], x[g]) | ((r1 >= 0) & th.has(b[g][:, None], np.maximum(r1, 0))).any(1)
         idx_f, idx_c = np.flatnonzero(fresh), np.flatnonzero(~fresh)
         if self.known is not None:
             codes, kptr, ky, ks = self.known
@@ -290,8 +303,7 @@ def gallery_sets(space: MetricSpace, lists: tuple[np.ndarray, np.ndarray], ext: 
     −1 where not reciprocal: "r1", "rh") and R*(x, k1) with s(x, ·) of its members (CSR:
     rows[ptr[x]:ptr[x+1]], sims alike)."""
     def compute():
-        none = ProbeBatch(space, lists, ext, np.full((1, space.n), -np.inf, dtype=np.float32), np.zeros(1),
-                      np.full(1, -1), np.zeros((1, 0), dtype=np.int64), k1)  # a probe that enters no list
+        none = ProbeBatch(space, lists, ext, ProbeScan.none(space), np.zeros(1), np.full(1, -1), k1)  # enters no list
         n, h = space.n, half(k1)
         out = {"r1": np.empty((n, k1 + 1), np.int32), "rh": np.empty((n, h + 1), np.int32)}
         ptr, parts_r, parts_s = np.zeros(n + 1, dtype=np.int64), [], []
