@@ -11,16 +11,15 @@ the Jaccard distance d_J (Eq. 10) and d* = (1 − λ) d_J + λ d (Eq. 12).  Modu
 docs/reranking.md explains the incremental computation and why it equals the dense one."""
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import faiss
 import numpy as np
 
 from core.errors import UserError
 from core.params import param
 
 from ...space import Hits, MetricSpace
+from ...threads import in_threads
 from ..neighbours import neighbour_lists, reverse_index, row_extremes
 from ..registry import RERANKERS, WHOLE_GALLERY
 from .cache import digest, gallery_similarities, remembered_terms
@@ -91,7 +90,7 @@ def kreciprocal(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: 
 
     def compute() -> dict:
         gallery_similarities(space)  # built once, before the batches share it
-        return dict(zip(starts, _run(one, starts), strict=True))  # every batch, combined here
+        return dict(zip(starts, in_threads(one, starts), strict=True))  # every batch, combined here
 
     # d_J and d do not depend on λ: a call that differs from a recent one in λ alone (a sweep over
     # λ, batch after batch) ranks the terms kept from it
@@ -106,15 +105,3 @@ def kreciprocal(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: 
         out_s[a: a + len(r), : r.shape[1]] = np.where(np.isfinite(dd), 1.0 - dd, -np.inf)  # higher is closer
     return space.hits(out_r, out_s)
 
-
-def _run(one, starts: range) -> list:
-    """[one(a) for a in starts], in threads where FAISS has several."""
-    workers = min(len(starts), max(1, faiss.omp_get_max_threads()))
-    if workers > 1:
-        # the batches are independent and numpy's sorts and set operations release the GIL: one
-        # batch per core, each with BLAS on one thread (threaded BLAS under threads oversubscribes)
-        from threadpoolctl import threadpool_limits
-
-        with threadpool_limits(1, user_api="blas"), ThreadPoolExecutor(workers) as ex:
-            return list(ex.map(one, starts))
-    return [one(a) for a in starts]

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...space import MetricSpace
+from ...threads import in_threads
 from ..neighbours import reverse_index
 from .scan import Pairs, ProbeScan
 from .sets import ProbeBatch, gather, lookup, top_rows, unique_inverse
@@ -90,8 +91,8 @@ def support_index(space: MetricSpace, rows: np.ndarray, ext: dict, sets: dict, k
         w = np.exp(-(self_s[owner] - sets["sims"].astype(np.float64)) / rm[owner])
         total = np.bincount(owner, weights=w, minlength=n)
         V = w / np.maximum(total[owner], 1e-300)
-        keys, vals = [], []
-        for a in range(0, n, 2048):
+
+        def block(a: int) -> tuple[np.ndarray, np.ndarray]:
             g = np.arange(a, min(a + 2048, n))
             z = rows[g, :k2].astype(np.int64) if k2 > 1 else g[:, None]  # k2 = 1: V_g itself
             n_y = (z >= 0).sum(1)
@@ -99,14 +100,13 @@ def support_index(space: MetricSpace, rows: np.ndarray, ext: dict, sets: dict, k
             gi, at = gather(sets["ptr"], z.ravel()[flat])
             gi = flat[gi] // z.shape[1]
             uk, kinv = unique_inverse(sets["rows"][at].astype(np.int64) * n + g[gi])
-            keys.append(uk)
-            vals.append(np.bincount(kinv, weights=V[at] / n_y[gi]))
+            return uk, np.bincount(kinv, weights=V[at] / n_y[gi])
+        keys, vals = zip(*in_threads(block, range(0, n, 2048)), strict=True)
         key, val = np.concatenate(keys), np.concatenate(vals)
         order = np.argsort(key, kind="stable")
         j, g = np.divmod(key[order], n)  # by column j, then item g
-        ptr = np.zeros(n + 1, dtype=np.int64)
-        np.add.at(ptr, j + 1, 1)
-        return {"ptr": np.cumsum(ptr), "items": g.astype(np.int32), "values": val[order]}
+        ptr = np.concatenate([[0], np.cumsum(np.bincount(j, minlength=n))])
+        return {"ptr": ptr, "items": g.astype(np.int32), "values": val[order]}
     return space.artefact("kreciprocal-support", {"k1": k1, "k2": k2}, compute)
 
 

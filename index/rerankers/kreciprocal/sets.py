@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...space import MetricSpace
+from ...threads import in_threads
 from ..neighbours import reverse_index, without
 from .cache import gallery_similarities
 from .paper import half
@@ -153,6 +154,9 @@ class ProbeBatch:
             same = ~self.changed[self.k1].has(b[g], x[g])
             out[g[same]] = self.rows[x[g[same]], :L]
             g = g[~same]
+        if len(g) and self.scan.t is None and self.rows.shape[1] > L:  # the gallery alone: its lists
+            out[g] = self.rows[x[g], :L]
+            g = g[:0]
         if len(g):
             bg, xg = b[g], x[g]
             r = self.rows[xg, : L + 1].astype(np.int64)
@@ -305,17 +309,16 @@ def gallery_sets(space: MetricSpace, lists: tuple[np.ndarray, np.ndarray], ext: 
     def compute():
         none = ProbeBatch(space, lists, ext, ProbeScan.none(space), np.zeros(1), np.full(1, -1), k1)  # enters no list
         n, h = space.n, half(k1)
-        out = {"r1": np.empty((n, k1 + 1), np.int32), "rh": np.empty((n, h + 1), np.int32)}
-        ptr, parts_r, parts_s = np.zeros(n + 1, dtype=np.int64), [], []
         step = max(1, min(4096, SET_CELLS // (k1 + 2) ** 2))  # a block's reverse checks: step × (k1 + 1)² entries
-        for a in range(0, n, step):
+
+        def block(a: int) -> tuple:
             e = np.arange(a, min(a + step, n))
-            out["r1"][e], out["rh"][e] = none.reciprocal(e, k1), none.reciprocal(e, h)
             ri, y = none.expanded(e, k1)
-            parts_r.append(y.astype(np.int32))
-            parts_s.append(none.similarity(e[ri], y).astype(np.float32))
-            ptr[e + 1] = np.bincount(ri, minlength=len(e))
-        return out | {"ptr": np.cumsum(ptr), "rows": np.concatenate(parts_r), "sims": np.concatenate(parts_s)}
+            return (none.reciprocal(e, k1).astype(np.int32), none.reciprocal(e, h).astype(np.int32),
+                    y.astype(np.int32), none.similarity(e[ri], y).astype(np.float32), np.bincount(ri, minlength=len(e)))
+        r1, rh, rows, sims, count = zip(*in_threads(block, range(0, n, step)), strict=True)
+        return {"r1": np.concatenate(r1), "rh": np.concatenate(rh), "rows": np.concatenate(rows),
+                "sims": np.concatenate(sims), "ptr": np.concatenate([[0], np.cumsum(np.concatenate(count))])}
     return space.artefact("kreciprocal-sets", {"k1": k1}, compute)
 
 
