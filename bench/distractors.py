@@ -287,7 +287,8 @@ def parse_cells(spec: str, levels, rerankers) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True, help="the demo's model (runs/demo-proxy_anchor-tail2/best.pt)")
+    ap.add_argument("--checkpoint", help="the demo's model (runs/demo-proxy_anchor-tail2/best.pt); required but "
+                                       "with --merge")
     ap.add_argument("--strategies-json", default=None,
                     help="the demo's strategies/strategies.json (names the validation-selected strategy); "
                          "default: strategies/ beside the checkpoint's artifacts/demo")
@@ -324,6 +325,8 @@ def main():
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--embed-part", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if not args.merge and not args.checkpoint:
+        ap.error("the following arguments are required: --checkpoint")
 
     if args.embed_part is not None:
         embed_part(args)

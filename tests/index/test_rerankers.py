@@ -366,7 +366,6 @@ def test_kreciprocal_batches_in_threads_and_the_pair_lookup_change_nothing(tmp_p
     searcher = build(tmp_path / "idx", x, lab, W)
     own = np.concatenate([[-1, -1], np.arange(0, 400, 3)])
     q = np.vstack([queries(x, 2, seed=6), x[own[2:]]])
-    monkeypatch.setattr(kr, "BATCH", 32)
     assert len(q) > 3 * kr.BATCH  # several batches
     p = {"k1": 12, "k2": 4, "pool": 60}
     before = faiss.omp_get_max_threads()

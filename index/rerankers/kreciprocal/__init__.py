@@ -28,7 +28,10 @@ from .paper import final_distance
 from .scan import ProbeScan
 from .sets import ProbeBatch, gallery_sets, reverse_lists
 
-BATCH = 256  # probes re-ranked together: one pass over the keys and one vectorised pass of the sets
+# probes re-ranked together: one pass over the keys and one vectorised pass of the sets.  The set
+# work grows faster than the batch (its sorts), the pass's share of the keys shrinks with it: a
+# batch reads at most KEY_BYTES of keys per probe, between BATCH and MAX_BATCH probes
+BATCH, MAX_BATCH, KEY_BYTES = 32, 256, 1 << 19
 TOP_SLACK = 256  # plain-order rows kept per probe beyond k: those d* leaves in the plain order come from them
 BRUTE_POOL = 150  # a pool up to this is cheaper ranked candidate by candidate; above, through the inverted index
 
@@ -72,7 +75,7 @@ def kreciprocal(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: 
     if support is not None:
         depth = max(depth, min(pool, space.n) if pool < space.n else k + TOP_SLACK)
     depth = min(depth, space.n)
-    step = max(1, BATCH)
+    step = int(np.clip(space.n * space.dim * 4 // KEY_BYTES, BATCH, max(BATCH, MAX_BATCH)))
     starts = range(0, len(queries), step)
 
     def one(a: int) -> tuple:
