@@ -245,13 +245,15 @@ def universe_distances(ref, q):
     return np.diag(S)[:, None] - S
 
 
-@pytest.fixture(params=["candidates", "inverted-index"])
+@pytest.fixture(params=["candidates", "inverted-index", "inverted-index-pairs-computed"])
 def kr_path(request, monkeypatch):
     """The two ways k-reciprocal ranks a pool: d* candidate by candidate, or (pools above
-    BRUTE_POOL, here every pool) the inverted index over the gallery's V vectors."""
+    BRUTE_POOL, here every pool) the inverted index over the gallery's V vectors; the latter also
+    with the probes' rows not kept (a large gallery's), every score beyond the pass's computed."""
     import index.rerankers.kreciprocal as kr
 
     monkeypatch.setattr(kr, "BRUTE_POOL", 10**9 if request.param == "candidates" else 0)
+    monkeypatch.setattr(kr.scan, "DENSE_CELLS", 0 if request.param.endswith("computed") else kr.scan.DENSE_CELLS)
     return request.param
 
 
@@ -401,12 +403,13 @@ def test_kreciprocal_candidates_are_each_rows_exact_top():
         np.testing.assert_array_equal(got[b], order)
 
 
+@pytest.mark.parametrize("dense", [True, False], ids=["rows-kept", "pairs-computed"])
 @pytest.mark.parametrize("depth", [1, 7, 40, 149, 150])
-def test_the_probe_scan_keeps_what_the_whole_rows_give(tmp_path, monkeypatch, depth):
+def test_the_probe_scan_keeps_what_the_whole_rows_give(tmp_path, monkeypatch, depth, dense):
     """One blocked pass over the gallery (blocks of 3 rows here, so that a row's best are cut back
     many times) keeps each probe's best rows (own row out, ties: the lower row first), the rows
     whose list it enters, those it is below the least similarity of, and its least similarity:
-    those of its whole row."""
+    those of its whole row; any other score is read from the kept rows or computed."""
     import index.rerankers.kreciprocal.scan as sc
     from index.rerankers.kreciprocal.sets import top_rows
 
@@ -421,7 +424,9 @@ def test_the_probe_scan_keeps_what_the_whole_rows_give(tmp_path, monkeypatch, de
     enter = np.quantile(S, 0.9, axis=0) + rng.normal(0, 0.01, space.n).astype(np.float32)
     floor = np.quantile(S, 0.1, axis=0).astype(np.float32)
     monkeypatch.setattr(sc, "SCAN_CELLS", 3 * len(q))
+    monkeypatch.setattr(sc, "DENSE_CELLS", 10**9 if dense else 0)
     scan = sc.ProbeScan(space, q, own, depth, enter=enter, floor=floor)
+    assert (scan.S is not None) == dense
     np.testing.assert_array_equal(scan.top, top_rows(S, own, depth))
     np.testing.assert_array_equal(scan.top_s, np.where(scan.top >= 0, np.take_along_axis(S, np.maximum(scan.top, 0), 1),
                                                        -np.inf))
@@ -466,6 +471,7 @@ def test_kreciprocal_rows_past_the_scans_best_come_from_the_whole_row(gallery, m
     CACHE.clear()
     rows, whole = ProbeScan.row, []
     monkeypatch.setattr(kr, "TOP_SLACK", 0)
+    monkeypatch.setattr(kr.scan, "DENSE_CELLS", 0)  # the whole row from a pass of its own
     monkeypatch.setattr(ProbeScan, "row", lambda self, b: whole.append(b) or rows(self, b))
     got = rerank("kreciprocal", space_for(searcher, "trained", {}, "cosine"), q, 30, params=p, self_ids=own)
     assert len(whole) > 0
@@ -569,13 +575,15 @@ def test_diffusion_leave_one_out_on_a_gallery_no_larger_than_k(tmp_path, rparams
     assert_as_if_left_out(tmp_path, "diffusion", rparams, x, lab, W, np.array([0, 7, 19]), 5)
 
 
+@pytest.mark.parametrize("dense", [True, False], ids=["rows-kept", "pairs-computed"])
 @pytest.mark.parametrize("rparams", [{"k1": 10, "k2": 4}, {"k1": 10, "k2": 4, "pool": 40}, {"k2": 1}])
-def test_kreciprocal_leave_one_out_through_the_inverted_index(tmp_path, monkeypatch, rparams):
+def test_kreciprocal_leave_one_out_through_the_inverted_index(tmp_path, monkeypatch, rparams, dense):
     """The inverted-index path (every pool here), a gallery item as query: the answer of the
-    gallery without it."""
+    gallery without it, the probes' rows kept whole or not."""
     import index.rerankers.kreciprocal as kr
 
     monkeypatch.setattr(kr, "BRUTE_POOL", 0)
+    monkeypatch.setattr(kr.scan, "DENSE_CELLS", kr.scan.DENSE_CELLS if dense else 0)
     x, lab, W = features()
     assert_as_if_left_out(tmp_path, "kreciprocal", rparams, x, lab, W, np.array([3, 40, 77, 149]), 10)
 

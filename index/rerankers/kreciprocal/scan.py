@@ -12,6 +12,7 @@ from ...space import MetricSpace
 
 SCAN_CELLS = 1 << 22  # probe × gallery cells per block of the pass (16 MB of float32)
 GATHER_PAIRS = 1 << 15  # keys gathered at a time for the pairs computed when asked (16 MB at d = 128)
+DENSE_CELLS = 1 << 24  # a batch's whole rows are kept up to this many cells (64 MB): a look-up is cheaper than a dot
 
 
 class Pairs:
@@ -126,8 +127,12 @@ class ProbeScan:
         ent: list[tuple[np.ndarray, ...]] = []
         low: list[tuple[np.ndarray, ...]] = []
         has = np.flatnonzero(own >= 0)
+        # a small gallery's rows are kept whole: the pairs asked later are then read, not computed
+        self.S = np.empty((B, n), dtype=np.float32) if B * n <= DENSE_CELLS else None
         for a, z, S in space.score_blocks(v, max(1, SCAN_CELLS // max(B, 1))):
             w = z - a
+            if self.S is not None:
+                self.S[:, a:z] = S
             if enter is not None:
                 f = np.flatnonzero((S >= enter[a:z]).ravel())
                 ent.append((f // w, f % w + a, S.ravel()[f]))
@@ -184,7 +189,7 @@ class ProbeScan:
         out.own = np.full(1, -1)
         out.q_min = np.full(1, -np.inf, dtype=np.float32)
         out.top, out.top_s = np.zeros((1, 0), dtype=np.int64), np.zeros((1, 0), dtype=np.float32)
-        out.entered, out.below, out.t = None, None, None
+        out.entered, out.below, out.t, out.S = None, None, None, None
         return out
 
     def at(self, b, g) -> np.ndarray:
@@ -194,6 +199,8 @@ class ProbeScan:
         if self.t is None:
             out.fill(-np.inf)
             return out
+        if self.S is not None:
+            return self.S[b, g]
         c = (b * self.n + g).ravel()
         flat = out.reshape(-1)
         hit = np.zeros(len(c), dtype=bool)
@@ -211,4 +218,6 @@ class ProbeScan:
     def row(self, b: int) -> np.ndarray:
         """Probe b's whole row s(p_b, ·) (n,): a pass of its own, for the rare probe whose top
         `depth` rows are not enough."""
+        if self.S is not None:
+            return self.S[b].copy()
         return self.space.score(self.v[b: b + 1])[0]
