@@ -357,7 +357,8 @@ def test_kreciprocal_offline_sets_change_nothing(tmp_path, monkeypatch, mode):
     np.testing.assert_allclose(fast.scores, slow.scores, rtol=0, atol=1e-6)
 
 
-def test_kreciprocal_batches_in_threads_and_the_pair_lookup_change_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("whole", [False, True], ids=["pool", "whole-gallery"])
+def test_kreciprocal_batches_in_threads_and_the_pair_lookup_change_nothing(tmp_path, monkeypatch, whole):
     """Batches re-ranked in parallel threads, with the missing pairs read from the gallery's
     similarity matrix, give the sequential answer that computes each pair from the keys."""
     import faiss
@@ -369,7 +370,9 @@ def test_kreciprocal_batches_in_threads_and_the_pair_lookup_change_nothing(tmp_p
     own = np.concatenate([[-1, -1], np.arange(0, 400, 3)])
     q = np.vstack([queries(x, 2, seed=6), x[own[2:]]])
     assert len(q) > 3 * kr.BATCH  # several batches
-    p = {"k1": 12, "k2": 4, "pool": 60}
+    p = {"k1": 12, "k2": 4} if whole else {"k1": 12, "k2": 4, "pool": 60}
+    if whole:  # the whole gallery through the inverted index, built in threads too
+        monkeypatch.setattr(kr, "BRUTE_POOL", 0)
     before = faiss.omp_get_max_threads()
     fast, slow = space_for(searcher, "trained", {}, "cosine"), space_for(searcher, "trained", {}, "cosine")
     try:
@@ -403,9 +406,11 @@ def test_kreciprocal_candidates_are_each_rows_exact_top():
         np.testing.assert_array_equal(got[b], order)
 
 
+@pytest.mark.parametrize("ties", [False, True], ids=["scores", "tied-scores"])
+@pytest.mark.parametrize("width", [3, 10**6], ids=["blocks-of-3", "one-block"])
 @pytest.mark.parametrize("dense", [True, False], ids=["rows-kept", "pairs-computed"])
 @pytest.mark.parametrize("depth", [1, 7, 40, 149, 150])
-def test_the_probe_scan_keeps_what_the_whole_rows_give(tmp_path, monkeypatch, depth, dense):
+def test_the_probe_scan_keeps_what_the_whole_rows_give(tmp_path, monkeypatch, depth, dense, width, ties):
     """One blocked pass over the gallery (blocks of 3 rows here, so that a row's best are cut back
     many times) keeps each probe's best rows (own row out, ties: the lower row first), the rows
     whose list it enters, those it is below the least similarity of, and its least similarity:
@@ -415,6 +420,8 @@ def test_the_probe_scan_keeps_what_the_whole_rows_give(tmp_path, monkeypatch, de
 
     x, lab, W = features(seed=7)
     x[100:120] = x[80:100]  # equal items: tied scores
+    if ties:  # small integer features: inner products tie everywhere, at every depth's boundary
+        x = np.random.default_rng(3).integers(0, 3, x.shape).astype(np.float32)
     searcher = build(tmp_path / "idx", x, lab, W)
     space = space_for(searcher, "identity", {}, "bilinear")
     q = space.prepare(np.vstack([queries(x, 4, seed=8), x[[3, 85, 110]]]))
@@ -423,7 +430,7 @@ def test_the_probe_scan_keeps_what_the_whole_rows_give(tmp_path, monkeypatch, de
     rng = np.random.default_rng(0)
     enter = np.quantile(S, 0.9, axis=0) + rng.normal(0, 0.01, space.n).astype(np.float32)
     floor = np.quantile(S, 0.1, axis=0).astype(np.float32)
-    monkeypatch.setattr(sc, "SCAN_CELLS", 3 * len(q))
+    monkeypatch.setattr(sc, "SCAN_CELLS", width * len(q))
     monkeypatch.setattr(sc, "DENSE_CELLS", 10**9 if dense else 0)
     scan = sc.ProbeScan(space, q, own, depth, enter=enter, floor=floor)
     assert (scan.S is not None) == dense
@@ -441,6 +448,11 @@ def test_the_probe_scan_keeps_what_the_whole_rows_give(tmp_path, monkeypatch, de
     np.testing.assert_array_equal(scan.q_min, masked.min(1))
     bb, gg = np.divmod(rng.choice(S.size, 300, replace=False), space.n)  # recorded or computed alike
     np.testing.assert_allclose(scan.at(bb, gg), S[bb, gg], rtol=1e-5, atol=1e-6)
+    if not dense:  # the pairs read later for a decision are the pass's own scores, recorded
+        watched = sc.ProbeScan(space, q, own, depth, enter=enter, floor=floor, watch=(bb, gg))
+        lb, lg = scan.below.pairs()
+        for wb, wg in ((bb, gg), (lb, lg)):
+            np.testing.assert_array_equal(watched.at(wb, wg), S[wb, wg])
 
 
 def test_pairs_are_the_boolean_matrix_they_stand_for():

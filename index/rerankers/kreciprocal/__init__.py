@@ -26,7 +26,7 @@ from .cache import digest, gallery_similarities, remembered_terms
 from .engine import support_index, terms, whole_gallery
 from .paper import final_distance
 from .scan import ProbeScan
-from .sets import ProbeBatch, gallery_sets, reverse_lists
+from .sets import ProbeBatch, gallery_sets, gather, reverse_lists
 
 # probes re-ranked together: one pass over the keys and one vectorised pass of the sets.  The set
 # work grows faster than the batch (its sorts), the pass's share of the keys shrinks with it: a
@@ -82,8 +82,14 @@ def kreciprocal(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: 
         """One batch's terms, returned (never written into shared state): (pools, d_J, d)."""
         q, own = queries[a: a + step], self_ids[a: a + step]
         # one pass over the gallery: each probe's place in every list, its largest distance, its candidates
+        watch = None
+        if reverse is not None:  # the lists that lose a leave-one-out probe's own row: the probe is put into them
+            has = np.flatnonzero(own >= 0)
+            ptr, src = reverse[p.k1]
+            i, at = gather(ptr, own[has])
+            watch = (has[i], src[at].astype(np.int64))
         scan = ProbeScan(space, q, own, depth, enter=lists[1][:, p.k1] if offline is not None else None,
-                         floor=ext["min1"] if support is not None else None)
+                         floor=ext["min1"] if support is not None else None, watch=watch)
         s_qq = np.einsum("qd,qd->q", space.transform(q), space.key(q))
         batch = ProbeBatch(space, lists, ext, scan, s_qq, own, p.k1, offline, reverse)
         if support is not None:

@@ -267,4 +267,4 @@ def first_outside(scan: ProbeScan, j: int, taken: Pairs, k: int, pool: int | Non
     rows = top_rows(s[None], np.array([scan.own[j]]), k)[0]
     rows = rows[rows >= 0]
     rows = rows[np.isfinite(s[rows])]
-    return rows, s[rows]
+    return rows, scan.at(np.full(len(rows), j), rows)  # the pass's scores where it kept them

@@ -114,10 +114,13 @@ class ProbeScan:
     below        the pairs with s(p, g) < floor[g] (a row's least similarity: the probe becomes
                  g's least similar item)
     q_min        each probe's least similarity over the gallery, its own row left out (+inf: none)
+    `watch` (b, g): pairs whose scores the pass records too (those read later, so that every
+    score a decision reads comes from the pass's one product).
     `at(b, g)` reads s(p_b, g): the recorded score where the pass kept it, computed otherwise."""
 
     def __init__(self, space: MetricSpace, v: np.ndarray, own: np.ndarray, depth: int,
-                 enter: np.ndarray | None = None, floor: np.ndarray | None = None):
+                 enter: np.ndarray | None = None, floor: np.ndarray | None = None,
+                 watch: tuple[np.ndarray, np.ndarray] | None = None):
         self.space, self.v, self.own = space, v, own
         self.B, self.n = B, n = len(v), space.n
         self.depth = depth = min(depth, n)
@@ -126,6 +129,7 @@ class ProbeScan:
         best = Best(B, depth)
         ent: list[tuple[np.ndarray, ...]] = []
         low: list[tuple[np.ndarray, ...]] = []
+        seen: list[tuple[np.ndarray, ...]] = []
         has = np.flatnonzero(own >= 0)
         # a small gallery's rows are kept whole: the pairs asked later are then read, not computed
         self.S = np.empty((B, n), dtype=np.float32) if B * n <= DENSE_CELLS else None
@@ -141,7 +145,10 @@ class ProbeScan:
                 rows = np.flatnonzero(lo < floor[a:z].max(initial=-np.inf))  # only rows that can go below
                 if len(rows):
                     f = np.flatnonzero((S[rows] < floor[a:z]).ravel())
-                    low.append((rows[f // w], f % w + a))
+                    low.append((rows[f // w], f % w + a, S[rows].ravel()[f]))
+            if watch is not None:
+                in_block = (watch[1] >= a) & (watch[1] < z)
+                seen.append((watch[0][in_block], watch[1][in_block], S[watch[0][in_block], watch[1][in_block] - a]))
             mine = has[(own[has] >= a) & (own[has] < z)]
             if len(mine):  # the own row is not in the probe's universe
                 S[mine, own[mine] - a] = np.inf
@@ -150,15 +157,15 @@ class ProbeScan:
             np.minimum(self.q_min, lo, out=self.q_min)
             if not depth:
                 continue
-            if w <= depth or np.isneginf(best.theta).all():
-                if w > depth:  # the first block: its depth best per row, exactly
-                    cols = np.argpartition(S, w - depth, axis=1)[:, w - depth:]
-                else:
-                    cols = np.broadcast_to(np.arange(w), S.shape)
-                bb = np.broadcast_to(np.arange(B)[:, None], cols.shape).ravel()
-                cc = cols.ravel()
+            if w <= depth:
+                bb, cc = np.divmod(np.arange(B * w), w)
             else:
-                f = np.flatnonzero((S >= best.theta[:, None]).ravel())
+                # the first block: its depth best per row and every tie of the depth-th (a tie
+                # left out here could not come back: later blocks add only what reaches theta)
+                th = best.theta
+                if np.isneginf(th).all():
+                    th = np.partition(S, w - depth, axis=1)[:, w - depth]
+                f = np.flatnonzero((S >= th[:, None]).ravel())
                 bb, cc = f // w, f % w
             best.add(bb, cc + a, S[bb, cc])  # bb is by row (row-major) either way
         self.top, self.top_s = best.result(own)
@@ -167,7 +174,7 @@ class ProbeScan:
         self.entered = tuple(e) if enter is not None else None
         self.below: Pairs | None = None
         if floor is not None:
-            lb, lg = (np.concatenate(c) for c in zip(*low, strict=True)) if low else ([], [])
+            lb, lg, ls = (np.concatenate(c) for c in zip(*low, strict=True)) if low else ([], [], [])
             self.below = Pairs.of(lb, lg, n)
         # every score the pass kept, for `at`
         okt = self.top >= 0
@@ -177,6 +184,14 @@ class ProbeScan:
             rb.append(e[0])
             rg.append(e[1])
             rs.append(e[2])
+        if floor is not None and low:
+            rb.append(np.asarray(lb))
+            rg.append(np.asarray(lg))
+            rs.append(np.asarray(ls))
+        for wb, wg, ws in seen:
+            rb.append(wb)
+            rg.append(wg)
+            rs.append(ws)
         codes = np.concatenate(rb).astype(np.int64) * n + np.concatenate(rg)
         self._codes, first = np.unique(codes, return_index=True)
         self._vals = np.concatenate(rs).astype(np.float32)[first]
