@@ -224,7 +224,7 @@ def whole_gallery(batch: ProbeBatch, p: KReciprocalParams, support: dict, revers
     pools[fb, np.arange(len(fb)) - np.repeat(np.cumsum(per) - per, per)] = fg
     dj_fresh, do_fresh = terms(batch, pools, p)
     # the rest: the first k in the plain order outside both (and inside the pool)
-    taken = fresh | Pairs(uk, n)
+    taken = (fresh, Pairs(uk, n))  # two sorted sets, each looked up (their union is a sort of both)
     rm = batch.row_max(batch.probe())
     o_start = np.searchsorted(ob, np.arange(B + 1))
     s_o = scan.at(ob, og)
@@ -248,20 +248,24 @@ def whole_gallery(batch: ProbeBatch, p: KReciprocalParams, support: dict, revers
     return out
 
 
-def first_outside(scan: ProbeScan, j: int, taken: Pairs, k: int, pool: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """Probe j's first k rows in the plain order outside `taken` (and within its first `pool`),
-    with their scores: from the scan's top rows, or, where those run out before k are found and
-    the probe's universe holds more, from its whole row."""
+def first_outside(scan: ProbeScan, j: int, taken: tuple[Pairs, ...], k: int,
+                  pool: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Probe j's first k rows in the plain order outside every set of `taken` (and within its first
+    `pool`), with their scores: from the scan's top rows, or, where those run out before k are
+    found and the probe's universe holds more, from its whole row."""
     top, top_s = scan.top[j], scan.top_s[j]
     if pool is not None:
         top, top_s = top[:pool], top_s[:pool]
-    ok = (top >= 0) & ~taken.has(j, top)
+    ok = top >= 0
+    for t in taken:
+        ok &= ~t.has(j, top)
     if ok.sum() >= k or pool is not None or (top >= 0).sum() < scan.depth:
         at = np.flatnonzero(ok)[:k]
         return top[at], top_s[at]
     s = scan.row(j)
-    mine = taken.codes[(taken.codes >= j * scan.n) & (taken.codes < (j + 1) * scan.n)]
-    s[mine - j * scan.n] = -np.inf
+    for t in taken:
+        mine = t.codes[(t.codes >= j * scan.n) & (t.codes < (j + 1) * scan.n)]
+        s[mine - j * scan.n] = -np.inf
     if scan.own[j] >= 0:
         s[scan.own[j]] = -np.inf
     rows = top_rows(s[None], np.array([scan.own[j]]), k)[0]
