@@ -90,7 +90,8 @@ def kreciprocal(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: 
             watch = (has[i], src[at].astype(np.int64))
         scan = ProbeScan(space, q, own, depth, enter=lists[1][:, p.k1] if offline is not None else None,
                          floor=ext["min1"] if support is not None else None, watch=watch)
-        s_qq = np.einsum("qd,qd->q", space.transform(q), space.key(q))
+        assert scan.t is not None  # a scanned batch (not ProbeScan.none)
+        s_qq = np.einsum("qd,qd->q", scan.t, space.key(q))  # the pass's t(q)
         batch = ProbeBatch(space, lists, ext, scan, s_qq, own, p.k1, offline, reverse)
         if support is not None:
             return whole_gallery(batch, p, support, reverse_k2, k, pool if pool < space.n else None)

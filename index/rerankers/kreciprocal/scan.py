@@ -15,6 +15,15 @@ GATHER_PAIRS = 1 << 15  # keys gathered at a time for the pairs computed when as
 DENSE_CELLS = 1 << 24  # a batch's whole rows are kept up to this many cells (64 MB): a look-up is cheaper than a dot
 
 
+def find(keys: np.ndarray, c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each of `c` sits in the sorted unique `keys`: (position, found) of c's shape."""
+    c = np.asarray(c)
+    if not len(keys):
+        return np.zeros(c.shape, dtype=np.int64), np.zeros(c.shape, dtype=bool)
+    pos = np.minimum(np.searchsorted(keys, c), len(keys) - 1)
+    return pos, keys[pos] == c
+
+
 class Pairs:
     """A set of (probe, gallery row) pairs, as sorted unique codes b·n + g: the sparse form of a
     B × n boolean matrix whose entries are few."""
@@ -28,11 +37,7 @@ class Pairs:
         return cls(np.unique(c), n)
 
     def has(self, b, g) -> np.ndarray:
-        c = np.asarray(b, dtype=np.int64) * self.n + np.asarray(g, dtype=np.int64)
-        if not len(self.codes):
-            return np.zeros(c.shape, dtype=bool)
-        at = np.minimum(np.searchsorted(self.codes, c), len(self.codes) - 1)
-        return self.codes[at] == c
+        return find(self.codes, np.asarray(b, dtype=np.int64) * self.n + np.asarray(g, dtype=np.int64))[1]
 
     def pairs(self) -> tuple[np.ndarray, np.ndarray]:
         """(b, g), by probe then row: np.nonzero's order of the dense matrix."""
@@ -72,10 +77,9 @@ class Best:
             self.cut(over)
         need = int((self.fill + new).max(initial=0))
         if need > self.cap:  # more in one go than a cut leaves room for
-            grow = need
-            self.s = np.pad(self.s, ((0, 0), (0, grow)), constant_values=-np.inf)
-            self.g = np.pad(self.g, ((0, 0), (0, grow)), constant_values=-1)
-            self.cap += grow
+            self.s = np.pad(self.s, ((0, 0), (0, need)), constant_values=-np.inf)
+            self.g = np.pad(self.g, ((0, 0), (0, need)), constant_values=-1)
+            self.cap += need
         start = np.searchsorted(b, np.arange(B))
         pos = self.fill[b] + np.arange(len(b)) - start[b]
         self.s[b, pos], self.g[b, pos] = s, g
@@ -144,9 +148,10 @@ class ProbeScan:
             if floor is not None:
                 rows = np.flatnonzero(lo < floor[a:z].max(initial=-np.inf))  # only rows that can go below
                 if len(rows):
-                    f = np.flatnonzero((S[rows] < floor[a:z]).ravel())
-                    low.append((rows[f // w], f % w + a, S[rows].ravel()[f]))
-            if watch is not None:
+                    Sr = S[rows]
+                    f = np.flatnonzero((Sr < floor[a:z]).ravel())
+                    low.append((rows[f // w], f % w + a, Sr.ravel()[f]))
+            if watch is not None and self.S is None:
                 in_block = (watch[1] >= a) & (watch[1] < z)
                 seen.append((watch[0][in_block], watch[1][in_block], S[watch[0][in_block], watch[1][in_block] - a]))
             mine = has[(own[has] >= a) & (own[has] < z)]
@@ -176,22 +181,20 @@ class ProbeScan:
         if floor is not None:
             lb, lg, ls = (np.concatenate(c) for c in zip(*low, strict=True)) if low else ([], [], [])
             self.below = Pairs.of(lb, lg, n)
-        # every score the pass kept, for `at`
+        self._codes, self._vals = np.zeros(0, np.int64), np.zeros(0, np.float32)
+        if self.S is None:
+            self._keep(e if enter is not None else None, (lb, lg, ls) if floor is not None and low else None, seen)
+
+    def _keep(self, entered, below, seen) -> None:
+        """Every score the pass kept (top rows, entered, below, watched pairs), for `at`."""
+        B, n = self.B, self.n
         okt = self.top >= 0
         rb = [np.broadcast_to(np.arange(B)[:, None], self.top.shape)[okt]]
         rg, rs = [self.top[okt]], [self.top_s[okt]]
-        if enter is not None:
-            rb.append(e[0])
-            rg.append(e[1])
-            rs.append(e[2])
-        if floor is not None and low:
-            rb.append(np.asarray(lb))
-            rg.append(np.asarray(lg))
-            rs.append(np.asarray(ls))
-        for wb, wg, ws in seen:
-            rb.append(wb)
-            rg.append(wg)
-            rs.append(ws)
+        for pb, pg, ps in [*(x for x in (entered, below) if x is not None), *seen]:
+            rb.append(np.asarray(pb))
+            rg.append(np.asarray(pg))
+            rs.append(np.asarray(ps))
         codes = np.concatenate(rb).astype(np.int64) * n + np.concatenate(rg)
         self._codes, first = np.unique(codes, return_index=True)
         self._vals = np.concatenate(rs).astype(np.float32)[first]
@@ -216,13 +219,9 @@ class ProbeScan:
             return out
         if self.S is not None:
             return self.S[b, g]
-        c = (b * self.n + g).ravel()
         flat = out.reshape(-1)
-        hit = np.zeros(len(c), dtype=bool)
-        if len(self._codes):
-            at = np.minimum(np.searchsorted(self._codes, c), len(self._codes) - 1)
-            hit = self._codes[at] == c
-            flat[hit] = self._vals[at[hit]]
+        at, hit = find(self._codes, (b * self.n + g).ravel())
+        flat[hit] = self._vals[at[hit]]
         miss = np.flatnonzero(~hit)
         bm, gm = b.ravel()[miss], g.ravel()[miss]
         for a in range(0, len(miss), GATHER_PAIRS):

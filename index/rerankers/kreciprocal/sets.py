@@ -11,7 +11,7 @@ from ...threads import in_threads
 from ..neighbours import reverse_index, without
 from .cache import gallery_similarities
 from .paper import half
-from .scan import Pairs, ProbeScan
+from .scan import Pairs, ProbeScan, find
 
 SET_CELLS = 1 << 23  # the offline sets' reverse checks per block (64 MB of int64)
 
@@ -36,10 +36,8 @@ def unique_inverse(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def lookup(keys: np.ndarray, values: np.ndarray, at: np.ndarray) -> np.ndarray:
     """A sparse vector (sorted unique keys, values) read at `at` (0 where it has no entry)."""
-    if not len(keys):
-        return np.zeros(np.shape(at))
-    pos = np.minimum(np.searchsorted(keys, at), len(keys) - 1)
-    return np.where(keys[pos] == at, values[pos], 0.0)
+    pos, found = find(keys, at)
+    return np.where(found, values[pos], 0.0) if len(keys) else np.zeros(np.shape(at))
 
 
 def top_rows(S: np.ndarray, own: np.ndarray, m: int) -> np.ndarray:
