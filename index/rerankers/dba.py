@@ -90,21 +90,32 @@ def dba(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: int, *, 
     rev, ptr = _reverse(space, params, aug)
     t = space.transform(queries)
     k = min(k, space.n)
-    sc, found = _search(aug["keys"], t, k)
-    rows, scores = found.astype(np.int64), sc.astype(np.float32)
-    for b in np.nonzero(self_ids >= 0)[0]:
-        rows[b], scores[b] = _leave_one_out(space, params, aug["keys"], rev, ptr, t[b], int(self_ids[b]), k)
+    loo = np.flatnonzero(self_ids >= 0)
+    plain = np.flatnonzero(self_ids < 0)
+    rows = np.full((len(queries), k), -1, dtype=np.int64)
+    scores = np.full((len(queries), k), -np.inf, dtype=np.float32)
+    if len(plain):
+        sc, found = _search(aug["keys"], t[plain], k)
+        rows[plain], scores[plain] = found, sc
+    if len(loo):
+        # one batched scan for every leave-one-out query, deep enough for the one whose item
+        # has the most reverse neighbours (each query drops its item and those)
+        drop = self_ids[loo].astype(np.int64)
+        kk = min(space.n, k + int((ptr[drop + 1] - ptr[drop]).max()) + 1)
+        sc, found = _search(aug["keys"], t[loo], kk)
+        for j, b in enumerate(loo):
+            rows[b], scores[b] = _leave_one_out(space, params, rev, ptr, t[b], int(self_ids[b]), k,
+                                                found[j], sc[j])
     return space.hits(rows, scores)
 
 
-def _leave_one_out(space: MetricSpace, p: DBAParams, aug_keys: np.ndarray, rev: np.ndarray, ptr: np.ndarray,
-                   t: np.ndarray, i: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """One query's top k against the gallery augmented without item i."""
+def _leave_one_out(space: MetricSpace, p: DBAParams, rev: np.ndarray, ptr: np.ndarray, t: np.ndarray, i: int,
+                   k: int, found: np.ndarray, sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One query's top k against the gallery augmented without item i, from its top
+    (k + |reverse neighbours of i| + 1 or more) against the cached augmentation."""
     affected = rev[ptr[i]: ptr[i + 1]]
-    kk = min(space.n, k + len(affected) + 1)
-    sc, found = _search(aug_keys, t[None], kk)
-    ok = (found[0] >= 0) & (found[0] != i) & ~np.isin(found[0], affected)
-    rows, scores = found[0][ok].astype(np.int64), sc[0][ok].astype(np.float32)
+    ok = (found >= 0) & (found != i) & ~np.isin(found, affected)
+    rows, scores = found[ok].astype(np.int64), sc[ok].astype(np.float32)
     if len(affected):
         lists, sims = neighbour_lists(space, p.n + 2)
         nb, s = _without_self(lists[affected], sims[affected], affected, np.full(len(affected), i), p.n)
