@@ -5,7 +5,9 @@ space's artefacts (`space.artefact`); a leave-one-out query removes its own row 
 which is why every list is stored one entry longer than any re-ranker reads.  Above
 APPROXIMATE_ABOVE items (PSD M′) both come from one HNSW index, every score re-computed exactly:
 the lists from a search for the most similar items, the extremes from one for the least similar
-(a search for −Fᵀ key(x)).
+(a search for −Fᵀ key(x)).  Where Fᵀ key(x) has more than GRAPH_DIM dimensions, the graph holds
+its projection onto the top GRAPH_DIM principal directions (`graph`), and each search asks for
+WIDEN times as many candidates before the exact re-scoring.
 """
 from __future__ import annotations
 
@@ -26,6 +28,11 @@ EXACT_MAX = 500_000
 HNSW = {"M": 32, "ef_construction": 80, "ef_search": 128}  # ef_search: at least twice the list length
 SCAN_CELLS = 1 << 23  # cells per full-scan block in the minima pass (rows × n float32: 32 MB)
 EXTREME_CANDIDATES = 8  # least similar candidates per item from the HNSW index, each re-scored exactly
+# the graph's vectors have at most GRAPH_DIM dimensions: a 1,280-d key costs ten times as much per
+# distance, and 128 principal directions keep the candidates (measured: docs/reranking.md)
+GRAPH_DIM = 128
+WIDEN = 2  # candidates per kept entry searched in a projected graph
+PROJECTION_SAMPLE = 65_536  # gallery items (a seeded draw) whose second moment gives the projection
 
 
 def stored_length(L: int, n: int) -> int:
@@ -49,13 +56,15 @@ def neighbour_lists(space: MetricSpace, L: int) -> tuple[np.ndarray, np.ndarray]
                             f"(--cache-memory {memory_budget() / 2**30:.1f}G); ask for fewer neighbours")
         if approximate:
             assert F is not None
-            index = hnsw_index(space, F)
+            G = graph_basis(space, F)
+            index = hnsw_index(space, G)
             # the extremes from the same graph while it is at hand (row_extremes reads them)
-            space.artefact("extremes", HNSW, lambda: approximate_extremes(space, F, index))
-            return approximate_lists(space, F, Ls, index)
+            space.artefact("extremes", params, lambda: approximate_extremes(space, G, index, widen))
+            return approximate_lists(space, G, Ls, index, widen)
         refuse_exact_scan(space, "neighbour lists")
         return exact_lists(space, np.arange(space.n), Ls)
-    got = space.artefact("knn", HNSW if approximate else None, build, stale=lambda got: got["rows"].shape[1] < L)
+    params, widen = graph_params(F) if approximate else (None, 1)
+    got = space.artefact("knn", params, build, stale=lambda got: got["rows"].shape[1] < L)
     return got["rows"][:, :L], got["sims"][:, :L]
 
 
@@ -78,6 +87,32 @@ def exact_lists(space: MetricSpace, items: np.ndarray, Ls: int) -> dict[str, np.
     return {"rows": rows, "sims": sims}
 
 
+def graph_params(F: np.ndarray) -> tuple[dict, int]:
+    """(params, widen): the name of the HNSW artefacts over Fᵀ key(x) (projected or not, see
+    `graph_basis`) and how many candidates per kept entry their searches ask for."""
+    if F.shape[1] <= GRAPH_DIM:
+        return HNSW, 1
+    return HNSW | {"dim": GRAPH_DIM, "widen": WIDEN, "sample": PROJECTION_SAMPLE}, WIDEN
+
+
+def graph_basis(space: MetricSpace, F: np.ndarray) -> np.ndarray:
+    """G, the HNSW graph holding Gᵀ key(x): F where F has at most GRAPH_DIM columns; otherwise
+    F V, V the top GRAPH_DIM eigenvectors of the second moment of Fᵀ key(x) over a seeded draw
+    of PROJECTION_SAMPLE items (not centred: it is inner products the graph approximates)."""
+    if F.shape[1] <= GRAPH_DIM:
+        return F
+
+    def build():
+        rows = np.random.default_rng(0).choice(space.n, min(space.n, PROJECTION_SAMPLE), replace=False)
+        C = np.zeros((F.shape[1], F.shape[1]))
+        for a in range(0, len(rows), BLOCK):
+            Y = space.gallery_vectors(np.sort(rows[a: a + BLOCK])) @ F
+            C += (Y.T @ Y).astype(np.float64)
+        _, V = np.linalg.eigh(C)  # ascending
+        return {"G": np.ascontiguousarray(F @ V[:, ::-1][:, :GRAPH_DIM].astype(np.float32))}
+    return space.artefact("graph-basis", graph_params(F)[0], build, disk=False)["G"]
+
+
 def hnsw_index(space: MetricSpace, F: np.ndarray) -> faiss.IndexHNSWFlat:
     """An HNSW inner-product index over Fᵀ key(x) (M′ = F Fᵀ, so its inner product is s)."""
     index = faiss.IndexHNSWFlat(F.shape[1], HNSW["M"], faiss.METRIC_INNER_PRODUCT)
@@ -88,20 +123,22 @@ def hnsw_index(space: MetricSpace, F: np.ndarray) -> faiss.IndexHNSWFlat:
 
 
 def approximate_lists(space: MetricSpace, F: np.ndarray, Ls: int,
-                      index: faiss.IndexHNSWFlat | None = None) -> dict[str, np.ndarray]:
-    """Each item's top Ls from the HNSW index (built here when not given), re-scored exactly and
-    sorted best first; an item whose search came back short is searched exactly."""
+                      index: faiss.IndexHNSWFlat | None = None, widen: int = 1) -> dict[str, np.ndarray]:
+    """Each item's top Ls from the HNSW index over Fᵀ key(x) (built here when not given): the
+    top widen × Ls found, re-scored exactly, the best Ls kept best first; an item whose search
+    came back short is searched exactly."""
     index = hnsw_index(space, F) if index is None else index
-    index.hnsw.efSearch = max(HNSW["ef_search"], 2 * Ls)
+    C = min(space.n, widen * Ls)
+    index.hnsw.efSearch = max(HNSW["ef_search"], 2 * C)
     rows = np.empty((space.n, Ls), dtype=np.int32)
     sims = np.empty((space.n, Ls), dtype=np.float32)
     for s in range(0, space.n, BLOCK):
         idx = np.arange(s, min(s + BLOCK, space.n))
         keys = space.gallery_vectors(idx)
-        _, cand = index.search(np.ascontiguousarray(keys @ F), Ls)
+        _, cand = index.search(np.ascontiguousarray(keys @ F), C)
         cand = cand.astype(np.int64)
         exact = space.score(keys, cand)  # −inf where the search returned no row
-        order = np.argsort(-exact, axis=1, kind="stable")
+        order = np.argsort(-exact, axis=1, kind="stable")[:, :Ls]
         rows[idx], sims[idx] = np.take_along_axis(cand, order, 1), np.take_along_axis(exact, order, 1)
     short = np.flatnonzero((rows < 0).any(1))
     if len(short):
@@ -110,11 +147,11 @@ def approximate_lists(space: MetricSpace, F: np.ndarray, Ls: int,
     return {"rows": rows, "sims": sims}
 
 
-def approximate_extremes(space: MetricSpace, F: np.ndarray,
-                         index: faiss.IndexHNSWFlat | None = None) -> dict[str, np.ndarray]:
+def approximate_extremes(space: MetricSpace, F: np.ndarray, index: faiss.IndexHNSWFlat | None = None,
+                         widen: int = 1) -> dict[str, np.ndarray]:
     """row_extremes from the HNSW index: each item's least similar items are the most similar to
-    −Fᵀ key(x); the EXTREME_CANDIDATES found and x itself are scored exactly, so each minimum is
-    an exact similarity, at least the true minimum."""
+    −Fᵀ key(x); the widen × EXTREME_CANDIDATES found and x itself are scored exactly, so each
+    minimum is an exact similarity, at least the true minimum."""
     index = hnsw_index(space, F) if index is None else index
     index.hnsw.efSearch = HNSW["ef_search"]
     n = space.n
@@ -123,7 +160,7 @@ def approximate_extremes(space: MetricSpace, F: np.ndarray,
     for s in range(0, n, BLOCK):
         idx = np.arange(s, min(s + BLOCK, n))
         keys = space.gallery_vectors(idx)
-        _, cand = index.search(np.ascontiguousarray(-(keys @ F)), EXTREME_CANDIDATES)
+        _, cand = index.search(np.ascontiguousarray(-(keys @ F)), min(n, widen * EXTREME_CANDIDATES))
         cand = np.concatenate([idx[:, None], cand.astype(np.int64)], axis=1)  # x itself: as the exact pass sees it
         S = space.score(keys, cand)
         S[:, 1:][(cand[:, 1:] < 0) | (cand[:, 1:] == idx[:, None])] = np.inf  # none found, or x twice
@@ -142,7 +179,9 @@ def row_extremes(space: MetricSpace) -> dict[str, np.ndarray]:
     the first).  Above APPROXIMATE_ABOVE items (PSD M′) from the HNSW index (`approximate_extremes`)."""
     F = space.factor() if space.n > APPROXIMATE_ABOVE else None
     if F is not None and F.shape[1] > 0:
-        return space.artefact("extremes", HNSW, lambda: approximate_extremes(space, F))
+        params, widen = graph_params(F)
+        return space.artefact("extremes", params, lambda: approximate_extremes(space, graph_basis(space, F),
+                                                                                widen=widen))
 
     def compute():
         refuse_exact_scan(space, "row extremes")

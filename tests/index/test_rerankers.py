@@ -980,3 +980,41 @@ def test_approximate_neighbour_lists_against_the_exact_ones(tmp_path, monkeypatc
     monkeypatch.setattr(nb, "APPROXIMATE_ABOVE", 10**9)
     CACHE.clear()
     np.testing.assert_array_equal(nb.neighbour_lists(indefinite, 30)[0], r_ind)
+
+
+def test_a_projected_graph_keeps_the_lists_and_extremes(tmp_path, monkeypatch):
+    """Keys of more than GRAPH_DIM dimensions go into the HNSW graph projected onto their top
+    principal directions (the uncentred second moment: the right singular vectors of the keys),
+    searched WIDEN times as deep: the lists still hold ≥ 95 % of the exact top L with exact
+    scores, the extremes are exact scores never below the true minimum, and the artefacts are
+    named apart from an unprojected graph's."""
+    import index.rerankers.neighbours as nb
+
+    x, lab, W = features(n=1500, seed=7)
+    x[:, 8:] *= 0.3  # as trunk features are, most of the energy in fewer directions than dimensions
+    searcher = build(tmp_path / "idx", x, lab, W)
+    space = space_for(searcher, "identity", {}, "cosine")  # F: D = 16 columns
+    exact_rows, _ = nb.neighbour_lists(space, 30)
+    exact_ext = nb.row_extremes(space)
+    monkeypatch.setattr(nb, "APPROXIMATE_ABOVE", 0)
+    monkeypatch.setattr(nb, "GRAPH_DIM", 8)
+    F = space.factor()
+    G = nb.graph_basis(space, F)
+    assert G.shape == (D, 8)
+    keys = space.gallery_vectors(np.arange(len(x)))  # every item is in the sample (n < PROJECTION_SAMPLE)
+    top = np.linalg.svd(keys @ F, full_matrices=False)[2][:8].T  # in F's coordinates
+    basis = np.linalg.lstsq(F, G, rcond=None)[0]
+    proj = lambda B: B @ np.linalg.pinv(B)  # noqa: E731  (the projector onto B's columns)
+    np.testing.assert_allclose(proj(basis), proj(top), atol=1e-3)
+    params, widen = nb.graph_params(F)
+    assert widen == nb.WIDEN > 1 and params["dim"] == 8
+    rows, sims = nb.neighbour_lists(space, 30)
+    assert space.held("knn", params) and not space.held("knn", nb.HNSW)
+    assert (rows[:, :, None] == exact_rows[:, None, :]).any(1).mean() >= 0.95
+    np.testing.assert_array_equal(sims, space.score(keys, rows.astype(np.int64)))
+    assert (np.diff(sims, axis=1) <= 0).all()
+    ext = nb.row_extremes(space)
+    assert space.held("extremes", params)
+    np.testing.assert_array_equal(ext["min1"], space.score(keys, ext["arg1"][:, None])[:, 0])
+    assert (ext["min1"] >= exact_ext["min1"] - 1e-5).all() and (ext["arg1"] == exact_ext["arg1"]).mean() >= 0.95
+    assert nb.graph_basis(space, F[:, :8]) is not None and nb.graph_params(F[:, :8]) == (nb.HNSW, 1)
