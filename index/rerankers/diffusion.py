@@ -17,6 +17,7 @@ from scipy import sparse
 from core.params import param
 
 from ..space import Hits, MetricSpace
+from ..threads import in_threads
 from .neighbours import neighbour_lists, reverse_index, without
 from .registry import RERANKERS, WHOLE_GALLERY, candidates
 
@@ -265,7 +266,11 @@ def diffusion(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: in
     if p.truncation >= space.n:
         seeds, _ = candidates(first, self_ids, p.kq)
         step = max(1, min(len(queries), BATCH_CELLS // space.n))
-        for a in range(0, len(queries), step):
+        whole_graph(space, p)  # built once, before the threads read it
+        if (self_ids >= 0).any():
+            reverse_index(space, neighbour_lists(space, p.k + 1)[0], p.k, f"diffusion-reverse-{p.k}")
+
+        def batch(a: int) -> None:  # batches are independent: the sparse products release the GIL
             part = slice(a, a + step)
             F = _diffuse_whole(space, queries[part], seeds[part], self_ids[part], p)
             for j in range(F.shape[1]):
@@ -278,6 +283,7 @@ def diffusion(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: in
                 s = space.score(queries[a + j: a + j + 1], rows)[0] if p.ties == "score" else None
                 r, v = _ranked(f[rows], rows, k, s)
                 out_r[a + j, : len(r)], out_s[a + j, : len(r)] = r, v
+        in_threads(batch, range(0, len(queries), step))
         return space.hits(out_r, out_s)
     lists, sims = neighbour_lists(space, p.k + 1)  # + 1: a leave-one-out row may drop out
     if first.k < min(p.truncation + int((self_ids >= 0).any()), space.n):

@@ -580,6 +580,33 @@ def test_a_gallery_item_as_query_is_reranked_as_if_it_were_not_in_the_gallery(tm
     assert_as_if_left_out(tmp_path, name, rparams, x, lab, W, np.array([3, 40, 77, 149]), 10, strategy, params, mode)
 
 
+def test_diffusion_batches_in_threads_change_nothing(tmp_path, monkeypatch):
+    """The whole-gallery diffusion's query batches solved in parallel threads give the
+    sequential answer, leave-one-out rows among them."""
+    import faiss
+
+    import index.rerankers.diffusion as dif
+
+    x, lab, W = features(n=300, seed=5)
+    searcher = build(tmp_path / "idx", x, lab, W)
+    own = np.concatenate([[-1, -1], np.arange(0, 300, 29)])
+    q = np.vstack([queries(x, 2, seed=6), x[own[2:]]])
+    monkeypatch.setattr(dif, "BATCH_CELLS", 3 * 300)  # batches of 3 queries
+    before = faiss.omp_get_max_threads()
+    try:
+        faiss.omp_set_num_threads(2)
+        threaded = rerank("diffusion", space_for(searcher, "trained", {}, "cosine"), q, 20, params={"k": 10},
+                          self_ids=own)
+        faiss.omp_set_num_threads(1)
+        CACHE.clear()
+        seq = rerank("diffusion", space_for(searcher, "trained", {}, "cosine"), q, 20, params={"k": 10},
+                     self_ids=own)
+    finally:
+        faiss.omp_set_num_threads(before)
+    np.testing.assert_array_equal(threaded.rows, seq.rows)
+    np.testing.assert_array_equal(threaded.scores, seq.scores)
+
+
 @pytest.mark.parametrize("rparams", [{"k": 19}, {"k": 20}, {}], ids=["k=n-1", "k=n", "default-k-above-n"])
 def test_diffusion_leave_one_out_on_a_gallery_no_larger_than_k(tmp_path, rparams):
     """Neighbour lists as long as the gallery keep the left-out item at their end; it is gone all the same."""
