@@ -26,6 +26,7 @@ APPROXIMATE_ABOVE = 250_000
 # they scan N² pairs, about 9 CPU-minutes each at 400,000 items and 6 times that at 10⁶
 EXACT_MAX = 500_000
 HNSW = {"M": 32, "ef_construction": 80, "ef_search": 128}  # ef_search: at least twice the list length
+APPROXIMATE_LENGTH = 64  # HNSW lists: diffusion's default k = 50 (+ 1 for a left-out query) included
 SCAN_CELLS = 1 << 23  # cells per full-scan block in the minima pass (rows × n float32: 32 MB)
 EXTREME_CANDIDATES = 8  # least similar candidates per item from the HNSW index, each re-scored exactly
 # the graph's vectors have at most GRAPH_DIM dimensions: a 1,280-d key costs ten times as much per
@@ -35,10 +36,11 @@ WIDEN = 2  # candidates per kept entry searched in a projected graph
 PROJECTION_SAMPLE = 65_536  # gallery items (a seeded draw) whose second moment gives the projection
 
 
-def stored_length(L: int, n: int) -> int:
+def stored_length(L: int, n: int, approximate: bool = False) -> int:
     """Lists are stored at least 32 long, in steps of 16, so that re-rankers asking for
-    somewhat different lengths share one pass."""
-    return min(n, max(32, -(-int(L) // 16) * 16))
+    somewhat different lengths share one pass; from the HNSW index at least APPROXIMATE_LENGTH,
+    so that every re-ranker's default reads one graph (its build is most of the pass)."""
+    return min(n, max(APPROXIMATE_LENGTH if approximate else 32, -(-int(L) // 16) * 16))
 
 
 def neighbour_lists(space: MetricSpace, L: int) -> tuple[np.ndarray, np.ndarray]:
@@ -49,7 +51,7 @@ def neighbour_lists(space: MetricSpace, L: int) -> tuple[np.ndarray, np.ndarray]
     approximate = F is not None and F.shape[1] > 0
 
     def build():
-        Ls = stored_length(L, space.n)
+        Ls = stored_length(L, space.n, approximate)
         if space.n * Ls * 8 > memory_budget():
             raise UserError(f"re-ranking would keep every item's top {Ls} neighbours: "
                             f"{space.n * Ls * 8 / 2**30:.1f} GiB for {space.n:,} items, above the memory budget "
@@ -129,7 +131,7 @@ def approximate_lists(space: MetricSpace, F: np.ndarray, Ls: int,
     came back short is searched exactly."""
     index = hnsw_index(space, F) if index is None else index
     C = min(space.n, widen * Ls)
-    index.hnsw.efSearch = max(HNSW["ef_search"], 2 * C)
+    index.hnsw.efSearch = max(HNSW["ef_search"], 2 * Ls, C)
     rows = np.empty((space.n, Ls), dtype=np.int32)
     sims = np.empty((space.n, Ls), dtype=np.float32)
     for s in range(0, space.n, BLOCK):

@@ -1001,6 +1001,10 @@ def test_approximate_neighbour_lists_against_the_exact_ones(tmp_path, monkeypatc
     assert (np.diff(sims, axis=1) <= 0).all()
     got = rerank("kreciprocal", space, queries(x), 10)
     assert (got.rows >= 0).all()
+    builds = []  # diffusion's default lists (k = 50, + 1) come from the same graph: no second build
+    monkeypatch.setattr(nb, "hnsw_index", lambda *a: builds.append(1))
+    assert nb.neighbour_lists(space, 51)[0].shape == (1500, 51) and not builds
+    np.testing.assert_array_equal(nb.neighbour_lists(space, 51)[0][:, :30], rows)
     indefinite = space_for(searcher, "diagonal", {"r": 0.5, "seed": 1}, "bilinear")
     r_ind, _ = nb.neighbour_lists(indefinite, 30)
     assert indefinite.held("knn", None) and not indefinite.held("knn", nb.HNSW)
