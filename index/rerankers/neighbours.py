@@ -6,7 +6,7 @@ which is why every list is stored one entry longer than any re-ranker reads.  Ab
 APPROXIMATE_ABOVE items (PSD M′) both come from one HNSW index, every score re-computed exactly:
 the lists from a search for the most similar items, the extremes from one for the least similar
 (a search for −Fᵀ key(x)).  Where Fᵀ key(x) has more than GRAPH_DIM dimensions, the graph holds
-its projection onto the top GRAPH_DIM principal directions (`graph`), and each search asks for
+its projection onto the top GRAPH_DIM principal directions (`graph_basis`), and each search asks for
 WIDEN times as many candidates before the exact re-scoring.
 """
 from __future__ import annotations
