@@ -370,8 +370,14 @@ def main():
                     r["run"] = r.get("run", c["run"] - len(runs)) + len(runs)
                 cells = merged(cells, c)
             runs += got["runs"]
-        cells.sort(key=lambda c: (c["level"], STRATEGIES.index(c["strategy"])))
-        write_results(out, runs, cells)
+        # the runs some row still comes from, renumbered in order
+        used = sorted({c["run"] for c in cells} | {r["run"] for c in cells for r in c["rerankers"].values()})
+        new = {old: i for i, old in enumerate(used)}
+        for c in cells:
+            c["run"] = new[c["run"]]
+            for r in c["rerankers"].values():
+                r["run"] = new[r["run"]]
+        write_results(out, [runs[i] for i in used], cells)
         return
     if args.embed_only:
         F, C = real_features(args)
@@ -464,7 +470,7 @@ def write_results(out: Path, runs: list[dict], results: list[dict]) -> None:
 def table(runs: list[dict], cells: list[dict]) -> str:
     meta = runs[-1]
     lines = [f"# Kanji test split with distractors ({meta['date']})", "",
-             "Runs (the cell's run number in the last column):", "",
+             "Runs (each row's run number in its last column):", "",
              *(f"{i}. `{r['command']}` ({r['date']}; {r['threads']} thread(s))" for i, r in enumerate(runs)), "",
              f"{meta['machine']}; CPU time summed over a run's threads; {meta['queries']} test queries "
              f"(a fixed draw), leave-one-out. Distractors up to {meta['real']:,} are real (rendered, embedded); "
