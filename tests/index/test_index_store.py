@@ -193,3 +193,24 @@ def test_select_cli_chooses_on_validation(tiny_run, tmp_path):
     best = max(res["all"], key=lambda row: row["map@r"])
     assert res["strategy"] == best["strategy"] and res["val_map@r"] == pytest.approx(best["map@r"])
     assert {"trace_over_frobenius", "frobenius_over_trace"} <= set(res["principles"])
+
+
+def test_an_in_memory_index_holds_its_gallery_once():
+    """in_memory_index's features are the Flat index's own vectors (no second copy), read-only,
+    and a slice of them outlives the IndexData."""
+    import gc
+
+    import faiss
+
+    from index.backends.store import in_memory_index
+
+    x = np.random.default_rng(0).normal(size=(50, 6)).astype(np.float32)
+    data = in_memory_index(x, np.arange(50) % 5, np.eye(6, dtype=np.float32), normalize=True)
+    f = data.features
+    assert f.ctypes.data == int(faiss.downcast_index(data.faiss_index).get_xb()) and not f.flags.writeable
+    want = x / np.linalg.norm(x, axis=1, keepdims=True)
+    np.testing.assert_allclose(f, want, rtol=1e-6)
+    part = f[10:20]
+    del data, f
+    gc.collect()
+    np.testing.assert_allclose(part, want[10:20], rtol=1e-6)
