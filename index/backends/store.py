@@ -18,6 +18,7 @@ import datetime as _dt
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import faiss
 import numpy as np
@@ -129,8 +130,9 @@ def flat_storage(index: faiss.Index) -> np.ndarray:
     n, d = index.ntotal, index.d
     if not n:
         return np.zeros((0, d), np.float32)
-    buf = (ctypes.c_float * (n * d)).from_address(int(faiss.downcast_index(index).get_xb()))
-    buf.index = index  # type: ignore[attr-defined]
+    flat: Any = faiss.downcast_index(index)
+    buf: Any = (ctypes.c_float * (n * d)).from_address(int(flat.get_xb()))
+    buf.index = index
     out = np.frombuffer(buf, dtype=np.float32).reshape(n, d)
     out.flags.writeable = False
     return out

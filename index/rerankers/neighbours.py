@@ -65,7 +65,7 @@ def neighbour_lists(space: MetricSpace, L: int) -> tuple[np.ndarray, np.ndarray]
             return approximate_lists(space, G, Ls, index, widen)
         refuse_exact_scan(space, "neighbour lists")
         return exact_lists(space, np.arange(space.n), Ls)
-    params, widen = graph_params(F) if approximate else (None, 1)
+    params, widen = graph_params(F) if approximate and F is not None else (None, 1)
     got = space.artefact("knn", params, build, stale=lambda got: got["rows"].shape[1] < L)
     return got["rows"][:, :L], got["sims"][:, :L]
 
