@@ -968,7 +968,7 @@ def test_approximate_row_extremes_against_the_exact_ones(tmp_path, monkeypatch):
     exact = nb.row_extremes(space)
     monkeypatch.setattr(nb, "APPROXIMATE_ABOVE", 0)
     nb.neighbour_lists(space, 30)
-    assert space.held("extremes", nb.HNSW)  # built with the lists, from the same graph
+    assert space.held("extremes", nb.extremes_params(nb.HNSW))  # built with the lists, from one graph
     got = nb.row_extremes(space)
     assert (got["arg1"] == exact["arg1"]).mean() >= 0.99
     keys = space.gallery_vectors(np.arange(len(x)))
@@ -977,7 +977,35 @@ def test_approximate_row_extremes_against_the_exact_ones(tmp_path, monkeypatch):
     assert (got["min1"] >= exact["min1"] - 1e-5).all() and (got["min2"] >= got["min1"]).all()
     assert (got["arg1"] != np.arange(len(x))).all()  # cosine: no item is its own least similar
     CACHE.clear()
-    assert nb.row_extremes(space) is not None and space.held("extremes", nb.HNSW)  # alone, without the lists
+    assert nb.row_extremes(space) is not None  # alone, without the lists
+    assert space.held("extremes", nb.extremes_params(nb.HNSW))
+
+
+def test_the_antipodes_make_the_extremes_exact_where_the_draw_covers_the_gallery(tmp_path, monkeypatch):
+    """The least similar items of a drawn sample are every row's candidates too (`antipodes`):
+    where the draw is the whole gallery, each row's two smallest similarities are among them, so
+    even a graph too weak to find any gives the exact pass's extremes: a row met twice (found
+    by the graph and drawn) is not counted twice in min2."""
+    import index.rerankers.neighbours as nb
+
+    x, lab, W = features(n=600, seed=3)
+    searcher = build(tmp_path / "idx", x, lab, W)
+    space = space_for(searcher, "trained", {}, "cosine")
+    exact = nb.row_extremes(space)
+    monkeypatch.setattr(nb, "APPROXIMATE_ABOVE", 0)
+    monkeypatch.setattr(nb, "EXTREME_SAMPLE", 600)
+    monkeypatch.setitem(nb.HNSW, "M", 4)
+    monkeypatch.setitem(nb.HNSW, "ef_construction", 8)
+    got = nb.row_extremes(space)
+    np.testing.assert_array_equal(got["arg1"], exact["arg1"])
+    np.testing.assert_allclose(got["min1"], exact["min1"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["min2"], exact["min2"], rtol=1e-5, atol=1e-6)
+    assert (got["min2"] > got["min1"]).all()  # no row counted twice (distinct random features: no ties)
+    hubs = nb.antipodes(space)
+    assert len(hubs) < 600 and (np.diff(hubs) > 0).all()  # few, sorted, unique
+    keys = space.gallery_vectors(np.arange(600))
+    bottom = np.argsort(space.score(keys), axis=1)[:, : nb.EXTREME_CANDIDATES + 1]
+    np.testing.assert_array_equal(hubs, np.unique(bottom))
 
 
 def test_approximate_neighbour_lists_against_the_exact_ones(tmp_path, monkeypatch):
@@ -1045,7 +1073,7 @@ def test_a_projected_graph_keeps_the_lists_and_extremes(tmp_path, monkeypatch):
     np.testing.assert_array_equal(sims, space.score(keys, rows.astype(np.int64)))
     assert (np.diff(sims, axis=1) <= 0).all()
     ext = nb.row_extremes(space)
-    assert space.held("extremes", params)
+    assert space.held("extremes", nb.extremes_params(params))
     np.testing.assert_array_equal(ext["min1"], space.score(keys, ext["arg1"][:, None])[:, 0])
     assert (ext["min1"] >= exact_ext["min1"] - 1e-5).all() and (ext["arg1"] == exact_ext["arg1"]).mean() >= 0.95
     assert nb.graph_basis(space, F[:, :8]) is not None and nb.graph_params(F[:, :8]) == (nb.HNSW, 1)
