@@ -32,6 +32,7 @@ EXTREME_CANDIDATES = 8  # least similar candidates per item from the HNSW index,
 # gallery items (a seeded draw) whose exact least similar items are every item's candidates too
 # (`antipodes`): a search for −Fᵀ key(x) lands far from the data, where the graph is weakest
 EXTREME_SAMPLE = 1024
+ANTIPODES = 1024  # at most this many of them, the most often met
 # the graph's vectors have at most GRAPH_DIM dimensions: a 1,280-d key costs ten times as much per
 # distance, and 128 principal directions keep the candidates (measured: docs/reranking.md)
 GRAPH_DIM = 128
@@ -154,23 +155,27 @@ def approximate_lists(space: MetricSpace, F: np.ndarray, Ls: int,
 
 def extremes_params(params: dict | None) -> dict:
     """The name of the HNSW row extremes: the graph's, and the antipodes' draw."""
-    return (params or {}) | {"extreme_sample": EXTREME_SAMPLE}
+    return (params or {}) | {"extreme_sample": EXTREME_SAMPLE, "antipodes": ANTIPODES}
 
 
 def antipodes(space: MetricSpace) -> np.ndarray:
     """The least similar items of a seeded draw of EXTREME_SAMPLE gallery items (each one's
-    EXTREME_CANDIDATES + 1 smallest s, by an exact scan of its row), as sorted unique rows.  The
-    items that are some item's least similar are few (the gallery's extreme points away from the
-    data), so these are the others' too: on 10⁵ trunk features (1,280-d), 1,000 items' give 684
-    rows, with which 99.9 % of other items' least similar item is found, against 49 % from the
-    graph alone (docs/reranking.md)."""
+    EXTREME_CANDIDATES + 1 smallest s, by an exact scan of its row), as sorted unique rows; the
+    ANTIPODES most often met where there are more, so that scoring them against every item costs
+    at most what the draw's scan costs.  The items that are some item's least similar are few
+    where the features are (the gallery's extreme points away from the data), so these are the
+    others' too (measured: docs/reranking.md)."""
     n = space.n
     drawn = np.sort(np.random.default_rng(0).choice(n, min(n, EXTREME_SAMPLE), replace=False))
     p = min(EXTREME_CANDIDATES, n - 1)
     step = max(1, SCAN_CELLS // max(n, 1))
-    found = [np.argpartition(space.score(space.gallery_vectors(drawn[a: a + step])), p, axis=1)[:, : p + 1]
+    # copied out: a slice would keep each block's whole n-wide argpartition alive
+    found = [np.argpartition(space.score(space.gallery_vectors(drawn[a: a + step])), p, axis=1)[:, : p + 1].copy()
              for a in range(0, len(drawn), step)]
-    return np.unique(np.concatenate(found))
+    rows, count = np.unique(np.concatenate(found), return_counts=True)
+    if len(rows) > ANTIPODES:
+        rows = np.sort(rows[np.argsort(-count, kind="stable")[:ANTIPODES]])
+    return rows
 
 
 def approximate_extremes(space: MetricSpace, F: np.ndarray, index: faiss.IndexHNSWFlat | None = None,

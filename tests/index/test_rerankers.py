@@ -994,6 +994,7 @@ def test_the_antipodes_make_the_extremes_exact_where_the_draw_covers_the_gallery
     exact = nb.row_extremes(space)
     monkeypatch.setattr(nb, "APPROXIMATE_ABOVE", 0)
     monkeypatch.setattr(nb, "EXTREME_SAMPLE", 600)
+    monkeypatch.setattr(nb, "ANTIPODES", 600 * (nb.EXTREME_CANDIDATES + 1))  # every one kept
     monkeypatch.setitem(nb.HNSW, "M", 4)
     monkeypatch.setitem(nb.HNSW, "ef_construction", 8)
     got = nb.row_extremes(space)
@@ -1006,6 +1007,11 @@ def test_the_antipodes_make_the_extremes_exact_where_the_draw_covers_the_gallery
     keys = space.gallery_vectors(np.arange(600))
     bottom = np.argsort(space.score(keys), axis=1)[:, : nb.EXTREME_CANDIDATES + 1]
     np.testing.assert_array_equal(hubs, np.unique(bottom))
+    monkeypatch.setattr(nb, "ANTIPODES", 20)  # more than that: the 20 most often met
+    rows, count = np.unique(bottom, return_counts=True)
+    kept = nb.antipodes(space)
+    assert len(kept) == 20 and (np.diff(kept) > 0).all() and np.isin(kept, rows).all()
+    assert count[np.isin(rows, kept)].min() >= count[~np.isin(rows, kept)].max()
 
 
 def test_approximate_neighbour_lists_against_the_exact_ones(tmp_path, monkeypatch):
