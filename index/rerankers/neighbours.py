@@ -167,12 +167,17 @@ def antipodes(space: MetricSpace) -> np.ndarray:
     others' too (measured: docs/reranking.md)."""
     n = space.n
     drawn = np.sort(np.random.default_rng(0).choice(n, min(n, EXTREME_SAMPLE), replace=False))
-    p = min(EXTREME_CANDIDATES, n - 1)
-    step = max(1, SCAN_CELLS // max(n, 1))
-    # copied out: a slice would keep each block's whole n-wide argpartition alive
-    found = [np.argpartition(space.score(space.gallery_vectors(drawn[a: a + step])), p, axis=1)[:, : p + 1].copy()
-             for a in range(0, len(drawn), step)]
-    rows, count = np.unique(np.concatenate(found), return_counts=True)
+    keep = min(EXTREME_CANDIDATES + 1, n)
+    # one pass over the keys for the whole draw (a block of columns at a time), each row's
+    # `keep` smallest carried from block to block
+    low_s = np.full((len(drawn), 0), np.inf, np.float32)
+    low_g = np.zeros((len(drawn), 0), np.int64)
+    for a, _, S in space.score_blocks(space.gallery_vectors(drawn), max(keep, SCAN_CELLS // len(drawn))):
+        s_ = np.concatenate([low_s, S], axis=1)
+        g_ = np.concatenate([low_g, np.broadcast_to(np.arange(a, a + S.shape[1]), S.shape)], axis=1)
+        at = np.argpartition(s_, keep - 1, axis=1)[:, :keep] if s_.shape[1] > keep else np.argsort(s_, axis=1)
+        low_s, low_g = np.take_along_axis(s_, at, 1), np.take_along_axis(g_, at, 1)
+    rows, count = np.unique(low_g, return_counts=True)
     if len(rows) > ANTIPODES:
         rows = np.sort(rows[np.argsort(-count, kind="stable")[:ANTIPODES]])
     return rows

@@ -985,7 +985,8 @@ def test_the_antipodes_make_the_extremes_exact_where_the_draw_covers_the_gallery
     """The least similar items of a drawn sample are every row's candidates too (`antipodes`):
     where the draw is the whole gallery, each row's two smallest similarities are among them, so
     even a graph too weak to find any gives the exact pass's extremes: a row met twice (found
-    by the graph and drawn) is not counted twice in min2."""
+    by the graph and drawn) is not counted twice in min2.  The draw's smallest are carried
+    from block to block of one pass over the keys."""
     import index.rerankers.neighbours as nb
 
     x, lab, W = features(n=600, seed=3)
@@ -995,6 +996,7 @@ def test_the_antipodes_make_the_extremes_exact_where_the_draw_covers_the_gallery
     monkeypatch.setattr(nb, "APPROXIMATE_ABOVE", 0)
     monkeypatch.setattr(nb, "EXTREME_SAMPLE", 600)
     monkeypatch.setattr(nb, "ANTIPODES", 600 * (nb.EXTREME_CANDIDATES + 1))  # every one kept
+    monkeypatch.setattr(nb, "SCAN_CELLS", 600 * 50)  # the draw's pass in blocks of 50 columns
     monkeypatch.setitem(nb.HNSW, "M", 4)
     monkeypatch.setitem(nb.HNSW, "ef_construction", 8)
     got = nb.row_extremes(space)
