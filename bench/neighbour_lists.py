@@ -1,7 +1,8 @@
 """The offline passes of index/rerankers/neighbours.py, exact scans against one HNSW index over
 Fᵀ key(x) (M′ = F Fᵀ), every score re-computed exactly, per gallery size: the neighbour lists
 (the exact scan; the HNSW build, then its search) and the row extremes (the exact scan; a search
-of the same index for −Fᵀ key(x)).  Seconds of each (CPU time of the single thread with
+of the same index for −Fᵀ key(x), with the antipodes: the exact least similar items of a drawn
+sample).  Seconds of each (CPU time of the single thread with
 --threads 1), the HNSW lists' recall of the exact top L (the item itself included, as the lists
 hold it), and how often the HNSW extremes find the exact least similar item.
 
@@ -97,7 +98,7 @@ def main():
              f"faiss {meta['faiss']}; d = {D}, trained M′ of rank {K_EMB}, cosine; L = {args.length}; "
              f"HNSW {HNSW}.", "",
              "| N | lists: exact s | HNSW s (build + search) | HNSW ÷ exact | recall of the exact top L | "
-             "item in its own list | extremes: exact s | HNSW search s | least similar item found |",
+             "item in its own list | extremes: exact s | HNSW search + antipodes s | least similar item found |",
              "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['n']:,} | {r['exact_s']:.1f} | {r['hnsw_s']:.1f} ({r['hnsw_build_s']:.1f} + "
               f"{r['hnsw_s'] - r['hnsw_build_s']:.1f}) | {r['ratio']:.2f} | {r['recall']:.4f} | "

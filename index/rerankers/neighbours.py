@@ -5,7 +5,7 @@ space's artefacts (`space.artefact`); a leave-one-out query removes its own row 
 which is why every list is stored one entry longer than any re-ranker reads.  Above
 APPROXIMATE_ABOVE items (PSD M′) both come from one HNSW index, every score re-computed exactly:
 the lists from a search for the most similar items, the extremes from one for the least similar
-(a search for −Fᵀ key(x)).  Where Fᵀ key(x) has more than GRAPH_DIM dimensions, the graph holds
+(a search for −Fᵀ key(x)) and from the `antipodes`.  Where Fᵀ key(x) has more than GRAPH_DIM dimensions, the graph holds
 its projection onto the top GRAPH_DIM principal directions (`graph_basis`), and each search asks for
 WIDEN times as many candidates before the exact re-scoring.
 """
