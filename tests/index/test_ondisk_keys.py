@@ -1,6 +1,7 @@
 """Re-rankers on the on-disk IVF without every gallery key in RAM: where the keys would take more
 than their share of the memory budget, full-gallery scores stream the memory-mapped features
 block by block (index/space/searcher_space.py) and give the in-RAM answers bit for bit."""
+import dataclasses
 import mmap
 
 import numpy as np
@@ -133,3 +134,39 @@ def test_rows_read_from_a_file_map_equal_the_file_and_leave_arrays_in_ram_alone(
         np.testing.assert_array_equal(src, X)  # read again after its pages were released
     del mapped
     mm.close()
+
+
+@pytest.mark.parametrize("mode", ["cosine", "bilinear"])
+@pytest.mark.parametrize("backend", ["ram", "ondisk"])
+def test_scores_of_candidate_rows_read_in_place_match_a_float64_computation(index_dir, mode, backend):
+    from index.backends.search import Searcher
+    from index.backends.store import read_index
+    if backend == "ondisk":
+        g = open_ivf(index_dir)
+    else:  # the features as one array in RAM
+        data = read_index(index_dir)
+        g = Searcher(dataclasses.replace(data, features=np.array(data.features)))
+    space = g.metric_space("spectral", {"p": 0.5}, mode)
+    assert space.searcher.data.features.flags.writeable == (backend == "ram")  # a file map on disk
+    q = space.prepare(np.random.default_rng(5).normal(size=(6, DIM)))
+    rows = np.random.default_rng(6).integers(0, N, (6, 40))
+    rows[1, 3] = rows[4, 0] = -1  # no candidate there
+    set_memory_budget(SMALL)
+    assert space._scores_in_place(space.transform(q), rows) is not None  # FAISS reads the features in place
+    streamed = space.score(q, rows)
+    assert not space.held("keys")
+    set_memory_budget(LARGE)
+    space.keys  # noqa: B018 (held now)
+    assert space.held("keys")
+    np.testing.assert_array_equal(space.score(q, rows), streamed)  # held keys or not, the same products
+    X = np.asarray(space.searcher.data.features, dtype=np.float64)
+    M = space.searcher.metric("spectral", {"p": 0.5}).M.astype(np.float64)
+    if mode == "cosine":
+        X = X / np.sqrt(np.einsum("ij,jk,ik->i", X, M, X))[:, None]
+    want = np.einsum("qd,qmd->qm", space.transform(q).astype(np.float64), X[np.maximum(rows, 0)])
+    assert np.isneginf(streamed[rows < 0]).all() and np.isfinite(streamed[rows >= 0]).all()
+    np.testing.assert_allclose(streamed[rows >= 0], want[rows >= 0], rtol=1e-4, atol=1e-5)
+    # one row's 1-D scores (a BLAS product over gathered keys) agree to float32 round-off
+    np.testing.assert_allclose(streamed[2], space.score(q[2:3], rows[2])[0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(IndexError):
+        space.score(q, np.full((6, 2), N))
