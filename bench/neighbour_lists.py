@@ -66,11 +66,12 @@ def main():
     threadpool_limits(args.threads)
     clock = 2 if args.threads == 1 else 1  # CPU time of the one thread; wall time beyond one
     rows = []
+    # fresh offline stores, removed after: the seeded gallery's exact extremes from an earlier run are not timed
+    stores = tempfile.TemporaryDirectory(prefix="neighbour-lists-")
     for n in (int(s) for s in args.sizes.split(",")):
         x, y, W = synthetic(n)
-        # a fresh offline store: the seeded gallery's exact extremes from an earlier run are not timed
         space = SearcherSpace(Searcher(in_memory_index(x, y, W)), "trained", None, "cosine",
-                              cache_dir=tempfile.mkdtemp(prefix="neighbour-lists-"))
+                              cache_dir=Path(stores.name) / str(n))
         space.keys  # noqa: B018  (in RAM first, as the offline passes read them)
         F = space.factor()
         index = clocked(lambda: hnsw_index(space, F))
@@ -89,6 +90,7 @@ def main():
                      "extremes_exact_s": ext_e[clock], "extremes_hnsw_s": ext_a[clock],
                      "extremes_arg1_share": float((ext_a[0]["arg1"] == ext_e[0]["arg1"]).mean())})
         print(rows[-1], flush=True)
+    stores.cleanup()
     meta = {"command": "python bench/neighbour_lists.py " + shlex.join(sys.argv[1:]),
             "date": _dt.date.today().isoformat(), "threads": args.threads, "length": args.length, "dim": D,
             "rank": K_EMB, "hnsw": HNSW, "clock": "cpu" if clock == 2 else "wall",
