@@ -4,7 +4,7 @@
                               [--tail-epochs 6] [--threads 1] [--cache-dir DIR] [--runs DIR]
                               [--out bench/results/lite_trunks] [--cost timm:vit_tiny_patch16_224,...]
 
-Per data set and backbone (ImageNet weights; Lite1/2 need requirements-lite.txt), seed 0, test
+Per data set and backbone (ImageNet weights), seed 0, test
 classes: the raw trunk (cosine), the frozen neck (ProxyAnchor, 30 epochs) and the demo's trained
 tail (the last 2 stages, a 30-epoch probe, then --tail-epochs epochs).  Data: `kanji` is the
 demo's (500 classes, 64 px); `imagefolder` is bench/recipe_imagefolder.py's kanji ImageFolder

@@ -41,19 +41,16 @@ fi
 # The project itself, editable (`pip install -e .`: one .pth line, nothing written into the
 # checkout), with the dependencies pyproject.toml reads from requirements.txt and the extras asked
 # for: `test` (requirements-test.txt: pytest, ruff, mypy, playwright) for make test/test-fast/lint,
-# `milvus` (requirements-milvus.txt) for make test, `lite` (requirements-lite.txt: EfficientNet-Lite1/2
-# weights) with WITH_LITE=1.  One stamp per part, so moving between make
+# `milvus` (requirements-milvus.txt) for make test.  One stamp per part, so moving between make
 # targets never reinstalls what is already there.
 parts=(base)
 [ "${WITH_TEST:-0}" = 1 ] && parts+=(test)
 [ "${WITH_MILVUS:-0}" = 1 ] && parts+=(milvus)
-[ "${WITH_LITE:-0}" = 1 ] && parts+=(lite)
 stamp_of() {  # what the part was installed from: pyproject.toml and its requirements file
   case $1 in
     base) cat pyproject.toml requirements.txt ;;
     test) cat pyproject.toml requirements.txt requirements-test.txt ;;
     milvus) cat pyproject.toml requirements.txt requirements-milvus.txt ;;
-    lite) cat pyproject.toml requirements.txt requirements-lite.txt ;;
   esac | sha256sum | cut -d' ' -f1
 }
 todo=()

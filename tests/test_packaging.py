@@ -22,8 +22,7 @@ def test_pyproject_builds_the_top_level_packages_with_the_requirements_files():
     assert set(project["dynamic"]) == {"dependencies", "optional-dependencies"}
     hook = PYPROJECT["tool"]["hatch"]["metadata"]["hooks"]["requirements_txt"]
     assert hook["files"] == ["requirements.txt"]  # one list: the pinned requirements
-    assert hook["optional-dependencies"] == {"test": ["requirements-test.txt"], "milvus": ["requirements-milvus.txt"],
-                                              "lite": ["requirements-lite.txt"]}
+    assert hook["optional-dependencies"] == {"test": ["requirements-test.txt"], "milvus": ["requirements-milvus.txt"]}
     # every top-level package of the layout, and only those (tests/ and bench/ are not installed)
     packages = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file())
     assert sorted(PYPROJECT["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"]) == packages

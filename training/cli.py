@@ -223,6 +223,27 @@ def cmd_train(args, argv) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- tune
+def cmd_tune(args, argv) -> int:
+    from .tune import TuneConfig, show_space, tune
+
+    cfg = config_from_args(TuneConfig, args)
+    if args.show_space:
+        print(show_space(cfg.space))
+        return 0
+    with torch_threads(cfg.threads):
+        summary = tune(cfg)
+    if args.json:
+        write_json(args.json, summary)
+    best = summary.get("best")
+    print(f"{summary['trials']} trials ({summary['complete']} complete, {summary['pruned']} pruned, "
+          f"{summary['failed']} failed) in {summary['seconds']:.0f} s; " +
+          (f"best: trial {best['trial']}, val MAP@R {best['val_map@r']:.4f}, test {best['test_map@r']:.4f}; "
+           f"config {best['config']}" if best else "no trial completed"), file=sys.stderr)
+    print(json.dumps({k: v for k, v in summary.items() if k != "space"}, indent=2, default=str))
+    return 0
+
+
 # ---------------------------------------------------------------- list
 def cmd_list(args, argv) -> int:
     names = [args.registry] if args.registry else list(REGISTRIES)
@@ -288,6 +309,23 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
         f"{e.name} {e.spec.weight}" for e in REGULARIZERS.entries()))
     st.set_defaults(func=cmd_train)
 
+    from .tune import TuneConfig
+
+    su = sub.add_parser("tune", help="choose the training recipe on validation classes (an Optuna study)",
+                        description="An Optuna study (TPE sampler, median pruning after each epoch) over the "
+                        "trunk, the mode, the loss and its parameters, the regularizer and its weight, the "
+                        "learning rate, epochs, batch and embedding size, maximising validation MAP@R on "
+                        "class-disjoint validation classes.  Stops at --budget or --trials; run it again to "
+                        "continue the study in --out.  Leaves best.pt, best.toml (python -m training train "
+                        "--config best.toml reproduces the best trial), trials.md/.csv and plots.")
+    su.add_argument("--config", metavar="FILE.toml", help="read the settings from this TOML file (space = "
+                    "[\"lr=1e-5..1e-3 log\", ...]); flags given on the command line override it")
+    su.add_argument("--show-space", action="store_true", help="print the search space (with --space applied) "
+                    "and exit")
+    _json_arg(su, "the study's summary")
+    add_config_args(su, TuneConfig, defaults=defaults.get("tune"), registries={"dataset": DATASETS})
+    su.set_defaults(func=cmd_tune)
+
     sl = sub.add_parser("list", help="list backbones, data sets, losses and regularizers with their parameters")
     sl.add_argument("registry", nargs="?", choices=list(REGISTRIES), help="only this registry (default: all)")
     sl.set_defaults(func=cmd_list)
@@ -296,6 +334,8 @@ def build_parser(defaults: dict | None = None) -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_with_config_file(build_parser, argv, {"train": TrainConfig})
+    from .tune import TuneConfig
+
+    args = parse_with_config_file(build_parser, argv, {"train": TrainConfig, "tune": TuneConfig})
     setup_logging(args.verbose)
     return args.func(args, argv)

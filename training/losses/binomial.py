@@ -23,9 +23,9 @@ from .registry import LOSSES
 
 @dataclass
 class BinomialParams:
-    alpha: float = param(2.0, "scale α", bounds="(0, inf)")
-    beta: float = param(0.5, "similarity offset β")
-    neg_cost: float = param(25.0, "cost η (C) of a negative pair", bounds="[0, inf)")
+    alpha: float = param(2.0, "scale α", bounds="(0, inf)", search="1..4")
+    beta: float = param(0.5, "similarity offset β", search="0.3..0.7")
+    neg_cost: float = param(25.0, "cost η (C) of a negative pair", bounds="[0, inf)", search="5..50 log")
 
 
 class BinomialDevianceLoss(MetricLoss):

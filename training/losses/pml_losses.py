@@ -18,8 +18,8 @@ from .registry import LOSSES
 
 @dataclass
 class ProxyAnchorParams:
-    alpha: float = param(32.0, "scale α", bounds="(0, inf)")
-    margin: float = param(0.1, "margin δ")
+    alpha: float = param(32.0, "scale α", bounds="(0, inf)", search="8..64 log")
+    margin: float = param(0.1, "margin δ", search="0..0.3")
 
 
 @LOSSES.register("proxy_anchor", ProxyAnchorParams, doc="Proxy-Anchor (Kim et al. 2020), one proxy per class",
@@ -31,7 +31,7 @@ def proxy_anchor(C, d, p: ProxyAnchorParams):
 @dataclass
 class ProxyNCAParams:
     # NCA with temperature 1/3 on normalized embeddings trains; 1 barely does
-    softmax_scale: float = param(3.0, "inverse softmax temperature", bounds="(0, inf)")
+    softmax_scale: float = param(3.0, "inverse softmax temperature", bounds="(0, inf)", search="1..16 log")
 
 
 @LOSSES.register("proxy_nca", ProxyNCAParams, doc="ProxyNCA (Movshovitz-Attias et al. 2017), one proxy per class",
@@ -42,7 +42,7 @@ def proxy_nca(C, d, p: ProxyNCAParams):
 
 @dataclass
 class TripletParams:
-    margin: float = param(0.1, "triplet margin", bounds="[0, inf)")
+    margin: float = param(0.1, "triplet margin", bounds="[0, inf)", search="0.01..0.5 log")
     miner: Literal["semihard", "batchhard"] = param("semihard", "triplet miner: semihard | batchhard")
 
 
@@ -68,9 +68,9 @@ def npair(C, d, p: NPairParams):
 
 @dataclass
 class MultiSimilarityParams:
-    alpha: float = param(2.0, "positive scale α", bounds="(0, inf)")
-    beta: float = param(50.0, "negative scale β", bounds="(0, inf)")
-    base: float = param(0.5, "similarity offset λ")
+    alpha: float = param(2.0, "positive scale α", bounds="(0, inf)", search="1..4")
+    beta: float = param(50.0, "negative scale β", bounds="(0, inf)", search="20..80")
+    base: float = param(0.5, "similarity offset λ", search="0.3..0.7")
     epsilon: float = param(0.1, "miner margin ε", bounds="[0, inf)")
 
 
@@ -82,8 +82,8 @@ def multi_similarity(C, d, p: MultiSimilarityParams):
 
 @dataclass
 class ArcFaceParams:
-    margin: float = param(28.6, "angular margin in degrees (PML default)", bounds="[0, 180)")
-    scale: float = param(64.0, "logit scale", bounds="(0, inf)")
+    margin: float = param(28.6, "angular margin in degrees (PML default)", bounds="[0, 180)", search="10..45")
+    scale: float = param(64.0, "logit scale", bounds="(0, inf)", search="16..64 log")
 
 
 @LOSSES.register("arcface", ArcFaceParams, doc="ArcFace (Deng et al. 2019), one class weight (proxy) per class",
@@ -96,7 +96,7 @@ def arcface(C, d, p: ArcFaceParams):
 @dataclass
 class SoftTripleParams:
     centers_per_class: int = param(10, "centres K per class", bounds="[1, inf)")
-    la: float = param(20.0, "scale λ", bounds="(0, inf)")
+    la: float = param(20.0, "scale λ", bounds="(0, inf)", search="10..40 log")
     gamma: float = param(0.1, "softmax temperature γ over a class's centres", bounds="(0, inf)")
     margin: float = param(0.01, "margin δ")
 
@@ -112,7 +112,7 @@ def soft_triple(C, d, p: SoftTripleParams):
 @dataclass
 class ContrastiveParams:
     pos_margin: float = param(0.0, "distance below which positives cost nothing")
-    neg_margin: float = param(0.5, "distance above which negatives cost nothing")
+    neg_margin: float = param(0.5, "distance above which negatives cost nothing", search="0.2..1")
 
 
 @LOSSES.register("contrastive", ContrastiveParams, doc="contrastive loss (Hadsell et al. 2006) on all pairs")
