@@ -9,11 +9,16 @@ The only package that imports training, index and app together.
    (cosine of the trained trunk features: paper 004's comparison on a trained trunk)
 5. build the demo index over the test split with the trained-tail model
 6. evaluate the refinement strategies on it  7. launch the app (unless --no-ui)
+With --tune DURATION, also an Optuna study of the training recipe on validation classes
+(`python -m training tune`); its best trial's model gets an index and strategy evaluation of its own,
+its row stands beside the defaults', and the app serves it with the default model beside it.
+--dataset and --data-root run the same steps on another data set (an ImageFolder of the user's).
 With --paper-regime, also paper 004's regime (every stage fine-tuned, the neck left at its
 initialisation), a second index built from it, and the app serving both, each page linking to the other.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -35,17 +40,52 @@ TAIL_BLOCKS = 2    # head conv + the last block group: trains in ~2.5 s an epoch
 TAIL_EPOCHS = 6
 
 
-def demo_train_config(num_classes: int = 500, out: str = "runs/demo-proxy_anchor") -> TrainConfig:
+def demo_data(num_classes: int = 500, dataset: str = "kanji", data_root: str | None = None,
+              image_size: int = 0) -> DataConfig:
+    return DataConfig(dataset=dataset, data_root=data_root, num_classes=num_classes, image_size=image_size)
+
+
+def data_tag(data: DataConfig) -> str:
+    """'' for the default kanji set (the demo's run folders keep their names), else '-DATASET-DIGEST':
+    the runs of another data set never replace the kanji demo's."""
+    if data == demo_data():
+        return ""
+    digest = hashlib.sha256(json.dumps(data.data_fields(), sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return f"-{data.dataset}-{digest}"
+
+
+def demo_train_config(num_classes: int = 500, out: str = "runs/demo-proxy_anchor",
+                      data: DataConfig | None = None) -> TrainConfig:
     """The frozen-neck baseline: ProxyAnchor on cached efficientnet_lite0 features."""
-    return TrainConfig(dataset="kanji", num_classes=num_classes, backbone="efficientnet_lite0",
-                       loss="proxy_anchor", mode="frozen", out=out, seed=0, device="cpu")
+    data = data or demo_data(num_classes)
+    return TrainConfig(**data.data_fields(), backbone="efficientnet_lite0", loss="proxy_anchor", mode="frozen",
+                       out=out + data_tag(data), seed=0, device="cpu")
 
 
-def demo_tail_config(num_classes: int = 500, out: str = "runs/demo-proxy_anchor-tail2") -> TrainConfig:
+def demo_tail_config(num_classes: int = 500, out: str = "runs/demo-proxy_anchor-tail2",
+                     data: DataConfig | None = None) -> TrainConfig:
     """The demo's model: ProxyAnchor with efficientnet_lite0's last TAIL_BLOCKS stages trained."""
-    return TrainConfig(dataset="kanji", num_classes=num_classes, backbone="efficientnet_lite0",
-                       loss="proxy_anchor", mode="tail", train_blocks=TAIL_BLOCKS, epochs=TAIL_EPOCHS, out=out,
-                       seed=0, device="cpu")
+    data = data or demo_data(num_classes)
+    return TrainConfig(**data.data_fields(), backbone="efficientnet_lite0", loss="proxy_anchor", mode="tail",
+                       train_blocks=TAIL_BLOCKS, epochs=TAIL_EPOCHS, out=out + data_tag(data), seed=0, device="cpu")
+
+
+def tuned_config(data: DataConfig, budget: str, cache_dir: str):
+    """The recipe study the demo runs with --tune, on the demo's data."""
+    from training.tune import TuneConfig
+
+    return TuneConfig(**data.data_fields(), out="runs/demo-tune" + data_tag(data), budget=budget, seed=0,
+                      device="cpu", cache_dir=cache_dir)
+
+
+def recipe(cfg: TrainConfig) -> str:
+    """'efficientnet_lite1, fine-tuned, binomial, 12 epochs, lr 3.2e-04, d 256': a trial's recipe in words."""
+    mode = {"frozen": "frozen trunk", "finetune": "fine-tuned"}.get(cfg.resolved_mode(),
+                                                                    f"tail of {cfg.train_blocks} stages")
+    reg = f", {cfg.regularizer[0]} ×{cfg.reg_weight[0]:.3g}" if cfg.regularizer else ""
+    params = f" ({', '.join(cfg.loss_param)})" if cfg.loss_param else ""
+    return (f"{cfg.backbone}, {mode}, {cfg.loss}{params}{reg}, {cfg.epochs} epochs, lr {cfg.lr:.2g}, "
+            f"batch {cfg.batch_size}/{cfg.m_per_class} per class, d {cfg.embed_dim}")
 
 
 PAPER_EPOCHS = 3   # after the 30-epoch probe: ~3.5 min on 2 cores
@@ -110,13 +150,17 @@ def run_demo(args) -> int:
     from training.trainer import train_or_reuse
 
     t0 = time.time()
-    out = Path(args.out)
-    fcfg = demo_train_config(args.num_classes)
-    tcfg = demo_tail_config(args.num_classes)
+    data = demo_data(args.num_classes, args.dataset, args.data_root, args.image_size)
+    out = Path(args.out or "artifacts/demo" + data_tag(data))
+    fcfg = demo_train_config(data=data)
+    tcfg = demo_tail_config(data=data)
+    tune_cfg = tuned_config(data, args.tune, tcfg.cache_dir) if args.tune else None
+    if tune_cfg is not None:
+        tune_cfg.validate()  # before anything is written
     times: dict = {}
-    with _stage(times, "1 prepare kanji"):
+    with _stage(times, f"1 prepare {data.dataset}"):
         splits = load_data(tcfg.data_config())
-    log.info("kanji: %s", splits.split_summary())
+    log.info("%s: %s", data.dataset, splits.split_summary())
     with _stage(times, "2 raw trunk and floor"):
         results = pretrained_baselines(tcfg.data_config(), splits, tcfg.cache_dir)
     with _stage(times, "3 frozen neck"):
@@ -128,6 +172,21 @@ def run_demo(args) -> int:
         # identity on the same trained trunk: cosine of its trunk features φ (no neck)
         f, y, _ = split_features(Path(tcfg.out) / "best.pt", tcfg.data_config(), "test", tcfg.cache_dir)
         results["same trained trunk, identity [cosine] (no neck)"] = evaluate(f, y)
+    tuned = None
+    if tune_cfg is not None:
+        from training.checkpoints import recorded_config
+        from training.tune import tune
+
+        with _stage(times, "4a tune"):
+            summary = tune(tune_cfg)
+        if "best" not in summary:
+            from core.errors import UserError
+
+            raise UserError(f"the recipe study in {tune_cfg.out} completed no trial within --tune {args.tune}")
+        run = Path(summary["best"]["run"])
+        tuned = TrainConfig(**(recorded_config(run) or {}))
+        tm = json.loads((run / "metrics.json").read_text())
+        results[f"tuned on validation ({recipe(tuned)}): trained [cosine]"] = tm["test"]
     paper = None
     if args.paper_regime:
         pcfg = demo_paper_config(args.num_classes)
@@ -138,17 +197,41 @@ def run_demo(args) -> int:
             results["same fine-tuned trunk, identity [cosine] (no neck)"] = evaluate(f, y)
     write_json(out / "eval.json", results)
     index_dir, strategies = build_demo_index(tcfg, out, times)
+    tuned_index = build_demo_index(tuned, out, times, suffix="-tuned") if tuned is not None else None
     if args.paper_regime:
         paper = build_demo_index(pcfg, out, times, suffix="-paper")
     test = splits.test
-    print(f"\nkanji test classes ({len(test.classes):,} classes, {len(test):,} queries; "
+    print(f"\n{data.dataset} test classes ({len(test.classes):,} classes, {len(test):,} queries; "
           "query = gallery, leave-one-out)")
     print("| model | MAP@R | R@1 | RP | NMI |\n|---|---|---|---|---|")
     for name, res in results.items():
         print(_row(name, res))
     print(f"\ntrained-tail run: {tcfg.out} ({'reused' if reused else 'trained now'}, "
           f"selected epoch {metrics['selected_epoch']} of {tcfg.epochs} on validation); frozen-neck run: {fcfg.out}")
-    print(f"\nrefinement strategies on the test classes ({strategies}/table.md):")
+    print_strategies(strategies, "the default recipe's model")
+    if tuned_index is not None:
+        print_strategies(tuned_index[1], f"the tuned recipe's model ({tuned.out})")
+    print(f"demo pipeline took {time.time() - t0:.1f} s ("
+          + ", ".join(f"{k} {v:.0f} s" for k, v in times.items()) + f"); results in {out}/, index in {index_dir}")
+    if args.no_ui:
+        return 0
+    from app.cli import build_parser, launch
+
+    extra = []
+    if tuned_index is not None:  # the tuned model first, the default recipe's beside it
+        extra = ["--label", "tuned recipe", "--second-index", str(index_dir), "--second-analysis", str(strategies),
+                 "--second-label", "default recipe"]
+        index_dir, strategies = tuned_index
+    elif paper:
+        extra = ["--label", "neck trained (the demo's model)", "--second-index", str(paper[0]),
+                 "--second-analysis", str(paper[1]),
+                 "--second-label", "paper 004's regime (neck at its initialisation)"]
+    launch(build_parser().parse_args(["--index", str(index_dir), "--analysis", str(strategies), *extra]))
+    return 0
+
+
+def print_strategies(strategies: Path, what: str) -> None:
+    print(f"\nrefinement strategies on the test classes, {what} ({strategies}/table.md):")
     print((Path(strategies) / "table.md").read_text().rstrip("\n"))
     rr_file = Path(strategies) / "rerank_row.json"
     if rr_file.is_file():
@@ -159,19 +242,6 @@ def run_demo(args) -> int:
         print(f"| validation-selected + {which} | {rr['setting']} · "
               f"{rr['rerank']} | {t['map@r']*100:.2f} ({(t['map@r'] - b['map@r'])*100:+.2f}) | "
               f"{t['precision@1']*100:.2f} | {t['r_precision']*100:.2f} | {t['recall@4']*100:.2f} |\n")
-    print(f"demo pipeline took {time.time() - t0:.1f} s ("
-          + ", ".join(f"{k} {v:.0f} s" for k, v in times.items()) + f"); results in {out}/, index in {index_dir}")
-    if args.no_ui:
-        return 0
-    from app.cli import build_parser, launch
-
-    extra = []
-    if paper:
-        extra = ["--label", "neck trained (the demo's model)", "--second-index", str(paper[0]),
-                 "--second-analysis", str(paper[1]),
-                 "--second-label", "paper 004's regime (neck at its initialisation)"]
-    launch(build_parser().parse_args(["--index", str(index_dir), "--analysis", str(strategies), *extra]))
-    return 0
 
 
 def build_demo_index(tcfg: TrainConfig, out: Path, times: dict, suffix: str = "") -> tuple[Path, Path]:
@@ -230,9 +300,19 @@ def build_parser():
     from core.cli import Parser
 
     p = Parser(prog="python -m demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="artifacts/demo", help="where results, index and strategy evaluation "
-                   "are written (default: %(default)s)")
+    from data.registry import DATASETS
+
+    p.add_argument("--out", default=None, help="where results, index and strategy evaluation are written "
+                   "(default: artifacts/demo, or artifacts/demo-DATASET-DIGEST for other data)")
+    DATASETS.add_argument(p, "--dataset", default="kanji", help="data set")
+    p.add_argument("--data-root", default=None, help="data-set folder (imagefolder: ROOT/<class>/<image>; kanji: "
+                   "its render cache, default cache/kanji) (default: %(default)s)")
+    p.add_argument("--image-size", type=int, default=0, help="input size in pixels; 0 = the data set's default "
+                   "(kanji 64, others the backbone's own) (default: %(default)s)")
     p.add_argument("--num-classes", type=int, default=500, help="kanji characters to render (default: %(default)s)")
+    p.add_argument("--tune", metavar="DURATION", default=None, help="also choose the training recipe on "
+                   "validation classes within DURATION (30m, 2h: python -m training tune --budget), and index, "
+                   "evaluate and serve its best model beside the default recipe's (default: no study)")
     p.add_argument("--no-ui", action="store_true", help="non-interactive: do not launch the app at the end")
     p.add_argument("--paper-regime", action="store_true", help="also train paper 004's regime (every stage "
                    "fine-tuned, the neck left at its initialisation; a few more minutes on 2 cores), build a "
