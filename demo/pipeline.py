@@ -209,7 +209,7 @@ def run_demo(args) -> int:
     print(f"\ntrained-tail run: {tcfg.out} ({'reused' if reused else 'trained now'}, "
           f"selected epoch {metrics['selected_epoch']} of {tcfg.epochs} on validation); frozen-neck run: {fcfg.out}")
     print_strategies(strategies, "the default recipe's model")
-    if tuned_index is not None:
+    if tuned is not None and tuned_index is not None:
         print_strategies(tuned_index[1], f"the tuned recipe's model ({tuned.out})")
     print(f"demo pipeline took {time.time() - t0:.1f} s ("
           + ", ".join(f"{k} {v:.0f} s" for k, v in times.items()) + f"); results in {out}/, index in {index_dir}")

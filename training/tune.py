@@ -40,6 +40,7 @@ import shutil
 import typing
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,9 +60,10 @@ MARKER = "tune.json"  # what makes a folder one of our studies
 # the sampler draws this many trials at random before its model takes over: the budgets this command is
 # for (tens of trials) leave TPE's own default of 10 little to work with
 STARTUP_TRIALS = 5
-# a trial is compared with the median of earlier trials only after this many have finished, and from its
-# second step (epoch) on
-PRUNE_STARTUP_TRIALS, PRUNE_WARMUP_EPOCHS = 2, 1
+# a trial is compared with the median of earlier trials once this many have finished, and from its tenth
+# step (epoch) on: after one epoch the value says more about how fast the learning rate moves than about
+# where the run ends
+PRUNE_STARTUP_TRIALS, PRUNE_WARMUP_STEPS = 2, 10
 MODES = typing.get_args(typing.get_type_hints(TrainConfig)["mode"])
 # settings a trial never takes from the space: where it writes, how it runs, and the data (the study's own)
 NOT_SEARCHED = (*RUNTIME_FIELDS, *(f.name for f in dataclasses.fields(DataConfig)), "loss_param", "reg_param",
@@ -247,8 +249,8 @@ def default_space() -> dict[str, Dimension]:
         for f in dataclasses.fields(e.params):
             if "search" in f.metadata:
                 specs[f"{e.name}.{f.name}"] = f.metadata["search"]
-    for e in REGULARIZERS.entries():  # ten times either side of its default weight
-        specs[f"{e.name}.weight"] = f"{e.spec.weight / 10:g}..{e.spec.weight * 10:g} log"
+    for r in REGULARIZERS.entries():  # ten times either side of its default weight
+        specs[f"{r.name}.weight"] = f"{r.spec.weight / 10:g}..{r.spec.weight * 10:g} log"
     return {k: parse_dimension(k, v, *_field_of(k)) for k, v in specs.items()}
 
 
@@ -303,7 +305,9 @@ def sample(trial, space: dict[str, Dimension], base: TrainConfig) -> TrainConfig
     loss_param = tuple(f"{k.split('.', 1)[1]}={space[k].suggest(trial)}" for k in space
                        if k.startswith(loss + "."))
     reg = draw("regularizer", "none")
-    regs, weights, reg_param = (), (), ()
+    regs: tuple[str, ...] = ()
+    weights: tuple[float, ...] = ()
+    reg_param: tuple[str, ...] = ()
     if reg != "none":
         regs = (reg,)
         weights = (draw(f"{reg}.weight", REGULARIZERS.get(reg).spec.weight),)
@@ -395,7 +399,7 @@ def open_study(cfg: TuneConfig, space: dict[str, Dimension]):
     write_json(out / MARKER, {"identity": ident, "command": "python -m training tune"}, indent=2)
     sampler = optuna.samplers.TPESampler(seed=cfg.seed, n_startup_trials=STARTUP_TRIALS, multivariate=True,
                                          group=True, constant_liar=False)
-    pruner = (optuna.pruners.MedianPruner(n_startup_trials=PRUNE_STARTUP_TRIALS, n_warmup_steps=PRUNE_WARMUP_EPOCHS)
+    pruner = (optuna.pruners.MedianPruner(n_startup_trials=PRUNE_STARTUP_TRIALS, n_warmup_steps=PRUNE_WARMUP_STEPS)
               if cfg.pruner == "median" else optuna.pruners.NopPruner())
     return optuna.create_study(study_name="tune", storage=f"sqlite:///{out / STUDY_FILE}", sampler=sampler,
                                pruner=pruner, direction="maximize", load_if_exists=True)
@@ -581,7 +585,8 @@ def write_plots(study, out: Path) -> list[str]:
     from optuna.trial import TrialState
 
     complete = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
-    kinds = [("history", vis_mpl.plot_optimization_history, vis.plot_optimization_history)]
+    kinds: list[tuple[str, Any, Any]] = [("history", vis_mpl.plot_optimization_history,
+                                          vis.plot_optimization_history)]
     if len(complete) >= 2 and any(len({str(t.params.get(k)) for t in complete}) > 1 for k in complete[0].params):
         kinds.append(("importances", vis_mpl.plot_param_importances, vis.plot_param_importances))
     written = []
@@ -591,11 +596,10 @@ def write_plots(study, out: Path) -> list[str]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                ax = mpl_plot(study)
-                fig = ax.figure
+                fig = mpl_plot(study).get_figure(root=True)
                 fig.set_size_inches(8, 4.5)
                 fig.tight_layout()
-                write_with(out / f"{name}.png", lambda tmp, f=fig: f.savefig(tmp, format="png", dpi=90))
+                write_with(out / f"{name}.png", partial(_save_png, fig))
                 plt.close(fig)
                 html = plotly_plot(study).to_html(include_plotlyjs=True, full_html=True)
             except (ValueError, RuntimeError) as e:  # e.g. importances over a space that did not vary
@@ -604,6 +608,10 @@ def write_plots(study, out: Path) -> list[str]:
         write_text(out / f"{name}.html", html)
         written += [f"{name}.png", f"{name}.html"]
     return written
+
+
+def _save_png(fig, tmp: Path) -> None:
+    fig.savefig(tmp, format="png", dpi=90)
 
 
 def show_space(items: tuple[str, ...]) -> str:

@@ -31,7 +31,10 @@ def states(tmp_path) -> list[str]:
     return [line.split(",")[1] for line in lines]
 
 
-def test_a_tiny_study_runs_prunes_and_its_best_config_reproduces_the_best_trial(tmp_path, kanji_root):
+def test_a_tiny_study_runs_prunes_and_its_best_config_reproduces_the_best_trial(tmp_path, kanji_root, monkeypatch):
+    import training.tune
+
+    monkeypatch.setattr(training.tune, "PRUNE_WARMUP_STEPS", 1)  # the tiny runs have 3 epochs
     s = tune(tiny_study(tmp_path, kanji_root))
     assert s["trials"] == 6 and s["complete"] + s["pruned"] == 6
     assert s["pruned"] >= 1  # the median pruner stopped a trial below the earlier ones after an epoch
