@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,7 @@ from evaluation.evaluator import DEFAULT_KS
 from model.backbones import BACKBONES
 from model.device import DEVICE_HELP, resolve_device
 
-from .config import TrainConfig
+from .config import TrainConfig, as_in_train
 from .losses import LOSSES
 from .regularizers import REGULARIZERS
 
@@ -43,17 +43,12 @@ RESULT_DATA_FIELDS = ("dataset", "num_classes", "image_size", "resize_mode", "da
                       "kanji_fonts")
 
 
-def _as_in_train(name: str):
-    f = TrainConfig.__dataclass_fields__[name]
-    return field(default=f.default, metadata=f.metadata)
-
-
 @dataclass
 class CommandOptions:
     """Settings of `evaluate` with the same meaning and help as on `train` (and the device to embed on)."""
-    cache_dir: str = _as_in_train("cache_dir")
-    threads: int = _as_in_train("threads")
-    progress: bool = _as_in_train("progress")
+    cache_dir: str = as_in_train("cache_dir")
+    threads: int = as_in_train("threads")
+    progress: bool = as_in_train("progress")
     device: str = param("auto", DEVICE_HELP)
 
 

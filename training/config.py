@@ -216,3 +216,9 @@ class TrainConfig(DataConfig):
                 raise UserError(f"regularizer {name!r} acts on class proxies; loss {self.loss!r} has none "
                                 f"(use a proxy loss: {proxy_losses})")
         regularizer_params(self.regularizer, self.reg_param)
+
+
+def as_in_train(name: str):
+    """A field of another command's settings with `train`'s default and help: one flag, one meaning."""
+    f = TrainConfig.__dataclass_fields__[name]
+    return dataclasses.field(default=f.default, metadata=f.metadata)

@@ -51,7 +51,7 @@ from core.locks import exclusive_lock
 from core.params import Bounds, bounds_of, convert, param, unwrap_optional
 from data import DataConfig
 
-from .config import RUNTIME_FIELDS, TrainConfig
+from .config import RUNTIME_FIELDS, TrainConfig, as_in_train
 
 log = logging.getLogger("training")
 
@@ -87,10 +87,11 @@ class TuneConfig(DataConfig):
                                                         "is below the median of earlier trials' at that epoch")
     seed: int = param(0, "the sampler's seed and every trial's training seed", bounds="[0, inf)")
     overwrite: bool = param(False, "replace a study of another configuration in --out (only a study folder of ours)")
-    device: str = param("auto", "auto (CUDA when available) | cpu | cuda | cuda:N")
-    cache_dir: str = param("cache/features", "trunk-feature and prefix-map cache folder")
-    threads: int = param(0, "torch threads for this command (0 = torch's default)", bounds="[0, inf)")
-    progress: bool = param(True, "show progress bars")
+    # the same settings as `train`'s, with the same meaning and help
+    device: str = as_in_train("device")
+    cache_dir: str = as_in_train("cache_dir")
+    threads: int = as_in_train("threads")
+    progress: bool = as_in_train("progress")
 
     def budget_seconds(self) -> float:
         return parse_duration(self.budget)
