@@ -83,7 +83,7 @@ def recipe(cfg: TrainConfig) -> str:
     mode = {"frozen": "frozen trunk", "finetune": "fine-tuned"}.get(cfg.resolved_mode(),
                                                                     f"tail of {cfg.train_blocks} stages")
     reg = f", {cfg.regularizer[0]} ×{cfg.reg_weight[0]:.3g}" if cfg.regularizer else ""
-    params = f" ({', '.join(cfg.loss_param)})" if cfg.loss_param else ""
+    params = f" ({', '.join(_short(item) for item in cfg.loss_param)})" if cfg.loss_param else ""
     return (f"{cfg.backbone}, {mode}, {cfg.loss}{params}{reg}, {cfg.epochs} epochs, lr {cfg.lr:.2g}, "
             f"batch {cfg.batch_size}/{cfg.m_per_class} per class, d {cfg.embed_dim}")
 
@@ -97,6 +97,15 @@ def demo_paper_config(num_classes: int = 500, out: str = "runs/demo-proxy_anchor
     return TrainConfig(dataset="kanji", num_classes=num_classes, backbone="efficientnet_lite0",
                        loss="proxy_anchor", mode="finetune", epochs=PAPER_EPOCHS, neck_lr_mult=0.0,
                        neck_init="pytorch", out=out, seed=0, device="cpu")
+
+
+def _short(item: str) -> str:
+    """'alpha=1.0225424974549604' → 'alpha=1.02'."""
+    key, _, value = item.partition("=")
+    try:
+        return f"{key}={float(value):.3g}"
+    except ValueError:
+        return item
 
 
 @contextmanager
