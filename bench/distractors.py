@@ -211,7 +211,7 @@ def run_cell(args) -> dict:
     del real
     labels = np.concatenate([y, np.full(n - len(y), -1, np.int64)])
     Wg = np.eye(X.shape[1], dtype=np.float32) if strategy == "trained" else W
-    searcher = Searcher(in_memory_index(X, labels, Wg, normalize=False), cache_size=2)
+    searcher = Searcher(in_memory_index(X, labels, Wg, normalize=False))
     out |= {"gallery": n, "real_distractors": n_real, "synthetic_distractors": level - n_real,
             "synthetic": synth, "dim": int(X.shape[1]), "load_s": time.perf_counter() - t0,
             "peak_rss_mib_after_load": vm_hwm_mib()}
@@ -266,7 +266,7 @@ def run_cell(args) -> dict:
         # scan, on a fixed draw of gallery items: recall of the exact top k1 (the item included)
         space = cfg.space(searcher)
         k1 = int(rr_params.get("kreciprocal", {}).get("k1", 20))
-        lists, _ = nb.neighbour_lists(space, k1)
+        lists = nb.neighbour_lists(space, k1).rows
         items = np.sort(np.random.default_rng(1).choice(len(labels), args.list_sample, replace=False))
         exact = nb.exact_lists(space, items, k1)["rows"]
         found = (lists[items][:, :, None] == exact[:, None, :]).any(1).sum()

@@ -74,7 +74,7 @@ def offline(space) -> dict[str, float]:
         out["k-reciprocal pair similarities (RAM)"] = timed(lambda: gallery_similarities(space))[1]
     out["k-reciprocal gallery sets"] = timed(lambda: gallery_sets(space, lists, row_extremes(space), kp.k1))[1]
     sets = gallery_sets(space, lists, row_extremes(space), kp.k1)
-    out["k-reciprocal inverted index"] = timed(lambda: support_index(space, lists[0], row_extremes(space), sets,
+    out["k-reciprocal inverted index"] = timed(lambda: support_index(space, lists, row_extremes(space), sets,
                                                                      kp.k1, kp.k2))[1]
     out["diffusion graph"] = timed(lambda: whole_graph(space, dp))[1]
     out["dba augmented gallery"] = timed(lambda: augmented(space, bp))[1]

@@ -8,10 +8,11 @@ from core.config import parse_with_config_file
 from core.logs import setup_logging
 
 from ..build_config import BuildConfig
-from . import build, evaluate, export, info, report, search
+from . import build, evaluate, export, graph, info, report, search
 
 # the commands in --help's order, each module holding its parsers beside its commands
-PARSERS = (build.merge_parser, build.add_parser, build.remove_parser, search.search_parser, export.ivf_build_parser,
+PARSERS = (build.merge_parser, build.add_parser, build.remove_parser, search.search_parser, graph.graph_parser,
+           export.ivf_build_parser,
            export.export_parser, info.info_parser, info.list_parser, evaluate.evaluate_parser,
            evaluate.select_parser, report.report_parser)
 

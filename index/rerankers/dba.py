@@ -24,7 +24,7 @@ import numpy as np
 
 from ..space import Hits, MetricSpace
 from .expansion import ExpansionParams, weighted_sum
-from .neighbours import neighbour_lists
+from .neighbours import neighbour_lists, reverse_index
 from .registry import RERANKERS
 
 
@@ -48,31 +48,25 @@ def _augment(space: MetricSpace, own: np.ndarray, nb: np.ndarray, s: np.ndarray,
 
 def augmented(space: MetricSpace, p: DBAParams) -> dict[str, np.ndarray]:
     """The cached augmented keys ("keys", n × d) and the neighbours each used ("nb", n × nDBA)."""
+    lists = neighbour_lists(space, p.n + 2)
+
     def compute():
-        rows, sims = neighbour_lists(space, p.n + 2)
+        rows, sims = lists.rows, lists.sims
         own = np.arange(space.n)
         nb, s = _without_self(rows, sims, own, np.full(space.n, -1), p.n)
         keys = np.empty((space.n, space.dim), dtype=np.float32)
         for a in range(0, space.n, 8192):
             keys[a: a + 8192] = _augment(space, own[a: a + 8192], nb[a: a + 8192], s[a: a + 8192], p.alpha)
         return {"keys": keys, "nb": nb.astype(np.int32)}
-    return space.artefact("dba", asdict(p), compute)
+    return space.artefact("dba", asdict(p), compute, inputs=(lists.digest,))
 
 
 def _reverse(space: MetricSpace, p: DBAParams, aug: dict) -> tuple[np.ndarray, np.ndarray]:
     """The reverse-neighbour lists (CSR: rev[ptr[i]:ptr[i+1]] are the items whose nDBA neighbours
     include i); kept in memory."""
-    def build():
-        nb = aug["nb"]
-        flat = nb.ravel()
-        keep = flat >= 0
-        src = np.repeat(np.arange(space.n), nb.shape[1])[keep]
-        order = np.argsort(flat[keep], kind="stable")
-        ptr = np.zeros(space.n + 1, dtype=np.int64)
-        np.add.at(ptr, flat[keep] + 1, 1)
-        return {"rev": src[order], "ptr": np.cumsum(ptr)}
-    m = space.artefact("dba-reverse", asdict(p), build, disk=False)
-    return m["rev"], m["ptr"]
+    source = space.digest("dba", asdict(p), (neighbour_lists(space, p.n + 2).digest,))
+    ptr, rev = reverse_index(space, aug["nb"], aug["nb"].shape[1], source)
+    return rev, ptr
 
 
 def _search(keys: np.ndarray, t: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -117,7 +111,7 @@ def _leave_one_out(space: MetricSpace, p: DBAParams, rev: np.ndarray, ptr: np.nd
     ok = (found >= 0) & (found != i) & ~np.isin(found, affected)
     rows, scores = found[ok].astype(np.int64), sc[ok].astype(np.float32)
     if len(affected):
-        lists, sims = neighbour_lists(space, p.n + 2)
+        lists, sims, _ = neighbour_lists(space, p.n + 2)
         nb, s = _without_self(lists[affected], sims[affected], affected, np.full(len(affected), i), p.n)
         keys = _augment(space, affected, nb, s, p.alpha)
         rows = np.concatenate([rows, affected])

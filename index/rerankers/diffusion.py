@@ -165,10 +165,12 @@ def whole_graph(space: MetricSpace, p: DiffusionParams) -> dict[str, np.ndarray]
     """Offline: the mutual-kNN affinity of the whole gallery (knngraph.m; CSR arrays) and its
     degrees."""
     def compute():
-        lists, sims = neighbour_lists(space, p.k)
-        A = affinity(np.arange(space.n), lists, sims, p.gamma, np.full(space.n, -1, dtype=np.int64))
+        A = affinity(np.arange(space.n), lists.rows[:, : p.k], lists.sims[:, : p.k], p.gamma,
+                     np.full(space.n, -1, dtype=np.int64))
         return {"indptr": A.indptr, "indices": A.indices, "data": A.data, "deg": np.asarray(A.sum(1)).ravel()}
-    return space.artefact("diffusion-graph", {"k": p.k, "gamma": p.gamma}, compute)
+    # the lists the leave-one-out corrections read too (k + 1: a left-out row may drop out)
+    lists = neighbour_lists(space, p.k + 1)
+    return space.artefact("diffusion-graph", {"k": p.k, "gamma": p.gamma}, compute, inputs=(lists.digest,))
 
 
 def _without_item(lists: np.ndarray, sims: np.ndarray, rev, i: int, k: int, gamma: float):
@@ -224,8 +226,8 @@ def _diffuse_whole(space: MetricSpace, queries: np.ndarray, seeds: np.ndarray, s
     parts = []  # the rebuilt entries of each leave-one-out query's graph: (row, column, weight, query)
     loo = np.flatnonzero(self_ids >= 0)
     if len(loo):
-        lists, sims = neighbour_lists(space, p.k + 1)
-        rev = reverse_index(space, lists, p.k, f"diffusion-reverse-{p.k}")
+        lists, sims, digest = neighbour_lists(space, p.k + 1)
+        rev = reverse_index(space, lists, p.k, digest)
         for j in loo:
             gone, r, c, w = _without_item(lists, sims, rev, int(self_ids[j]), p.k, p.gamma)
             keep[gone, j] = 0.0
@@ -268,7 +270,8 @@ def diffusion(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: in
         step = max(1, min(len(queries), BATCH_CELLS // space.n))
         whole_graph(space, p)  # built once, before the threads read it
         if (self_ids >= 0).any():
-            reverse_index(space, neighbour_lists(space, p.k + 1)[0], p.k, f"diffusion-reverse-{p.k}")
+            built = neighbour_lists(space, p.k + 1)
+            reverse_index(space, built.rows, p.k, built.digest)
 
         def batch(a: int) -> None:  # batches are independent: the sparse products release the GIL
             part = slice(a, a + step)
@@ -285,7 +288,7 @@ def diffusion(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: in
                 out_r[a + j, : len(r)], out_s[a + j, : len(r)] = r, v
         in_threads(batch, range(0, len(queries), step))
         return space.hits(out_r, out_s)
-    lists, sims = neighbour_lists(space, p.k + 1)  # + 1: a leave-one-out row may drop out
+    lists, sims, _ = neighbour_lists(space, p.k + 1)  # + 1: a leave-one-out row may drop out
     if first.k < min(p.truncation + int((self_ids >= 0).any()), space.n):
         first = space.search(queries, p.truncation, exclude=self_ids)
     rows, _ = candidates(first, self_ids, max(p.truncation, k))

@@ -1,22 +1,26 @@
 """The offline gallery–gallery pass the re-rankers share: each item's top-L neighbours under the
 space's similarity (the item itself included, where its own score puts it, as a row of a full
 similarity matrix sorted would have it), and each row's extreme similarities.  Both are the
-space's artefacts (`space.artefact`); a leave-one-out query removes its own row from them online (`without`),
-which is why every list is stored one entry longer than any re-ranker reads.  Above
-APPROXIMATE_ABOVE items (PSD M′) both come from one HNSW index, every score re-computed exactly:
-the lists from a search for the most similar items, the extremes from one for the least similar
-(a search for −Fᵀ key(x)) and from the `antipodes`.  Where Fᵀ key(x) has more than GRAPH_DIM dimensions, the graph holds
-its projection onto the top GRAPH_DIM principal directions (`graph_basis`), and each search asks for
-WIDEN times as many candidates before the exact re-scoring.
+space's artefacts (`space.artefact`), the lists one per stored length; a leave-one-out query
+removes its own row from them online (`without`), which is why every list is stored one entry
+longer than any re-ranker reads.  Above APPROXIMATE_ABOVE items (PSD M′) both come from one HNSW
+index, every score re-computed exactly: the lists from a search for the most similar items, the
+extremes from one for the least similar (a search for −Fᵀ key(x)) and from the `antipodes`.
+Where Fᵀ key(x) has more than GRAPH_DIM dimensions, the graph holds its projection onto the top
+GRAPH_DIM principal directions (`graph_basis`), and each search asks for WIDEN times as many
+candidates before the exact re-scoring.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import faiss
 import numpy as np
 
 from core.errors import UserError
 
-from ..space import MetricSpace, memory_budget
+from ..space import SCAN_CELLS, MetricSpace, memory_budget
+from ..threads import in_threads
 
 BLOCK = 2048        # rows per search call in the list pass
 # galleries above this many items build their lists with an HNSW index instead of an exact scan,
@@ -26,8 +30,9 @@ APPROXIMATE_ABOVE = 250_000
 # they scan N² pairs, about 9 CPU-minutes each at 400,000 items and 6 times that at 10⁶
 EXACT_MAX = 500_000
 HNSW = {"M": 32, "ef_construction": 80, "ef_search": 128}  # ef_search: at least twice the list length
-APPROXIMATE_LENGTH = 64  # HNSW lists: diffusion's default k = 50 (+ 1 for a left-out query) included
-SCAN_CELLS = 1 << 23  # cells per full-scan block in the minima pass (rows × n float32: 32 MB)
+# lists are stored at least this long: every re-ranker's default (diffusion's k = 50, + 1 for a
+# left-out query) reads one artefact, so one pass serves them all
+MIN_LENGTH = 64
 EXTREME_CANDIDATES = 8  # least similar candidates per item from the HNSW index, each re-scored exactly
 # gallery items (a seeded draw) whose exact least similar items are every item's candidates too
 # (`antipodes`): a search for −Fᵀ key(x) lands far from the data, where the graph is weakest
@@ -40,38 +45,62 @@ WIDEN = 2  # candidates per kept entry searched in a projected graph
 PROJECTION_SAMPLE = 65_536  # gallery items (a seeded draw) whose second moment gives the projection
 
 
-def stored_length(L: int, n: int, approximate: bool = False) -> int:
-    """Lists are stored at least 32 long, in steps of 16, so that re-rankers asking for
-    somewhat different lengths share one pass; from the HNSW index at least APPROXIMATE_LENGTH,
-    so that every re-ranker's default reads one graph (its build is most of the pass)."""
-    return min(n, max(APPROXIMATE_LENGTH if approximate else 32, -(-int(L) // 16) * 16))
+def stored_length(L: int, n: int) -> int:
+    """Lists are stored at least MIN_LENGTH long, in steps of 16, so that re-rankers asking for
+    somewhat different lengths share one pass (each stored length is an artefact of its own)."""
+    return min(n, max(MIN_LENGTH, -(-int(L) // 16) * 16))
 
 
-def neighbour_lists(space: MetricSpace, L: int) -> tuple[np.ndarray, np.ndarray]:
-    """(rows, sims): every item's top-L items, best first (n × L int32, float32; views of the
-    cached arrays: do not write to them).  Refused when they would not fit the memory budget."""
-    L = min(int(L), space.n)
+class Lists(NamedTuple):
+    """Every item's top-L items, best first (n × L int32 rows, float32 sims: views of the cached
+    arrays, not to be written to), and the digest of the artefact they were read from."""
+    rows: np.ndarray
+    sims: np.ndarray
+    digest: str
+
+
+def _lists_spec(space: MetricSpace, L: int) -> tuple[dict, int, np.ndarray | None, int]:
+    """(params, stored length, F where the lists come from the HNSW graph else None, widen)."""
     F = space.factor() if space.n > APPROXIMATE_ABOVE else None
     approximate = F is not None and F.shape[1] > 0
+    Ls = stored_length(L, space.n)
+    if not approximate:
+        return {"length": Ls}, Ls, None, 1
+    assert F is not None
+    graph, widen = graph_params(F)
+    return graph | {"length": Ls}, Ls, F, widen
 
-    def build():
-        Ls = stored_length(L, space.n, approximate)
-        if space.n * Ls * 8 > memory_budget():
-            raise UserError(f"re-ranking would keep every item's top {Ls} neighbours: "
-                            f"{space.n * Ls * 8 / 2**30:.1f} GiB for {space.n:,} items, above the memory budget "
-                            f"(--cache-memory {memory_budget() / 2**30:.1f}G); ask for fewer neighbours")
-        if approximate:
+
+def neighbour_lists(space: MetricSpace, L: int, *, progress: bool = False) -> Lists:
+    """Every item's top-L items.  Lists of each stored length are an artefact of their own: a
+    request for longer lists never replaces shorter ones, so what a caller reads does not depend
+    on what was asked before (an approximate search, or a deeper one, may order the first
+    entries differently).  The exact pass runs through the space's own search, BLOCK items at a
+    time, and resumes after the last block written where a build was cut short
+    (`artefact_in_blocks`; `progress`: a bar with an ETA).  Refused when the lists would not fit
+    the memory budget."""
+    L = min(int(L), space.n)
+    params, Ls, F, widen = _lists_spec(space, L)
+    if space.n * Ls * 8 > memory_budget():
+        raise UserError(f"re-ranking would keep every item's top {Ls} neighbours: "
+                        f"{space.n * Ls * 8 / 2**30:.1f} GiB for {space.n:,} items, above the memory budget "
+                        f"(--cache-memory {memory_budget() / 2**30:.1f}G); ask for fewer neighbours")
+    if F is None:
+        refuse_exact_scan(space, "neighbour lists")
+        got = space.artefact_in_blocks("knn", params, {"rows": (Ls, "int32"), "sims": (Ls, "float32")},
+                                       lambda a, b: exact_lists(space, np.arange(a, b), Ls), block=BLOCK,
+                                       progress=progress)
+    else:
+        def from_graph():
             assert F is not None
             G = graph_basis(space, F)
             index = hnsw_index(space, G)
             # the extremes from the same graph while it is at hand (row_extremes reads them)
-            space.artefact("extremes", extremes_params(params), lambda: approximate_extremes(space, G, index, widen))
+            graph = graph_params(F)[0]
+            space.artefact("extremes", extremes_params(graph), lambda: approximate_extremes(space, G, index, widen))
             return approximate_lists(space, G, Ls, index, widen)
-        refuse_exact_scan(space, "neighbour lists")
-        return exact_lists(space, np.arange(space.n), Ls)
-    params, widen = graph_params(F) if approximate and F is not None else (None, 1)
-    got = space.artefact("knn", params, build, stale=lambda got: got["rows"].shape[1] < L)
-    return got["rows"][:, :L], got["sims"][:, :L]
+        got = space.artefact("knn", params, from_graph)
+    return Lists(got["rows"][:, :L], got["sims"][:, :L], space.digest("knn", params))
 
 
 def refuse_exact_scan(space: MetricSpace, what: str) -> None:
@@ -218,15 +247,29 @@ def approximate_extremes(space: MetricSpace, F: np.ndarray, index: faiss.IndexHN
     return out
 
 
+def _extremes_spec(space: MetricSpace) -> tuple[dict | None, np.ndarray | None, int]:
+    """(params, F where the extremes come from the HNSW graph else None, widen)."""
+    F = space.factor() if space.n > APPROXIMATE_ABOVE else None
+    if F is not None and F.shape[1] > 0:
+        graph, widen = graph_params(F)
+        return extremes_params(graph), F, widen
+    return None, None, 1
+
+
+def extremes_digest(space: MetricSpace) -> str:
+    """The digest of the artefact `row_extremes(space)` reads."""
+    return space.digest("extremes", _extremes_spec(space)[0])
+
+
 def row_extremes(space: MetricSpace) -> dict[str, np.ndarray]:
     """Per item x: its self-similarity s(x, x), and over every item y (x included) the smallest
     s(x, y), its row, and the second smallest (the smallest once a leave-one-out query removes
     the first).  Above APPROXIMATE_ABOVE items (PSD M′) from the HNSW index (`approximate_extremes`)."""
-    F = space.factor() if space.n > APPROXIMATE_ABOVE else None
-    if F is not None and F.shape[1] > 0:
-        params, widen = graph_params(F)
-        return space.artefact("extremes", extremes_params(params),
-                              lambda: approximate_extremes(space, graph_basis(space, F), widen=widen))
+    params, F, widen = _extremes_spec(space)
+    if F is not None:
+        def from_graph():
+            return approximate_extremes(space, graph_basis(space, F), widen=widen)
+        return space.artefact("extremes", params, from_graph)
 
     def compute():
         refuse_exact_scan(space, "row extremes")
@@ -234,7 +277,8 @@ def row_extremes(space: MetricSpace) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {"self": np.empty(n, np.float32), "min1": np.empty(n, np.float32),
                "arg1": np.empty(n, np.int64), "min2": np.empty(n, np.float32)}
         step = max(1, min(1024, SCAN_CELLS // max(n, 1)))
-        for s in range(0, n, step):
+
+        def block(s: int) -> None:  # blocks write disjoint rows: threads need no lock
             idx = np.arange(s, min(s + step, n))
             S = space.score(space.gallery_vectors(idx))
             r = np.arange(len(idx))
@@ -243,6 +287,7 @@ def row_extremes(space: MetricSpace) -> dict[str, np.ndarray]:
             out["arg1"][idx], out["min1"][idx] = a, S[r, a]
             S[r, a] = np.inf
             out["min2"][idx] = S.min(1) if n > 1 else np.inf
+        in_threads(block, range(0, n, step))
         return out
     return space.artefact("extremes", None, compute)
 
@@ -256,17 +301,23 @@ def without(rows: np.ndarray, sims: np.ndarray, drop: np.ndarray, L: int):
     return np.take_along_axis(rows, order, 1), np.take_along_axis(sims, order, 1)
 
 
-def reverse_index(space: MetricSpace, lists: np.ndarray, k: int, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """(ptr, src): src[ptr[i]:ptr[i+1]] are the items whose first k neighbours (`lists`) hold i,
-    in item order; kept in the space's memory under `name` (one name per lists and k: callers that
-    read the same lists share it)."""
+def reverse_csr(lists: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ptr, src): src[ptr[i]:ptr[i+1]] are the rows of `lists` (n × k) that hold item i, in row
+    order; −1 entries (a list that ran out) hold nothing."""
+    flat = np.asarray(lists).ravel().astype(np.int64)
+    keep = flat >= 0
+    order = np.argsort(flat[keep], kind="stable")
+    ptr = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(ptr, flat[keep] + 1, 1)
+    return np.cumsum(ptr), np.repeat(np.arange(len(lists)), lists.shape[1])[keep][order]
+
+
+def reverse_index(space: MetricSpace, lists: np.ndarray, k: int, source: str) -> tuple[np.ndarray, np.ndarray]:
+    """`reverse_csr` of the first k columns of `lists`, an array read from the artefact whose
+    digest is `source`; kept in the space's memory under that digest and k (callers that read
+    the same lists share it)."""
     if lists.shape[1] < k:
         raise ValueError(f"a reverse index of the first {k} neighbours needs lists of {k} or more, "
                          f"not {lists.shape[1]}")
-    def build():
-        flat = lists[:, :k].ravel().astype(np.int64)
-        order = np.argsort(flat, kind="stable")
-        ptr = np.zeros(space.n + 1, dtype=np.int64)
-        np.add.at(ptr, flat + 1, 1)
-        return np.cumsum(ptr), np.repeat(np.arange(space.n), k)[order]
-    return space.artefact(name, None, build, disk=False)
+    return space.artefact("reverse", {"k": k}, lambda: reverse_csr(lists[:, :k], space.n), inputs=(source,),
+                          disk=False)

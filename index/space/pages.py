@@ -8,6 +8,8 @@ import mmap
 
 import numpy as np
 
+SCAN_CELLS = 1 << 22  # float32 cells in one block of a pass over the whole gallery (16 MB): keys or scores
+
 
 def _file_map(a) -> mmap.mmap | None:
     """The mmap object a read-only `a` is a view of (np.memmap or np.frombuffer over one), else None

@@ -43,16 +43,29 @@ class MetricSpace(Protocol):
         """A hash of (index content fingerprint, strategy key with its parameters, mode): the
         offline caches of this space are stored under it."""
 
-    def artefact(self, name: str, params: dict | None, build: Callable[[], Any], *, disk: bool = True,
-                 max_bytes: int | None = None, stale: Callable[[Any], bool] | None = None) -> Any:
-        """This space's artefact `name` under `params`: `build()` runs once however many threads
-        ask at once (the others wait for it); the result is kept in the process's memory cache
-        (index/space/memory.py: one budget, least recently used evicted first; not kept above
-        `max_bytes`) and, where `disk`, in the offline store across processes (a dict of
-        arrays).  `stale(value)`: a held value this caller cannot use (it is rebuilt)."""
+    def digest(self, name: str, params: dict | None = None, inputs: tuple[str, ...] = ()) -> str:
+        """The identity of artefact `name`: a hash of this space's `cache_key`, the name, its
+        parameters and the digests of the artefacts it is computed from (`inputs`).  A value built
+        from other inputs has another digest, so it is never read in their place."""
+
+    def artefact(self, name: str, params: dict | None, build: Callable[[], Any], *, inputs: tuple[str, ...] = (),
+                 disk: bool = True, max_bytes: int | None = None) -> Any:
+        """This space's artefact `name` under `params`, computed from the artefacts whose digests
+        are `inputs`, kept under its `digest`: `build()` runs once however many threads ask at once
+        (the others wait for it); the result is kept in the process's memory cache
+        (core/memory.py: one budget, least recently used evicted first; not kept above
+        `max_bytes`) and, where `disk`, in the offline store across processes (a dict of arrays)."""
+
+    def artefact_in_blocks(self, name: str, params: dict | None, columns: dict[str, tuple[int, str]],
+                           fill: Callable[[int, int], dict[str, np.ndarray]], *, inputs: tuple[str, ...] = (),
+                           block: int = 2048, progress: bool = False) -> dict[str, np.ndarray]:
+        """An artefact of one row per gallery item, `columns` {array: (width, dtype)}, built a
+        block of rows at a time by `fill(start, stop)` into memory-mapped files that a build cut
+        short (a crash, Ctrl-C) resumes from the last block written; then kept as `artefact`
+        keeps one (disk and memory), under the same digest.  `progress`: a bar with an ETA."""
 
     def held(self, name: str, params: dict | None = None) -> bool:
-        """Whether the artefact is in the memory cache now (nothing is built)."""
+        """Whether the artefact (without inputs) is in the memory cache now (nothing is built)."""
 
     def prepare(self, queries: np.ndarray) -> np.ndarray:
         """Query features as the plain search takes them (validated, float32, L2-normalised

@@ -11,16 +11,15 @@ import faiss
 import numpy as np
 
 from core.arrays import l2_normalize
+from core.memory import CACHE, memory_budget
 
 from ..refinements import strategy_key
 from .hits import Hits
-from .memory import CACHE, memory_budget
-from .pages import read_rows
+from .pages import SCAN_CELLS, read_rows
 from .protocol import as_rows, drop_rows
-from .store import OfflineStore, cache_root, check_outside, fingerprint, key_hash
+from .store import OfflineStore, build_in_blocks, cache_root, check_outside, fingerprint, key_hash
 
 GATHER_CELLS = 1 << 24  # keys gathered at once, by a score or a weighted sum (queries × rows × d float32: 64 MB)
-SCAN_CELLS = 1 << 22    # keys per block of a full-gallery score (rows × d float32: 16 MB)
 KEYS_SHARE = 2          # every key is kept in RAM only while the keys take at most 1/2 of the memory budget
 
 
@@ -137,38 +136,50 @@ class SearcherSpace:
         return self.artefact("keys", None, build, disk=False)
 
     # ------------------------------------------------------------ state
-    def _memory_key(self, name: str, params: dict | None) -> tuple:
-        # the folder too: a space given another cache folder keeps its own state
-        return (str(self._cache_dir or ""), self.cache_key, name, key_hash(name, params or {}))
+    def digest(self, name: str, params: dict | None = None, inputs: tuple[str, ...] = ()) -> str:
+        return key_hash(self.cache_key, name, params or {}, list(inputs))
 
-    def artefact(self, name: str, params: dict | None, build: Callable[[], Any], *, disk: bool = True,
-                 max_bytes: int | None = None, stale: Callable[[Any], bool] | None = None) -> Any:
+    def _memory_key(self, digest: str) -> tuple:
+        # the folder too: a space given another cache folder keeps its own state
+        return (str(self._cache_dir or ""), digest)
+
+    def artefact(self, name: str, params: dict | None, build: Callable[[], Any], *, inputs: tuple[str, ...] = (),
+                 disk: bool = True, max_bytes: int | None = None) -> Any:
+        digest = self.digest(name, params, inputs)
+
         def make():
             if disk:
-                got = self.store.load(name, params)
-                if got is not None and not (stale is not None and stale(got)):
+                got = self.store.load(name, digest)
+                if got is not None:
                     return got
             value = build()
             if disk:
-                self.store.save(name, params, value)
+                self.store.save(name, digest, value)
             return value
-        return CACHE.get_or_build(self._memory_key(name, params), make, max_bytes=max_bytes, stale=stale)
+        return CACHE.get_or_build(self._memory_key(digest), make, max_bytes=max_bytes)
+
+    def artefact_in_blocks(self, name: str, params: dict | None, columns: dict[str, tuple[int, str]],
+                           fill: Callable[[int, int], dict[str, np.ndarray]], *, inputs: tuple[str, ...] = (),
+                           block: int = 2048, progress: bool = False) -> dict[str, np.ndarray]:
+        def build():
+            return build_in_blocks(self.store.part(name, self.digest(name, params, inputs)), self.n, columns,
+                                   fill, block=block, progress=f"{name} ({self.n:,} items)" if progress else None)
+        return self.artefact(name, params, build, inputs=inputs)
 
     def _held(self, name: str, params: dict | None) -> Any:
-        return CACHE.peek(self._memory_key(name, params))
+        return CACHE.peek(self._memory_key(self.digest(name, params)))
 
     def held(self, name: str, params: dict | None = None) -> bool:
         return self._held(name, params) is not None
 
     def factor(self) -> np.ndarray | None:
-        def build():
-            M = np.asarray(self.searcher.metric(self.strategy, self.params).M, dtype=np.float64)
-            w, V = np.linalg.eigh((M + M.T) / 2)
-            scale = max(float(np.abs(w).max(initial=0.0)), 1e-300)
-            if w.min(initial=0.0) < -1e-6 * scale:
+        from ..metric import psd_factor
+
+        def build():  # metric.psd_factor, the one factor of M′ (None: indefinite)
+            F = psd_factor(self.searcher.metric(self.strategy, self.params).M)
+            if F is None:
                 return {"F": np.zeros((0, 0), np.float32), "psd": np.array(False)}
-            keep = w > 1e-9 * scale  # the null space adds nothing to any inner product
-            return {"F": (V[:, keep] * np.sqrt(w[keep])).astype(np.float32), "psd": np.array(True)}
+            return {"F": F, "psd": np.array(True)}
         got = self.artefact("factor", None, build, disk=False)
         return got["F"] if bool(got["psd"]) else None
 

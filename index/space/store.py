@@ -4,10 +4,16 @@ augmented gallery) are kept between processes.
 Location: `$XDG_CACHE_HOME/dml-retrieval/rerank/` (`~/.cache/…` when unset), or a folder the
 caller names; never inside an index folder (the index's checksum verification reads every file
 there) nor beside the user's images.  One sub-folder per metric space, named by its cache key:
-a hash of (index content fingerprint, strategy and its parameters, mode).  Adding or removing
-items changes the fingerprint, so a changed index never reads an old entry; the old folder is
-left for `prune` (or the user) to delete.  Files are `.npz` written atomically (core/atomic.py)
-and read with `allow_pickle=False`.
+a hash of (index content fingerprint, strategy and its parameters, mode); one file per artefact,
+named by its digest (`MetricSpace.digest`: the space, the artefact's parameters and the digests of
+the artefacts it was computed from).  Adding or removing items changes the fingerprint, so a
+changed index never reads an old entry.  Files are `.npz` written atomically (core/atomic.py) and
+read with `allow_pickle=False`.
+
+Pruning: the folder is kept within a disk budget ($DML_CACHE_DISK, default DISK_DEFAULT).  After
+each write, the least recently used files (a read touches its file) are deleted until the rest
+fit; the file just written is kept.  Only the cache's own files are counted and deleted: the
+artefacts (`*.npz`) and the Milvus backend's copied vectors (`milvus-*/features.npy`).
 """
 from __future__ import annotations
 
@@ -15,14 +21,19 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from core.atomic import write_text, write_with
 from core.errors import UserError
+from core.flags import parse_size
+from core.locks import exclusive_lock
 
-FORMAT = 1  # bump when an artefact's layout changes: old entries are then never read
+FORMAT = 2  # bump when an artefact's layout changes: old entries are then never read (and pruned)
+DISK_ENV, DISK_DEFAULT = "DML_CACHE_DISK", "32G"
 
 
 def cache_root() -> Path:
@@ -70,21 +81,27 @@ class OfflineStore:
         self.dir = Path(root) / space_key
         self.describe = describe or {}
 
-    def path(self, name: str, params: dict | None = None) -> Path:
-        return self.dir / f"{name}-{key_hash(name, params or {})}.npz"
+    def path(self, name: str, digest: str) -> Path:
+        return self.dir / f"{name}-{digest}.npz"
 
-    def load(self, name: str, params: dict | None = None) -> dict[str, np.ndarray] | None:
-        p = self.path(name, params)
+    def load(self, name: str, digest: str) -> dict[str, np.ndarray] | None:
+        p = self.path(name, digest)
         if not p.is_file():
             return None
         try:
             with np.load(p, allow_pickle=False) as z:
-                return {k: z[k] for k in z.files}
+                out = {k: z[k] for k in z.files}
+            os.utime(p)  # used: the pruning deletes the least recently used first
+            return out
         except (OSError, ValueError, EOFError):
             return None  # unreadable (another writer's leftover, a full disk once): recompute
 
-    def save(self, name: str, params: dict | None, arrays: dict[str, np.ndarray]) -> None:
-        p = self.path(name, params)
+    def part(self, name: str, digest: str) -> Path:
+        """The folder an artefact built in blocks is written to until it is whole."""
+        return self.dir / f"{name}-{digest}.part"
+
+    def save(self, name: str, digest: str, arrays: dict[str, np.ndarray]) -> None:
+        p = self.path(name, digest)
         p.parent.mkdir(parents=True, exist_ok=True)
         if not (self.dir / "space.json").is_file():
             write_text(self.dir / "space.json", json.dumps(self.describe, indent=2, default=repr) + "\n")
@@ -93,14 +110,89 @@ class OfflineStore:
             with open(tmp, "wb") as f:  # a file object: np.savez would append .npz to a bare name
                 np.savez(f, allow_pickle=False, **arrays)
         write_with(p, writer)
+        shutil.rmtree(self.part(name, digest), ignore_errors=True)  # a build in blocks is whole now
+        prune(self.dir.parent, keep=p)
 
 
-def prune(root: Path | None = None, keep: set[str] | None = None) -> list[Path]:
-    """Delete every space folder under the cache root whose key is not in `keep`."""
+def build_in_blocks(folder: Path, n: int, columns: dict[str, tuple[int, str]],
+                    fill: Callable[[int, int], dict[str, np.ndarray]], *, block: int,
+                    progress: str | None = None) -> dict[str, np.ndarray]:
+    """Arrays of n rows ({name: (width, dtype)}), rows start:stop filled by `fill(start, stop)`
+    a block at a time into memory-mapped `.npy` files in `folder`.  `done.json` records the
+    blocks written (after their rows are flushed), so a build cut short resumes after the last
+    of them; a folder left by another layout (sizes, block) starts over.  One process builds a
+    folder at a time (the others wait for its lock and then resume from where it stopped).
+    Returns the arrays in memory."""
+    layout = {"n": int(n), "block": int(block), "columns": {k: [int(w), str(np.dtype(t))] for k, (w, t) in
+                                                          sorted(columns.items())}}
+    folder.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(folder, "the neighbour-graph build", wait=True):
+        state = folder / "done.json"
+        done = 0
+        try:
+            got = json.loads(state.read_text())
+            if got.get("layout") == layout:
+                done = int(got["blocks"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # none yet, or unreadable: from the start
+        arrays = {}
+        for k, (w, t) in columns.items():
+            path = folder / f"{k}.npy"
+            mode = "r+" if done and path.is_file() else "w+"
+            arrays[k] = np.lib.format.open_memmap(path, mode=mode, dtype=np.dtype(t), shape=(n, w))
+        starts = range(0, n, block)
+        with tqdm(total=len(starts), initial=min(done, len(starts)), desc=progress, unit="block",
+                  disable=progress is None) as bar:
+            for i in range(done, len(starts)):
+                a, b = starts[i], min(starts[i] + block, n)
+                part = fill(a, b)
+                for k, arr in arrays.items():
+                    arr[a:b] = part[k]
+                    arr.flush()
+                write_text(state, json.dumps({"layout": layout, "blocks": i + 1}))
+                bar.update(1)
+        return {k: np.array(arr) for k, arr in arrays.items()}
+
+
+def disk_budget() -> int:
+    """The cache folder's disk budget: $DML_CACHE_DISK (a size such as 32G), else DISK_DEFAULT."""
+    text = os.environ.get(DISK_ENV, "").strip() or DISK_DEFAULT
+    try:
+        return parse_size(text, DISK_ENV)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def _own_files(root: Path) -> list[Path]:
+    return [*root.glob("*/*.npz"), *root.glob("milvus-*/features.npy")]
+
+
+def prune(root: Path | None = None, budget: int | None = None, keep: Path | None = None) -> list[Path]:
+    """Delete the cache's least recently used files under `root` until the rest take at most
+    `budget` bytes (default `disk_budget()`), never `keep`; then the folders left empty of
+    artefacts.  Returns the files deleted."""
     root = Path(root or cache_root())
     if not root.is_dir():
         return []
-    gone = [p for p in root.iterdir() if p.is_dir() and p.name not in (keep or set())]
-    for p in gone:
-        shutil.rmtree(p, ignore_errors=True)
+    budget = disk_budget() if budget is None else int(budget)
+    files = []
+    for f in _own_files(root):
+        try:
+            st = f.stat()
+        except OSError:
+            continue  # deleted meanwhile by another process's pruning
+        files.append((st.st_mtime, st.st_size, f))
+    total = sum(size for _, size, _ in files)
+    gone = []
+    for _, size, f in sorted(files, key=lambda t: t[0]):
+        if total <= budget:
+            break
+        if keep is not None and f == keep:
+            continue
+        f.unlink(missing_ok=True)  # a process that has it memory-mapped keeps reading it
+        total -= size
+        gone.append(f)
+    for folder in {f.parent for f in gone}:  # the folders left with no artefact and no build under way
+        if not any(p.suffix in (".npz", ".npy", ".part") for p in folder.iterdir()):
+            shutil.rmtree(folder, ignore_errors=True)
     return gone

@@ -452,10 +452,10 @@ def test_the_probe_scan_keeps_what_the_whole_rows_give(tmp_path, monkeypatch, de
     bb, gg = np.divmod(rng.choice(S.size, 300, replace=False), space.n)  # recorded or computed alike
     np.testing.assert_allclose(scan.at(bb, gg), S[bb, gg], rtol=1e-5, atol=1e-6)
     if not dense:  # the pairs read later for a decision are the pass's own scores, recorded
-        watched = sc.ProbeScan(space, q, own, depth, enter=enter, floor=floor, watch=(bb, gg))
+        recorded = sc.ProbeScan(space, q, own, depth, enter=enter, floor=floor, record=(bb, gg))
         lb, lg = scan.below.pairs()
         for wb, wg in ((bb, gg), (lb, lg)):
-            np.testing.assert_allclose(watched.at(wb, wg), S[wb, wg], **close)
+            np.testing.assert_allclose(recorded.at(wb, wg), S[wb, wg], **close)
 
 
 def test_pairs_are_the_boolean_matrix_they_stand_for():
@@ -504,13 +504,14 @@ def check_universes(space, ref, q, own, k1):
 
     n = space.n
     lists = neighbour_lists(space, k1 + 2)
-    ext = row_extremes(space)
-    offline, reverse = kr.gallery_sets(space, lists, ext, k1), kr.reverse_lists(space, lists[0], k1)
+    extremes = row_extremes(space)
+    offline, reverse = kr.gallery_sets(space, lists, extremes, k1), kr.reverse_lists(space, lists, k1)
     from index.rerankers.kreciprocal.scan import ProbeScan
 
     q = space.prepare(q)
-    scan = ProbeScan(space, q, own, n, enter=lists[1][:, k1], floor=ext["min1"])
-    batch = kr.ProbeBatch(space, lists, ext, scan, np.einsum("qd,qd->q", space.transform(q), space.key(q)), own, k1,
+    scan = ProbeScan(space, q, own, n, enter=lists[1][:, k1], floor=extremes["min1"])
+    s_qq = np.einsum("qd,qd->q", space.transform(q), space.key(q))
+    batch = kr.ProbeBatch(space, lists, extremes, scan, s_qq, own, k1,
                           offline, reverse)
     for b, (qb, i) in enumerate(zip(ref.prep(q), own, strict=True)):
         keep = np.flatnonzero(np.arange(n) != i)                 # universe: [probe, gallery rows in keep]
@@ -923,7 +924,7 @@ def test_a_size_above_the_gallery_is_the_whole_gallery(tmp_path, name, param):
 def test_neighbour_lists_beyond_the_memory_budget_are_refused(gallery, monkeypatch):
     searcher, x, _ = gallery
     monkeypatch.setattr(CACHE, "budget", 100 * 40 * 8)
-    with pytest.raises(UserError, match=r"^re-ranking would keep every item's top 48 neighbours: .* for 150 items, "
+    with pytest.raises(UserError, match=r"^re-ranking would keep every item's top 64 neighbours: .* for 150 items, "
                                         r"above the memory budget \(--cache-memory"):
         rerank("dba", space_for(searcher, "trained", {}, "cosine"), x[:1], 5, params={"n": 40})
 
@@ -955,7 +956,7 @@ def test_an_exact_scan_above_its_size_limit_is_refused_in_one_line(tmp_path, mon
             run()
         assert "\n" not in str(e.value)
     psd = space_for(searcher, "trained", {}, "cosine")
-    assert nb.neighbour_lists(psd, 10)[0].shape == (300, 10) and psd.held("knn", nb.HNSW)
+    assert nb.neighbour_lists(psd, 10)[0].shape == (300, 10) and psd.held("knn", nb.HNSW | {"length": 64})
 
 
 def test_approximate_row_extremes_against_the_exact_ones(tmp_path, monkeypatch):
@@ -1028,11 +1029,12 @@ def test_approximate_neighbour_lists_against_the_exact_ones(tmp_path, monkeypatc
     x, lab, W = features(n=1500, seed=7)
     searcher = build(tmp_path / "idx", x, lab, W)
     space = space_for(searcher, "trained", {}, "cosine")
-    exact_rows, _ = nb.neighbour_lists(space, 30)
+    exact_rows, _, _ = nb.neighbour_lists(space, 30)
     monkeypatch.setattr(nb, "APPROXIMATE_ABOVE", 0)
     monkeypatch.setitem(nb.HNSW, "ef_construction", 40)  # a weaker graph than the default: recall still holds
-    rows, sims = nb.neighbour_lists(space, 30)
-    assert space.held("knn", nb.HNSW) and space.held("knn", None)  # two artefacts: never read for each other
+    rows, sims, _ = nb.neighbour_lists(space, 30)
+    # two artefacts: never read for each other
+    assert space.held("knn", nb.HNSW | {"length": 64}) and space.held("knn", {"length": 64})
     found = (rows[:, :, None] == exact_rows[:, None, :]).any(1).mean()
     assert found >= 0.99
     assert (rows[:, 0] == np.arange(len(x))).mean() > 0.99  # cosine: each item first in its own list
@@ -1045,8 +1047,8 @@ def test_approximate_neighbour_lists_against_the_exact_ones(tmp_path, monkeypatc
     assert nb.neighbour_lists(space, 51)[0].shape == (1500, 51) and not builds
     np.testing.assert_array_equal(nb.neighbour_lists(space, 51)[0][:, :30], rows)
     indefinite = space_for(searcher, "diagonal", {"r": 0.5, "seed": 1}, "bilinear")
-    r_ind, _ = nb.neighbour_lists(indefinite, 30)
-    assert indefinite.held("knn", None) and not indefinite.held("knn", nb.HNSW)
+    r_ind, _, _ = nb.neighbour_lists(indefinite, 30)
+    assert indefinite.held("knn", {"length": 64}) and not indefinite.held("knn", nb.HNSW | {"length": 64})
     monkeypatch.setattr(nb, "APPROXIMATE_ABOVE", 10**9)
     CACHE.clear()
     np.testing.assert_array_equal(nb.neighbour_lists(indefinite, 30)[0], r_ind)
@@ -1064,7 +1066,7 @@ def test_a_projected_graph_keeps_the_lists_and_extremes(tmp_path, monkeypatch):
     x[:, 8:] *= 0.3  # as trunk features are, most of the energy in fewer directions than dimensions
     searcher = build(tmp_path / "idx", x, lab, W)
     space = space_for(searcher, "identity", {}, "cosine")  # F: D = 16 columns
-    exact_rows, _ = nb.neighbour_lists(space, 30)
+    exact_rows, _, _ = nb.neighbour_lists(space, 30)
     exact_ext = nb.row_extremes(space)
     monkeypatch.setattr(nb, "APPROXIMATE_ABOVE", 0)
     monkeypatch.setattr(nb, "GRAPH_DIM", 8)
@@ -1078,13 +1080,14 @@ def test_a_projected_graph_keeps_the_lists_and_extremes(tmp_path, monkeypatch):
     np.testing.assert_allclose(proj(basis), proj(top), atol=1e-3)
     params, widen = nb.graph_params(F)
     assert widen == nb.WIDEN > 1 and params["dim"] == 8
-    rows, sims = nb.neighbour_lists(space, 30)
-    assert space.held("knn", params) and not space.held("knn", nb.HNSW)
+    rows, sims, _ = nb.neighbour_lists(space, 30)
+    assert space.held("knn", params | {"length": 64}) and not space.held("knn", nb.HNSW | {"length": 64})
     assert (rows[:, :, None] == exact_rows[:, None, :]).any(1).mean() >= 0.95
     np.testing.assert_array_equal(sims, space.score(keys, rows.astype(np.int64)))
     assert (np.diff(sims, axis=1) <= 0).all()
-    ext = nb.row_extremes(space)
+    extremes = nb.row_extremes(space)
     assert space.held("extremes", nb.extremes_params(params))
-    np.testing.assert_array_equal(ext["min1"], space.score(keys, ext["arg1"][:, None])[:, 0])
-    assert (ext["min1"] >= exact_ext["min1"] - 1e-5).all() and (ext["arg1"] == exact_ext["arg1"]).mean() >= 0.95
+    np.testing.assert_array_equal(extremes["min1"], space.score(keys, extremes["arg1"][:, None])[:, 0])
+    assert (extremes["min1"] >= exact_ext["min1"] - 1e-5).all()
+    assert (extremes["arg1"] == exact_ext["arg1"]).mean() >= 0.95
     assert nb.graph_basis(space, F[:, :8]) is not None and nb.graph_params(F[:, :8]) == (nb.HNSW, 1)

@@ -20,7 +20,7 @@ from core.params import param
 
 from ...space import Hits, MetricSpace
 from ...threads import in_threads
-from ..neighbours import neighbour_lists, reverse_index, row_extremes
+from ..neighbours import extremes_digest, neighbour_lists, reverse_index, row_extremes
 from ..registry import RERANKERS, WHOLE_GALLERY
 from .cache import digest, gallery_similarities, remembered_terms
 from .engine import support_index, terms, whole_gallery
@@ -59,15 +59,15 @@ def kreciprocal(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: 
     """k-reciprocal encoding (Zhong et al. CVPR 2017): Jaccard distance of k-reciprocal sets, d* = (1 − λ) d_J + λ d."""
     p = params
     lists = neighbour_lists(space, min(p.k1 + 2, space.n))  # + 1: the item itself, + 1: a leave-one-out row
-    ext = row_extremes(space)
+    extremes = row_extremes(space)
     # a gallery too small for lists of k1 + 2 is small enough to compute every set
-    offline = gallery_sets(space, lists, ext, p.k1) if lists[0].shape[1] >= p.k1 + 2 else None
-    reverse = reverse_lists(space, lists[0], p.k1) if offline is not None else None
+    offline = gallery_sets(space, lists, extremes, p.k1) if lists.rows.shape[1] >= p.k1 + 2 else None
+    reverse = reverse_lists(space, lists, p.k1) if offline is not None else None
     # every candidate by default (the official code): d* is computed only where it can move; a
     # pool up to BRUTE_POOL is cheaper to rank whole
     pool = max(p.pool, k)
-    support = support_index(space, lists[0], ext, offline, p.k1, p.k2) if offline and pool > BRUTE_POOL else None
-    reverse_k2 = (reverse_index(space, lists[0], p.k2, f"kreciprocal-reverse-{p.k2}")
+    support = support_index(space, lists, extremes, offline, p.k1, p.k2) if offline and pool > BRUTE_POOL else None
+    reverse_k2 = (reverse_index(space, lists.rows, p.k2, lists.digest)
                   if support is not None and p.k2 > 1 else None)
     # the probe's own list N(p, k1 + 1) is read from its candidates; the whole gallery's ranking
     # reads the first k rows of the plain order outside those it computes, TOP_SLACK more kept
@@ -78,21 +78,21 @@ def kreciprocal(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: 
     step = int(np.clip(space.n * space.dim * 4 // KEY_BYTES, BATCH, max(BATCH, MAX_BATCH)))
     starts = range(0, len(queries), step)
 
-    def one(a: int) -> tuple:
+    def batch_terms(a: int) -> tuple:
         """One batch's terms, returned (never written into shared state): (pools, d_J, d)."""
         q, own = queries[a: a + step], self_ids[a: a + step]
         # one pass over the gallery: each probe's place in every list, its largest distance, its candidates
-        watch = None
+        record = None
         if reverse is not None:  # the lists that lose a leave-one-out probe's own row: the probe is put into them
             has = np.flatnonzero(own >= 0)
             ptr, src = reverse[p.k1]
             i, at = gather(ptr, own[has])
-            watch = (has[i], src[at].astype(np.int64))
-        scan = ProbeScan(space, q, own, depth, enter=lists[1][:, p.k1] if offline is not None else None,
-                         floor=ext["min1"] if support is not None else None, watch=watch)
+            record = (has[i], src[at].astype(np.int64))
+        scan = ProbeScan(space, q, own, depth, enter=lists.sims[:, p.k1] if offline is not None else None,
+                         floor=extremes["min1"] if support is not None else None, record=record)
         assert scan.t is not None  # a scanned batch (not ProbeScan.none)
         s_qq = np.einsum("qd,qd->q", scan.t, space.key(q))  # the pass's t(q)
-        batch = ProbeBatch(space, lists, ext, scan, s_qq, own, p.k1, offline, reverse)
+        batch = ProbeBatch(space, lists, extremes, scan, s_qq, own, p.k1, offline, reverse)
         if support is not None:
             return whole_gallery(batch, p, support, reverse_k2, k, pool if pool < space.n else None)
         pools = scan.top[:, :pool]
@@ -100,14 +100,15 @@ def kreciprocal(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: 
 
     def compute() -> dict:
         gallery_similarities(space)  # built once, before the batches share it
-        return dict(zip(starts, in_threads(one, starts), strict=True))  # every batch, combined here
+        return dict(zip(starts, in_threads(batch_terms, starts), strict=True))  # every batch, combined here
 
     # d_J and d do not depend on λ: a call that differs from a recent one in λ alone (a sweep over
     # λ, batch after batch) ranks the terms kept from it
     call = {"k1": p.k1, "k2": p.k2, "pool": pool, "k": k, "queries": digest(queries), "self_ids": digest(self_ids)}
     out_r = np.full((len(queries), k), -1, dtype=np.int64)
     out_s = np.full((len(queries), k), -np.inf, dtype=np.float32)
-    for a, (pools, d_j, d_orig) in remembered_terms(space, call, compute).items():
+    inputs = (lists.digest, extremes_digest(space))
+    for a, (pools, d_j, d_orig) in remembered_terms(space, call, compute, inputs).items():
         d = final_distance(pools, d_j, d_orig, p.lambda_value)
         order = np.argsort(d, axis=1, kind="stable")[:, :k]
         r, dd = np.take_along_axis(pools, order, 1), np.take_along_axis(d, order, 1)

@@ -36,8 +36,10 @@ def digest(a: np.ndarray) -> str:
     return hashlib.blake2b(a.data.cast("B"), digest_size=16).hexdigest() + str((a.dtype.str, a.shape))
 
 
-def remembered_terms(space: MetricSpace, call: dict, compute: Callable[[], dict]) -> dict:
+def remembered_terms(space: MetricSpace, call: dict, compute: Callable[[], dict], inputs: tuple[str, ...]) -> dict:
     """The terms (d_J and d per batch: {start: (pools, d_J, d)}) of a call identified by `call`
-    (every parameter but λ, the queries' and self_ids' digests): computed by `compute()` once
-    however many threads ask, and kept while within TERMS_SHARE of the budget."""
-    return space.artefact("kreciprocal-terms", call, compute, disk=False, max_bytes=memory_budget() // TERMS_SHARE)
+    (every parameter but λ, the queries' and self_ids' digests) and by the digests of the
+    offline artefacts it reads (`inputs`): computed by `compute()` once however many threads
+    ask, and kept while within TERMS_SHARE of the budget."""
+    return space.artefact("kreciprocal-terms", call, compute, inputs=inputs, disk=False,
+                          max_bytes=memory_budget() // TERMS_SHARE)

@@ -10,9 +10,9 @@ import numpy as np
 
 from ...space import MetricSpace
 from ...threads import in_threads
-from ..neighbours import reverse_index
+from ..neighbours import Lists, extremes_digest, reverse_index
 from .scan import Pairs, ProbeScan
-from .sets import ProbeBatch, gather, lookup, top_rows, unique_inverse
+from .sets import ProbeBatch, gather, lookup, sets_digest, top_rows, unique_inverse
 
 if TYPE_CHECKING:
     from . import KReciprocalParams
@@ -75,18 +75,20 @@ def probe_vector(batch: ProbeBatch, p: KReciprocalParams) -> tuple[np.ndarray, n
     return pc, np.bincount(pinv, weights=w[at] / n_p[pb[i]])
 
 
-def support_index(space: MetricSpace, rows: np.ndarray, ext: dict, sets: dict, k1: int,
+def support_index(space: MetricSpace, lists: Lists, extremes: dict, sets: dict, k1: int,
                   k2: int) -> dict[str, np.ndarray]:
     """Offline, over the gallery alone: every item's query-expanded V_qe(g) (the mean of V_z over
     z ∈ N(g, k2); V_z of Eq. 7 on R*(z, k1)), stored as the official code's inverted index: for
     each item j, the items g with V_qe(g)[j] > 0 ("items"[ptr[j]:ptr[j+1]]) and that value
-    ("values").  Summed as `distances` sums it, so a probe reads the same numbers."""
+    ("values").  Summed as `terms` sums it, so a probe reads the same numbers."""
+    rows = lists.rows
+
     def compute():
         n = space.n
         cnt = np.diff(sets["ptr"])
         owner = np.repeat(np.arange(n), cnt)
-        self_s = ext["self"].astype(np.float64)
-        rm = self_s - ext["min1"]  # the row maximum of d, as ProbeBatch.row_max reads it
+        self_s = extremes["self"].astype(np.float64)
+        rm = self_s - extremes["min1"]  # the row maximum of d, as ProbeBatch.row_max reads it
         rm = np.where(rm > 0, rm, 1.0)
         w = np.exp(-(self_s[owner] - sets["sims"].astype(np.float64)) / rm[owner])
         total = np.bincount(owner, weights=w, minlength=n)
@@ -107,12 +109,13 @@ def support_index(space: MetricSpace, rows: np.ndarray, ext: dict, sets: dict, k
         j, g = np.divmod(key[order], n)  # by column j, then item g
         ptr = np.concatenate([[0], np.cumsum(np.bincount(j, minlength=n))])
         return {"ptr": ptr, "items": g.astype(np.int32), "values": val[order]}
-    return space.artefact("kreciprocal-support", {"k1": k1, "k2": k2}, compute)
+    inputs = (lists.digest, extremes_digest(space), sets_digest(space, lists, k1))
+    return space.artefact("kreciprocal-support", {"k1": k1, "k2": k2}, compute, inputs=inputs)
 
 
-def least_similar_of(space: MetricSpace, ext: dict) -> tuple[np.ndarray, np.ndarray]:
+def least_similar_of(space: MetricSpace, extremes: dict) -> tuple[np.ndarray, np.ndarray]:
     """(ptr, src): src[ptr[i]:ptr[i+1]] the items whose least similar item is i (`row_extremes`'s arg1)."""
-    return reverse_index(space, ext["arg1"][:, None], 1, "kreciprocal-least-similar")
+    return reverse_index(space, extremes["arg1"][:, None], 1, extremes_digest(space))
 
 
 def refresh(batch: ProbeBatch, p: KReciprocalParams, reverse_k2) -> Pairs:
@@ -121,16 +124,16 @@ def refresh(batch: ProbeBatch, p: KReciprocalParams, reverse_k2) -> Pairs:
     where R*(z, k1) does or z's row maximum moves (the probe below z's smallest similarity, or
     the own row was it).  R*(z) can change only where R(z, k1) changed or R(c, ½k1) did for a
     member c (by the symmetry of R, z ∈ R(c, k1) of the gallery then, R(z, k1) being unchanged);
-    R(·, k) can change only at the nodes touched at k, so those are compared with the offline
+    R(·, k) can change only at the nodes affected at k, so those are compared with the offline
     sets first.  The R* of those z, and the probes', are computed here once, compared with the
-    offline sets, and kept for `members` (`batch.refreshed`, `batch.known`)."""
-    ext, offline = batch.ext, batch.offline
+    offline sets, and kept for `members` (`batch.refreshed`, `batch.computed_sets`)."""
+    extremes, offline = batch.extremes, batch.offline
     assert offline is not None  # built with the offline sets (kreciprocal)
     n, stride = batch.n, batch.stride
     maybe_b, maybe_x = [], []
     for k in dict.fromkeys((p.k1, batch.k_half)):
-        # R(c, k) where it can have changed (c touched at k), compared with the offline set
-        tb, tc = batch.touched[k].pairs()
+        # R(c, k) where it can have changed (c affected at k), compared with the offline set
+        tb, tc = batch.affected[k].pairs()
         R = np.sort(batch.reciprocal(tb * stride + tc, k), axis=1)
         off = offline["r1" if k == p.k1 else "rh"][tc]
         off = np.sort(np.where(off >= 0, tb[:, None] * stride + off, -1), axis=1)
@@ -151,7 +154,7 @@ def refresh(batch: ProbeBatch, p: KReciprocalParams, reverse_k2) -> Pairs:
     sims = batch.similarity(codes[ri], y)
     cnt = np.bincount(ri, minlength=len(codes))
     kptr = np.concatenate([[0], np.cumsum(cnt)])
-    batch.known = (codes, kptr, y, sims)
+    batch.computed_sets = (codes, kptr, y, sims)
     # the same set as offline: as many members, each the same (both sorted)
     cb, cx = np.divmod(codes, stride)
     gal = cx < n
@@ -166,7 +169,7 @@ def refresh(batch: ProbeBatch, p: KReciprocalParams, reverse_k2) -> Pairs:
     batch.refreshed = Pairs.of(cb[gal & ~same], cx[gal & ~same], n)
     # V_z also changes where the probe is z's least similar item, or z's was the probe's own row
     has = np.flatnonzero(batch.own >= 0)
-    ptr, src = least_similar_of(batch.space, ext)
+    ptr, src = least_similar_of(batch.space, extremes)
     i, at = gather(ptr, batch.own[has])
     assert batch.scan.below is not None  # scanned with the rows' least similarities
     vz = batch.refreshed | batch.scan.below | Pairs.of(has[i], src[at], n)
@@ -211,7 +214,7 @@ def whole_gallery(batch: ProbeBatch, p: KReciprocalParams, support: dict, revers
     if inpool is not None:
         ok &= inpool.has(b, g)
     key = b[ok] * n + g[ok]
-    order = np.argsort(key, kind="stable")  # per (probe, g): columns in ascending order, as `distances` sums
+    order = np.argsort(key, kind="stable")  # per (probe, g): columns in ascending order, as `terms` sums
     uk, kinv = unique_inverse(key[order])
     tmin = np.bincount(kinv, weights=mins[ok][order])
     ob, og = np.divmod(uk, n)

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...space import MetricSpace
+from ...space import SCAN_CELLS, MetricSpace
 
-SCAN_CELLS = 1 << 22  # probe × gallery cells per block of the pass (16 MB of float32)
 GATHER_PAIRS = 1 << 15  # keys gathered at a time for the pairs computed when asked (16 MB at d = 128)
 DENSE_CELLS = 1 << 24  # a batch's whole rows are kept up to this many cells (64 MB): a look-up is cheaper than a dot
 
@@ -56,7 +55,7 @@ class Pairs:
         return len(self.codes)
 
 
-class Best:
+class RunningTop:
     """Each of B rows' `depth` largest scores seen so far (ties kept), in a B × cap buffer: the
     candidates of a pass are appended, and a row that fills its buffer is cut back to its best,
     which raises its threshold `theta` (a score below it cannot be among the row's best)."""
@@ -118,19 +117,19 @@ class ProbeScan:
     below        the pairs with s(p, g) < floor[g] (a row's least similarity: the probe becomes
                  g's least similar item)
     q_min        each probe's least similarity over the gallery, its own row left out (+inf: none)
-    `watch` (b, g): pairs whose scores the pass records too (those read later, so that every
+    `record` (b, g): pairs whose scores the pass records too (those read later, so that every
     score a decision reads comes from the pass's one product).
     `at(b, g)` reads s(p_b, g): the recorded score where the pass kept it, computed otherwise."""
 
     def __init__(self, space: MetricSpace, v: np.ndarray, own: np.ndarray, depth: int,
                  enter: np.ndarray | None = None, floor: np.ndarray | None = None,
-                 watch: tuple[np.ndarray, np.ndarray] | None = None):
+                 record: tuple[np.ndarray, np.ndarray] | None = None):
         self.space, self.v, self.own = space, v, own
         self.B, self.n = B, n = len(v), space.n
         self.depth = depth = min(depth, n)
         self.t: np.ndarray | None = space.transform(v)
         self.q_min = np.full(B, np.inf, dtype=np.float32)
-        best = Best(B, depth)
+        best = RunningTop(B, depth)
         ent: list[tuple[np.ndarray, ...]] = []
         low: list[tuple[np.ndarray, ...]] = []
         seen: list[tuple[np.ndarray, ...]] = []
@@ -151,9 +150,9 @@ class ProbeScan:
                     Sr = S[rows]
                     f = np.flatnonzero((Sr < floor[a:z]).ravel())
                     low.append((rows[f // w], f % w + a, Sr.ravel()[f]))
-            if watch is not None and self.S is None:
-                in_block = (watch[1] >= a) & (watch[1] < z)
-                seen.append((watch[0][in_block], watch[1][in_block], S[watch[0][in_block], watch[1][in_block] - a]))
+            if record is not None and self.S is None:
+                in_block = (record[1] >= a) & (record[1] < z)
+                seen.append((record[0][in_block], record[1][in_block], S[record[0][in_block], record[1][in_block] - a]))
             mine = has[(own[has] >= a) & (own[has] < z)]
             if len(mine):  # the own row is not in the probe's universe
                 S[mine, own[mine] - a] = np.inf
@@ -186,7 +185,7 @@ class ProbeScan:
             self._keep(e if enter is not None else None, (lb, lg, ls) if floor is not None and low else None, seen)
 
     def _keep(self, entered, below, seen) -> None:
-        """Every score the pass kept (top rows, entered, below, watched pairs), for `at`."""
+        """Every score the pass kept (top rows, entered, below, recorded pairs), for `at`."""
         B, n = self.B, self.n
         okt = self.top >= 0
         rb = [np.broadcast_to(np.arange(B)[:, None], self.top.shape)[okt]]

@@ -8,7 +8,7 @@ import numpy as np
 
 from ...space import MetricSpace
 from ...threads import in_threads
-from ..neighbours import reverse_index, without
+from ..neighbours import Lists, extremes_digest, reverse_index, without
 from .cache import gallery_similarities
 from .paper import half
 from .scan import Pairs, ProbeScan, find
@@ -84,13 +84,13 @@ class ProbeBatch:
     (`gallery_sets`); without them (building them, or a gallery too small for them) every set
     is computed."""
 
-    def __init__(self, space: MetricSpace, lists: tuple[np.ndarray, np.ndarray], ext: dict[str, np.ndarray],
+    def __init__(self, space: MetricSpace, lists: Lists, extremes: dict[str, np.ndarray],
                  scan: ProbeScan, s_qq: np.ndarray, own: np.ndarray, k1: int, offline: dict | None = None,
                  reverse: dict | None = None):
         self.space, self.n = space, space.n
         self.stride = space.n + 1
-        self.rows, self.sims = lists
-        self.ext, self.scan, self.s_qq, self.own = ext, scan, s_qq.astype(np.float64), own
+        self.rows, self.sims = lists.rows, lists.sims
+        self.extremes, self.scan, self.s_qq, self.own = extremes, scan, s_qq.astype(np.float64), own
         self.k1, self.k_half = k1, half(k1)
         self.B = scan.B
         self.n_codes = self.B * self.stride  # one past the largest code
@@ -101,14 +101,14 @@ class ProbeBatch:
         # set by `refresh`: which gallery nodes' R*(x, k1) differ from the offline sets, and the
         # sets it computed (codes sorted; CSR members and similarities)
         self.refreshed: Pairs | None = None
-        self.known: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+        self.computed_sets: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         if offline is not None:
             assert reverse is not None and scan.entered is not None  # built with the offline lists (`kreciprocal`)
             # changed[k]: the (probe, y) whose N(y, k+1) over U_b differs from the gallery's;
-            # touched[k]: the nodes whose R(·, k) that can change: y, the entry the probe pushes
+            # affected[k]: the nodes whose R(·, k) that can change: y, the entry the probe pushes
             # out of it, and where the probe's own row leaves it, the entry that comes in
             self.changed: dict[int, Pairs] = {}
-            self.touched: dict[int, Pairs] = {}
+            self.affected: dict[int, Pairs] = {}
             # lists are nested (N(y, ½k1 + 1) ⊂ N(y, k1 + 1)), so the probe entering a shorter
             # list enters the longer one: the scan's pairs at k1 hold those at ½k1
             bb, yy, ss = scan.entered
@@ -123,7 +123,7 @@ class ProbeBatch:
                 oy = src[np.repeat(ptr[own[has]] - (np.cumsum(cnt) - cnt), cnt) + np.arange(int(cnt.sum()))]
                 ch = Pairs.of(np.concatenate([bb, ob]), np.concatenate([yy, oy]), self.n)
                 self.changed[k] = ch
-                self.touched[k] = ch | Pairs.of(np.concatenate([bb, ob]),
+                self.affected[k] = ch | Pairs.of(np.concatenate([bb, ob]),
                                                 np.concatenate([self.rows[yy, k], self.rows[oy, k + 1]]), self.n)
 
     def probe(self) -> np.ndarray:
@@ -180,7 +180,7 @@ class ProbeBatch:
         if self.offline is not None:
             b, x = np.divmod(e, self.stride)
             g = np.flatnonzero(x < self.n)
-            keep = g[~self.touched[k].has(b[g], x[g])]
+            keep = g[~self.affected[k].has(b[g], x[g])]
             r = self.offline["r1" if k == self.k1 else "rh"][x[keep]].astype(np.int64)
             out[keep] = np.where(r >= 0, b[keep][:, None] * self.stride + r, -1)
             fresh[keep] = False
@@ -243,13 +243,13 @@ class ProbeBatch:
 
     def self_similarity(self, e: np.ndarray) -> np.ndarray:
         b, x = np.divmod(e, self.stride)
-        return np.where(x == self.n, self.s_qq[b], self.ext["self"][np.minimum(x, self.n - 1)]).astype(np.float64)
+        return np.where(x == self.n, self.s_qq[b], self.extremes["self"][np.minimum(x, self.n - 1)]).astype(np.float64)
 
     def row_max(self, e: np.ndarray) -> np.ndarray:
         """max_y d(x, y) over the node's universe: s(x, x) − min_y s(x, y)."""
         b, x = np.divmod(e, self.stride)
         g = np.minimum(x, self.n - 1)
-        m = np.where(self.ext["arg1"][g] == self.own[b], self.ext["min2"][g], self.ext["min1"][g])
+        m = np.where(self.extremes["arg1"][g] == self.own[b], self.extremes["min2"][g], self.extremes["min1"][g])
         gal = x < self.n
         m[gal] = np.minimum(m[gal], self.scan.at(b[gal], g[gal]))  # the probe's column
         m = np.where(gal, m, self.q_min[b])
@@ -266,15 +266,15 @@ class ProbeBatch:
         b, x = np.divmod(e, self.stride)
         fresh = x == self.n
         g = np.flatnonzero(~fresh)
-        if self.known is not None and self.refreshed is not None:  # `refresh` computed these, kept those that changed
+        if self.computed_sets is not None and self.refreshed is not None:  # computed by `refresh`, changed ones kept
             fresh[g] = self.refreshed.has(b[g], x[g])
         else:
             r1 = self.offline["r1"][x[g]]
-            th = self.touched[self.k_half]
-            fresh[g] = self.touched[k1].has(b[g], x[g]) | ((r1 >= 0) & th.has(b[g][:, None], np.maximum(r1, 0))).any(1)
+            th = self.affected[self.k_half]
+            fresh[g] = self.affected[k1].has(b[g], x[g]) | ((r1 >= 0) & th.has(b[g][:, None], np.maximum(r1, 0))).any(1)
         idx_f, idx_c = np.flatnonzero(fresh), np.flatnonzero(~fresh)
-        if self.known is not None:
-            codes, kptr, ky, ks = self.known
+        if self.computed_sets is not None:
+            codes, kptr, ky, ks = self.computed_sets
             at_k = np.searchsorted(codes, e[idx_f])
             ri_f, at = gather(kptr, at_k)
             ri_f, y_f, s_f = idx_f[ri_f], ky[at], ks[at]
@@ -299,13 +299,19 @@ class ProbeBatch:
         return ri, y, w / np.maximum(total[ri], 1e-300)  # an empty R*(x) (bilinear oddities): V_x = 0
 
 
-def gallery_sets(space: MetricSpace, lists: tuple[np.ndarray, np.ndarray], ext: dict[str, np.ndarray],
+def sets_digest(space: MetricSpace, lists: Lists, k1: int) -> str:
+    """The digest of `gallery_sets(space, lists, ·, k1)`."""
+    return space.digest("kreciprocal-sets", {"k1": k1}, (lists.digest, extremes_digest(space)))
+
+
+def gallery_sets(space: MetricSpace, lists: Lists, extremes: dict[str, np.ndarray],
                  k1: int) -> dict[str, np.ndarray]:
     """Offline: over the gallery alone, every item's R(x, k1) and R(x, ½k1) (its list entries,
     −1 where not reciprocal: "r1", "rh") and R*(x, k1) with s(x, ·) of its members (CSR:
     rows[ptr[x]:ptr[x+1]], sims alike)."""
     def compute():
-        none = ProbeBatch(space, lists, ext, ProbeScan.none(space), np.zeros(1), np.full(1, -1), k1)  # enters no list
+        # a batch whose probe enters no list: the gallery alone
+        none = ProbeBatch(space, lists, extremes, ProbeScan.none(space), np.zeros(1), np.full(1, -1), k1)
         n, h = space.n, half(k1)
         step = max(1, min(4096, SET_CELLS // (k1 + 2) ** 2))  # a block's reverse checks: step × (k1 + 1)² entries
 
@@ -317,11 +323,11 @@ def gallery_sets(space: MetricSpace, lists: tuple[np.ndarray, np.ndarray], ext: 
         r1, rh, rows, sims, count = zip(*in_threads(block, range(0, n, step)), strict=True)
         return {"r1": np.concatenate(r1), "rh": np.concatenate(rh), "rows": np.concatenate(rows),
                 "sims": np.concatenate(sims), "ptr": np.concatenate([[0], np.cumsum(np.concatenate(count))])}
-    return space.artefact("kreciprocal-sets", {"k1": k1}, compute)
+    return space.artefact("kreciprocal-sets", {"k1": k1}, compute, inputs=(lists.digest, extremes_digest(space)))
 
 
-def reverse_lists(space: MetricSpace, rows: np.ndarray, k1: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+def reverse_lists(space: MetricSpace, lists: Lists, k1: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """For k = k1 and ½k1: (ptr, src) with src[ptr[i]:ptr[i+1]] the items whose first k + 1 list
     entries hold i (the lists a leave-one-out query's own row changes); kept in memory."""
-    return {k: reverse_index(space, rows, k + 1, f"kreciprocal-reverse-{k + 1}") for k in (k1, half(k1))}
+    return {k: reverse_index(space, lists.rows, k + 1, lists.digest) for k in (k1, half(k1))}
 

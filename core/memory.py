@@ -1,7 +1,9 @@
-"""The one in-memory cache of every metric space's state (keys, neighbour lists, offline
-artefacts, re-rankers' look-up tables): one lock, one byte budget, least recently used
-entries evicted first, and each entry built once however many threads ask for it at once.
-docs/reranking.md ("The metric-space layer") describes the policy."""
+"""The process's one in-memory cache: every metric space's state (keys, neighbour lists,
+offline artefacts, re-rankers' look-up tables), each strategy's M′, comparisons and what the app
+draws.  One lock, one byte budget (`--cache-memory`), least recently used entries evicted first,
+and each entry built once however many threads ask for it at once.  Here, at the bottom of the
+layers, so that every package can keep its values in it.  docs/reranking.md ("The metric-space
+layer") describes the policy."""
 from __future__ import annotations
 
 import os
@@ -12,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from core.errors import UserError
-from core.flags import CACHE_MEMORY_DEFAULT, CACHE_MEMORY_ENV, parse_size
+from .errors import UserError
+from .flags import CACHE_MEMORY_DEFAULT, CACHE_MEMORY_ENV, parse_size
 
 
 def parse_bytes(text: str | int, what: str = "--cache-memory") -> int:
@@ -71,15 +73,14 @@ class MemoryCache:
             self._entries.move_to_end(key)
             return hit[0]
 
-    def get_or_build(self, key: Hashable, build: Callable[[], Any], *, max_bytes: int | None = None,
-                     stale: Callable[[Any], bool] | None = None) -> Any:
-        """The entry under `key`, built by `build()` when absent (or `stale(entry)`); kept when its
+    def get_or_build(self, key: Hashable, build: Callable[[], Any], *, max_bytes: int | None = None) -> Any:
+        """The entry under `key`, built by `build()` when absent; kept when its
         size is within `max_bytes` (default: the budget), evicting the least recently used.  A
         thread that finds the same key being built waits for that build and returns its value."""
         with self._lock:
             while True:
                 hit = self._entries.get(key)
-                if hit is not None and not (stale is not None and stale(hit[0])):
+                if hit is not None:
                     self._entries.move_to_end(key)
                     return hit[0]
                 running = self._building.get(key)
@@ -87,9 +88,9 @@ class MemoryCache:
                     break
                 while not running.done:
                     self._changed.wait()
-                if not running.failed and not (stale is not None and stale(running.value)):
+                if not running.failed:
                     return running.value
-                # the build failed (its thread raised) or is too short for this caller: build here
+                # the build failed (its thread raised): build here
             mine = self._building[key] = _Build()
         try:
             value = build()

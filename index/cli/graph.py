@@ -1,0 +1,53 @@
+"""`graph`: build a gallery's neighbour graph ahead of the first re-ranked search: every item's
+top-L neighbour lists under a strategy's M′ and mode, and each row's extreme similarities, the
+offline pass that dba, k-reciprocal and diffusion read.  A build cut short resumes from the last
+block it wrote; later searches under the same configuration read what it stored."""
+from __future__ import annotations
+
+import sys
+
+from core.errors import UserError
+from core.flags import add_shared_args
+
+from ..backends.flags import backend_args
+from ..rerankers.neighbours import MIN_LENGTH, extremes_digest, neighbour_lists, row_extremes
+from ..search_config import SearchConfig
+from ..space import set_memory_budget
+from ..threads import batch_threads
+from .flags import strategy_args, strategy_params_from, threads_arg
+from .search import open_gallery
+
+
+def graph_parser(sub) -> None:
+    s = sub.add_parser("graph", help="build the gallery's neighbour lists and row extremes for re-ranking (resumable)")
+    s.add_argument("--index", help="index directory (required with --backend faiss)")
+    s.add_argument("--length", type=int, default=MIN_LENGTH,
+                   help="neighbours per item (a re-ranker reads at most k1 + 2, k + 1 or n + 2 of them; "
+                        "default: %(default)s, which every re-ranker's defaults fit)")
+    s.add_argument("--no-extremes", action="store_true", help="skip the row extremes (only k-reciprocal reads them)")
+    s.add_argument("--no-verify", action="store_true", help="skip the checksum verification at load")
+    add_shared_args(s, "progress", "cache_memory")
+    threads_arg(s)
+    strategy_args(s)
+    backend_args(s)
+    s.set_defaults(func=cmd_graph)
+
+
+def cmd_graph(args) -> int:
+    if args.length < 1:
+        raise UserError(f"--length must be ≥ 1, got {args.length}")
+    batch_threads(args.threads, torch=False)
+    set_memory_budget(args.cache_memory)
+    given = {k: v for k, v in strategy_params_from(args).items() if v is not None}
+    cfg = SearchConfig.of(args.strategy, given, args.mode, strict=True)
+    gallery = open_gallery(args)
+    mode, note = gallery.resolve_mode(cfg.strategy, cfg.params, cfg.mode)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    space = cfg.with_mode(mode).space(gallery)
+    lists = neighbour_lists(space, args.length, progress=args.progress)
+    print(f"neighbour lists: {space.n:,} items × {lists.rows.shape[1]} ({lists.digest})")
+    if not args.no_extremes:
+        row_extremes(space)
+        print(f"row extremes: {space.n:,} items ({extremes_digest(space)})")
+    return 0
