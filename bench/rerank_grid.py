@@ -62,7 +62,7 @@ def main():
         mat = rerank_matrix({"test": (f, y), "val": (vf, vy)}, W, [cfg], names, progress=False, grid_name=args.grid)
         test = {r["rerank"]: r for r in mat["test"]}
         val = {r["rerank"]: r for r in mat["val"]}
-        s = Searcher(in_memory_index(f, y, W), cache_size=2)
+        s = Searcher(in_memory_index(f, y, W))
         for n in names:
             default = rerank_split(s, SearchConfig.of("trained", {}, "cosine", n), y)
             rows.append({"data": label, "checkpoint": str(ck), "test_classes": describe(y), "val_classes": describe(vy),

@@ -56,7 +56,7 @@ def main():
         cfg = dataclasses.replace(base, seed=seed, out=out, threads=args.threads, progress=False)
         train_or_reuse(cfg)
         f, y, W = split_features(Path(out) / "best.pt", cfg.data_config(), "test", cfg.cache_dir, progress=False)
-        searcher = Searcher(in_memory_index(f, y, W, True), cache_size=2)
+        searcher = Searcher(in_memory_index(f, y, W, True))
         for strategy, params, label in CELLS:
             for rr in RERANK:
                 m = rerank_split(searcher, SearchConfig.of(strategy, params, "cosine", rr), y)

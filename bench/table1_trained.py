@@ -154,7 +154,7 @@ def indefinite_table(ck: Path, cache_dir: str, r_values) -> list[dict]:
     from index.build import split_features
 
     f, y, W = split_features(ck, None, "test", cache_dir, False)
-    s = Searcher(in_memory_index(f, y, W, True), cache_size=2)  # features as indexed: L2-normalised
+    s = Searcher(in_memory_index(f, y, W, True))  # features as indexed: L2-normalised
     g = GramSweep(np.asarray(s.data.features), s.data.items.labels, s.data.W)
     n = g.n
     rows = []

@@ -68,6 +68,23 @@ def matrix_report(M: np.ndarray, eigenvalues: np.ndarray | None = None) -> dict:
     }
 
 
+# psd_factor's tolerances, relative to the largest |eigenvalue|: an eigenvalue below −INDEFINITE_TOL
+# is a real negative direction (round-off of a PSD M′ stays far above it); one at or below
+# NULL_TOL is the null space, which adds nothing to any inner product
+INDEFINITE_TOL, NULL_TOL = 1e-6, 1e-9
+
+
+def psd_factor(M: np.ndarray) -> np.ndarray | None:
+    """F (d × r, float32) with M = F Fᵀ, r the number of eigenvalues above NULL_TOL (the null
+    space dropped), so φ(q)ᵀMφ(x) = (Fᵀφ(q))·(Fᵀφ(x)) and ‖x‖_M = ‖Fᵀx‖; None where M is
+    indefinite (an eigenvalue below −INDEFINITE_TOL).  Every factor of M′ in the product
+    (on-disk cosine lists, re-rankers' approximate neighbour lists) is this one."""
+    w, V = np.linalg.eigh(symmetrized(M))
+    scale = max(float(np.abs(w).max(initial=0.0)), 1e-300)
+    if w.min(initial=0.0) < -INDEFINITE_TOL * scale:
+        return None
+    keep = w > NULL_TOL * scale
+    return np.ascontiguousarray(V[:, keep] * np.sqrt(w[keep]), dtype=np.float32)
 
 
 def resolve_mode(mode: str, is_psd: Callable[[], bool]) -> tuple[str, str]:
@@ -83,7 +100,7 @@ def resolve_mode(mode: str, is_psd: Callable[[], bool]) -> tuple[str, str]:
 class QueryMetric:
     """M′ prepared for querying: q ↦ M′q (cosine: divided by ‖q‖_M′) and candidates' ‖x‖_M′.
     The backends that re-rank candidates read from disk or a database (on-disk IVF, Milvus)
-    search with it; the in-memory Searcher keeps its own cached RefinedMetric."""
+    search with it; a strategy's is made from its cached M′ (gallery.strategy_metric)."""
     M: np.ndarray                              # d × d, symmetric, float64
     mode: str
     apply: Callable[[np.ndarray], np.ndarray]  # rows Q ↦ rows of Q M′, float32
@@ -95,12 +112,21 @@ class QueryMetric:
         if mode not in MODES:
             raise UserError(f"mode must be one of {MODES}, got {mode!r}")
         M = check_symmetric(M, d, "M′")
+        return cls.of(M, mode, apply or MetricOperator(M).apply, lambda: matrix_report(M))
+
+    @classmethod
+    def of(cls, M: np.ndarray, mode: str, apply: Callable[[np.ndarray], np.ndarray],
+           report: Callable[[], dict]) -> QueryMetric:
+        """An exactly symmetric M′ (a strategy's, from `refine`) with its operator's `apply`;
+        `report()` gives its `matrix_report`, read only in cosine mode, which needs a PSD M′."""
+        if mode not in MODES:
+            raise UserError(f"mode must be one of {MODES}, got {mode!r}")
         if mode == "cosine":
-            rep = matrix_report(M)
+            rep = report()
             if not rep["psd"]:
                 raise UserError(f"cosine mode needs a positive semi-definite M′; this one is indefinite "
                                 f"(min eigenvalue {rep['min_eigenvalue']:.3g}). Use mode bilinear.")
-        return cls(M, mode, apply or MetricOperator(M).apply)
+        return cls(M, mode, apply)
 
     def transform(self, Q: np.ndarray) -> np.ndarray:
         qt = self.apply(Q)

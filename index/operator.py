@@ -77,6 +77,12 @@ class MetricOperator:
             return cls(M, kind="dense", eigenvalues=lam)
         return cls(M, kind="dense")
 
+    def arrays(self) -> list[np.ndarray]:
+        """The arrays this operator holds: what it weighs in the memory cache's budget."""
+        parts = [self.M32, self.W32, self.WT32, self.diag_removed, self.eigenvalues,
+                 *(() if self.spectral is None else self.spectral[1:])]
+        return [a for a in parts if isinstance(a, np.ndarray)]
+
     def apply(self, Q: np.ndarray) -> np.ndarray:
         """Rows of Q (n × d) ↦ rows of Q M′ (= (M′q)ᵀ since M′ is symmetric), float32."""
         Q = np.ascontiguousarray(Q, dtype=np.float32)

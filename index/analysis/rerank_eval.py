@@ -122,7 +122,7 @@ def rerank_matrix(splits: dict, W: np.ndarray, settings: list[SearchConfig], rer
     scored on `val_queries` of its items at most) and every split reports that choice; the rows
     carry it ("rerank_params") and what was tried ("tried")."""
     names = tuple(dict.fromkeys((NO_RERANK, *rerankers)))
-    searchers = {split: Searcher(in_memory_index(f, y, W, normalize), cache_size=2) for split, (f, y) in splits.items()}
+    searchers = {split: Searcher(in_memory_index(f, y, W, normalize)) for split, (f, y) in splits.items()}
     chosen: dict[tuple, tuple[dict, list]] = {}
     if "val" in splits:
         todo = [(c, r) for c in settings for r in names]
@@ -224,12 +224,12 @@ def best_reranker(test: tuple, val: tuple, W: np.ndarray, cfg: SearchConfig, rer
     grid, `reranker_grid(name, grid_name)`, scored on `val_queries` validation items at most),
     reported on test beside `cfg` alone: {"setting", "rerank", "rerank_params", "val_map@r" per
     re-ranker (its best setting), "tried" per re-ranker, "test": metrics, "test_none": metrics}."""
-    sv = Searcher(in_memory_index(val[0], val[1], W, normalize), cache_size=2)
+    sv = Searcher(in_memory_index(val[0], val[1], W, normalize))
     chosen = {n: choose_params(sv, cfg, n, val[1], grid_name, val_queries) for n in rerankers}
     on_val = {n: max(t["map@r"] for t in tried) for n, (_, tried) in chosen.items()}
     best = max(on_val, key=lambda n: on_val[n])
     params = chosen[best][0]
-    st = Searcher(in_memory_index(test[0], test[1], W, normalize), cache_size=2)
+    st = Searcher(in_memory_index(test[0], test[1], W, normalize))
     return {"setting": cfg.label(), "rerank": best, "rerank_params": params, "val_map@r": on_val,
             "tried": {n: tried for n, (_, tried) in chosen.items()},
             "test": rerank_split(st, SearchConfig.of(cfg.strategy, cfg.params, cfg.mode, best, params), test[1]),

@@ -79,7 +79,7 @@ def evaluate_splits(splits: dict, W, configs, normalize=True, progress=True, des
     equal to the search path); above, each setting is searched through the search path."""
     parts = {}
     for name, (features, labels) in splits.items():
-        s = Searcher(in_memory_index(features, labels, W, normalize), cache_size=1)
+        s = Searcher(in_memory_index(features, labels, W, normalize))
         q = np.asarray(s.data.features)
         y = s.data.items.labels
         parts[name] = (s, q, y, GramSweep(q, y, s.data.W) if len(y) <= MAX_N else None)

@@ -4,8 +4,9 @@ COSINE (cosine mode re-ranks IP candidates exactly).  A path URI is Milvus Lite,
 a server.  `MilvusGallery` is a `gallery.Gallery`; re-rankers run in the `MetricSpace` of a
 `Searcher` whose candidates come from the collection and whose vectors are memory-mapped: the
 source index directory's features.npy where it still holds the collection's vectors, else a
-copy read from the collection once into the re-ranking cache folder.  The collection layout
-and the reasons: docs/scale-out.md ("Milvus").
+copy read from the collection once into the re-ranking cache folder.  What is computed from the
+collection (M′, its items) is kept in the process's memory cache, keyed by the collection's
+content.  The collection layout and the reasons: docs/scale-out.md ("Milvus").
 pymilvus and milvus-lite are an optional extra (requirements-milvus.txt), imported only here.
 """
 from __future__ import annotations
@@ -15,7 +16,6 @@ import hashlib
 import json
 import shutil
 import threading
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,8 @@ from core.atomic import write_with
 from core.errors import UserError
 
 from ..metric import QueryMetric
-from ..space import MetricSpace, cache_root, read_rows
-from .gallery import Hits, NeckGallery, exact_top
+from ..space import CACHE, Hits, cache_root, key_hash, read_rows
+from .gallery import NeckGallery, exact_top, neck_digest
 from .search import Searcher
 from .store import IndexData, Items
 
@@ -199,6 +199,9 @@ class MilvusGallery(NeckGallery):
         self.rerank_factor = rerank_factor
         self._nprobe = nprobe
         self._space_lock = threading.Lock()   # the vectors are found (or copied) once, whoever asks first
+        self._searcher: Searcher | None = None
+        self._key_lock = threading.Lock()
+        self._content_key: str | None = None
         self.client = connect(uri, token)
         try:
             if not self.client.has_collection(collection):
@@ -209,6 +212,7 @@ class MilvusGallery(NeckGallery):
             self.info = json.loads(props["dml.info"])
             self.W = np.frombuffer(base64.b64decode(props["dml.neck"]), dtype="<f4").reshape(
                 self.info["embed_dim"], self.info["dim"])
+            self.neck = neck_digest(self.W)   # the key of every M′ this gallery reads (gallery.refined_metric)
             self.class_names = {int(k): v for k, v in json.loads(props.get("dml.classes", "{}")).items()}
             metric = self.client.describe_index(collection, "vector").get("metric_type")
             if metric != METRIC:
@@ -235,8 +239,9 @@ class MilvusGallery(NeckGallery):
 
     @nprobe.setter
     def nprobe(self, value: int | None) -> None:
-        self._nprobe = value
-        self.__dict__.pop("_in_memory", None)   # its caches are keyed by the candidate settings
+        with self._space_lock:
+            self._nprobe = value
+            self._searcher = None   # its caches are keyed by the candidate settings
 
     # ------------------------------------------------------------ rows, items, vectors
     def fetch_rows(self, rows: np.ndarray) -> np.ndarray:
@@ -262,28 +267,42 @@ class MilvusGallery(NeckGallery):
         vecs = np.asarray([got[int(r)] for r in uniq], dtype=np.float32).reshape(len(uniq), self.dim)
         return vecs[back.reshape(-1)]
 
-    @cached_property
+    @property
     def items(self) -> Items:
-        """Every item's id, label, path and split, in row order (no vectors); read once."""
+        """Every item's id, label, path and split, in row order (no vectors); read once per
+        collection content (kept in the memory cache)."""
+        key = key_hash(self.uri, self.collection, self.content_key)
+        return CACHE.get_or_build(("milvus-items", key), self._read_items)[0]
+
+    def _read_items(self) -> tuple[Items, list[np.ndarray]]:
         n = len(self)
         ids, labels = np.full(n, -1, dtype=np.int64), np.full(n, -1, dtype=np.int64)
         paths, splits = [""] * n, [""] * n
         try:
-            it = self.client.query_iterator(self.collection, batch_size=FETCH, filter="",
-                                            output_fields=["id", "row", "label", "path", "split"])
-            while batch := it.next():
-                for h in batch:
+            # pages of rows by the `row` field, as fetch_rows reads vectors (a query iterator asks a
+            # 2.3 server for a snapshot timestamp it does not give, and pymilvus warns)
+            for start in range(0, n, FETCH):
+                page = self.client.query(self.collection, filter=f"row >= {start} and row < {start + FETCH}",
+                                         output_fields=["id", "row", "label", "path", "split"], limit=FETCH)
+                for h in page:
                     r = int(h["row"])
                     ids[r], labels[r], paths[r], splits[r] = int(h["id"]), int(h["label"]), h["path"], h["split"]
-            it.close()
         except self.pm.exceptions.MilvusException as e:
             raise UserError(f"cannot read Milvus collection {self.collection!r}'s items: {e.message}") from None
-        return Items(ids, labels, paths, splits)
+        return Items(ids, labels, paths, splits), [ids, labels]  # the arrays: what it weighs in the budget
 
-    @cached_property
+    @property
     def content_key(self) -> str:
         """The checksum of the collection's vectors recorded at export (`content_sha256`); for a
-        collection without one, a checksum of its facts, neck and 256 evenly spaced rows."""
+        collection without one, a checksum of its facts, neck and 256 evenly spaced rows.  The
+        identity of the collection as opened (as `info` and W are), read once: every key of its
+        state in the memory cache and on disk derives from it."""
+        with self._key_lock:
+            if self._content_key is None:
+                self._content_key = self._checksum()
+            return self._content_key
+
+    def _checksum(self) -> str:
         if self.info.get("content_sha256"):
             return str(self.info["content_sha256"])
         n = len(self)
@@ -349,15 +368,11 @@ class MilvusGallery(NeckGallery):
         write_with(path, write)
         return load_npy(path, "features", mmap=True), folder
 
-    def metric_space(self, strategy: str, params: dict | None, mode: str) -> MetricSpace:
-        with self._space_lock:
-            searcher = self._in_memory
-        return searcher.metric_space(strategy, params, mode)
-
-    @cached_property
     def _in_memory(self) -> Searcher:
         """This gallery as a `Searcher`, for re-rankers: candidates from the collection, re-ranked
-        exactly over the memory-mapped vectors (the source index's, else the copied ones)."""
+        exactly over the memory-mapped vectors (the source index's, else the copied ones).  Kept on
+        this object (`metric_space`): a view over its handles (the memory map, the client), whose
+        computed state (M′, cosine norms) lives in the memory cache and goes with it."""
         features, where = self._source_features() or self._copied_features()
         # what re-rankers' offline caches are keyed by (space.store.fingerprint): the collection's
         # content, the neck, and the candidate settings their neighbour lists were searched with

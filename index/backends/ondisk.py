@@ -4,7 +4,9 @@ one memory-mapped `ivf.ivfdata`).  The lists (SQ8 by default) only propose candi
 score is recomputed exactly under M′ from the memory-mapped float32 features.  `OnDiskIVF` is
 a `gallery.Gallery`; re-rankers run in the `MetricSpace` of a `Searcher` over the same
 features and lists.  Cosine mode takes its candidates from the strategy's own cosine lists
-(`cosine/SLUG/`: an IVF over Lx/‖Lx‖, M′ = LᵀL).  The folder layout, the codec choice and why
+(`cosine/SLUG/`: an IVF over Lx/‖Lx‖, M′ = LᵀL).  What is computed from the files (M′, the
+opened cosine lists, the source index's items) is kept in the process's memory cache, keyed by
+what it was made from; the object keeps only its file handles.  The folder layout, the codec choice and why
 recall at a given nprobe differs per strategy: docs/scale-out.md ("Indexes larger than RAM").
 """
 from __future__ import annotations
@@ -19,8 +21,8 @@ import logging
 import mmap
 import os
 import sys
+import threading
 import time
-from functools import cached_property
 from pathlib import Path
 
 import faiss
@@ -32,10 +34,11 @@ from core.atomic import atomic_dir
 from core.errors import UserError
 from core.manifest import read_manifest
 
-from ..metric import PSD_TOL, QueryMetric
+from ..metric import QueryMetric, psd_factor
+from ..operator import apply_norms
 from ..refinements import shared_params, strategy_params
-from ..space import MetricSpace
-from .gallery import Hits, NeckGallery, exact_top
+from ..space import CACHE, Hits, key_hash
+from .gallery import NeckGallery, neck_digest, rescore
 from .search import Searcher
 from .store import IndexData, Items
 
@@ -237,14 +240,6 @@ def build_for_index(index_dir, out=None, cosine_for: tuple[tuple[str, dict], ...
 
 
 # ---------------------------------------------------------------- cosine lists
-def psd_factor(M: np.ndarray) -> np.ndarray:
-    """L (r × d, float64) with LᵀL = M for a PSD M, r = rank M: then ‖x‖_M = ‖Lx‖ and the
-    cosine under M is the cosine of Lq and Lx.  Eigen-directions below PSD_TOL are dropped."""
-    ev, V = np.linalg.eigh(np.asarray(M, dtype=np.float64))
-    keep = ev > PSD_TOL * max(float(np.abs(ev).max()), 1e-300)
-    return np.ascontiguousarray((V[:, keep] * np.sqrt(ev[keep])).T)
-
-
 def _unit_rows(L: np.ndarray):
     """x ↦ Lx/‖Lx‖ in float32.  A row with Lx = 0 has no cosine and stays 0, as does one whose
     ‖Lx‖ is within float32 rounding of 0 (≤ 10⁻⁵ ‖L‖₂ ‖x‖): its direction would be noise."""
@@ -276,15 +271,19 @@ def cosine_command(path, strategy: str, params: dict) -> str:
 def build_cosine_lists(path, strategy: str = "trained", params: dict | None = None, *, M: np.ndarray | None = None,
                        shard_rows: int = 1_000_000, batch_rows: int = 65536, seed: int = 0) -> Path:
     """Cosine lists of one strategy beside the on-disk IVF at `path` (PATH/cosine/SLUG): an IVF,
-    with the base lists' nlist and codec, over z = Lx/‖Lx‖ (M′ = LᵀL), so cosine under M′ is the
-    inner product of unit r-vectors and the lists propose candidates by the score itself.
+    with the base lists' nlist and codec, over z = Lx/‖Lx‖ (M′ = LᵀL, L = `metric.psd_factor(M′)`ᵀ,
+    r = rank M′: ‖x‖_M′ = ‖Lx‖), so cosine under M′ is the inner product of unit r-vectors and the
+    lists propose candidates by the score itself.
     `M`: M′ itself (default: the strategy's, from the IVF's neck W), any PSD matrix, recorded
     under the strategy's name.  Written atomically; rebuilding replaces them."""
     ivf = OnDiskIVF(path)
     params = dataclasses.asdict(strategy_params(strategy, params))  # every parameter, defaults filled
     # cosine's QueryMetric refuses an indefinite M′ in one line
     M = (ivf.strategy_metric(strategy, params, "cosine") if M is None else ivf.metric(M, "cosine")).M
-    L = psd_factor(M)
+    F = psd_factor(M)
+    if F is None:  # the cosine QueryMetric above refuses a clearly indefinite M′ first
+        raise UserError(f"cosine mode needs a positive semi-definite M′; that of {strategy} is indefinite")
+    L = np.ascontiguousarray(F.T)
     if L.shape[0] == 0:
         raise UserError(f"M′ of {strategy} is zero: cosine is undefined")
     man = ivf.manifest
@@ -335,7 +334,8 @@ class _CosineLists:
             if not (path / f).is_file() or (path / f).stat().st_size != want["bytes"]:
                 raise UserError(f"cosine list file {path / f} is missing or not {want['bytes']} bytes")
         self.L = load_npy(path / FACTOR_FILE, "cosine factor L")
-        self.M = self.L.T @ self.L
+        L64 = self.L.astype(np.float64)  # float32 (or float64, as earlier builds wrote it)
+        self.M = L64.T @ L64
         self.unit = _unit_rows(self.L)
         with _c_stdout_to_stderr():
             index = faiss.read_index(str(path / INDEX_FILE), faiss.IO_FLAG_ONDISK_SAME_DIR | faiss.IO_FLAG_READ_ONLY)
@@ -355,7 +355,9 @@ class OnDiskIVF(NeckGallery):
     def __init__(self, path, features=None, nprobe: int | None = None, rerank_factor: int = 10):
         self.path = Path(path)
         self.rerank_factor = rerank_factor
-        self._cosine: dict[str, _CosineLists] = {}   # cosine lists opened, by folder name
+        # the re-rankers' Searcher (`_in_memory`) is made once, whoever asks first
+        self._space_lock = threading.Lock()
+        self._searcher: Searcher | None = None
         man = read_manifest(self.path / MANIFEST, FORMAT, VERSION, f"{self.path} (an on-disk IVF index?)")
         for f, want in man["files"].items():
             p = self.path / f
@@ -381,6 +383,7 @@ class OnDiskIVF(NeckGallery):
         self.W = load_npy(self.path / NECK_FILE, "neck W")
         if self.W.shape != (man["embed_dim"], man["dim"]):
             raise UserError(f"{NECK_FILE} is {self.W.shape}, the manifest says ({man['embed_dim']}, {man['dim']})")
+        self.neck = neck_digest(self.W)   # the key of every M′ this gallery reads (gallery.refined_metric)
 
     def _source(self, name: str) -> dict:
         """A JSON file of the index directory this was built from ({} when built from bare features)."""
@@ -398,22 +401,45 @@ class OnDiskIVF(NeckGallery):
         """The source index's manifest (model facts for embedding query images), or {}."""
         return self._source("manifest.json")
 
-    @cached_property
-    def source_metadata(self) -> dict:
-        """The source index's metadata.json ({} when built from bare features), read once."""
-        return self._source("metadata.json")
+    def _metadata_key(self) -> str | None:
+        """What the source index's metadata.json is, as a digest (its path, size and modification
+        time: a rewritten file has another); None when there is none (bare features) or it cannot
+        be read (`_source` then refuses it)."""
+        src = self.manifest.get("source_index")
+        if src is None:
+            return None
+        p = (self.path / src / "metadata.json").resolve()
+        try:
+            st = p.stat()
+        except OSError:
+            return None
+        return key_hash(str(p), st.st_size, st.st_mtime_ns)
 
-    @cached_property
+    @property
+    def source_metadata(self) -> dict:
+        """The source index's metadata.json ({} when built from bare features), read once per
+        version of the file (kept in the memory cache)."""
+        key = self._metadata_key()
+        if key is None:
+            return self._source("metadata.json")
+        return CACHE.get_or_build(("ondisk-source-metadata", key), lambda: self._source("metadata.json"))
+
+    @property
     def metadata(self) -> tuple[Items | None, dict[int, str]]:
         """The source index's items (id, label, path, split per row) and class names; (None, {})
-        when built from bare features.  Read once, at the first search or by a caller that needs
-        them first (the app)."""
-        meta = self.source_metadata
-        items = Items.from_json(meta) if meta else None
-        if items is not None and len(items) != len(self):
-            raise UserError(f"the source index now has {len(items)} items, this on-disk index {len(self)}: "
-                            f"rebuild it")
-        return items, {int(k): v for k, v in meta.get("class_names", {}).items()}
+        when built from bare features.  Parsed once per version of metadata.json (kept in the
+        memory cache), at the first search or by a caller that needs them first (the app)."""
+        def build():
+            meta = self.source_metadata
+            items = Items.from_json(meta) if meta else None
+            if items is not None and len(items) != len(self):
+                raise UserError(f"the source index now has {len(items)} items, this on-disk index {len(self)}: "
+                                f"rebuild it")
+            names = {int(k): v for k, v in meta.get("class_names", {}).items()}
+            return items, names, [] if items is None else [items.ids, items.labels]  # the arrays: its weight
+        key = self._metadata_key()
+        got = build() if key is None else CACHE.get_or_build(("ondisk-items", key, len(self)), build)
+        return got[0], got[1]
 
     @property
     def nprobe(self) -> int:
@@ -421,10 +447,12 @@ class OnDiskIVF(NeckGallery):
 
     @nprobe.setter
     def nprobe(self, value: int) -> None:
-        self._nprobe = self._checked_nprobe(value)
-        # the re-rankers' Searcher reads the index's own nprobe (its searches pass no parameters)
-        faiss.extract_index_ivf(self.index).nprobe = self._nprobe
-        self.__dict__.pop("_in_memory", None)
+        nprobe = self._checked_nprobe(value)
+        with self._space_lock:
+            self._nprobe = nprobe
+            # the re-rankers' Searcher reads the index's own nprobe (its searches pass no parameters)
+            faiss.extract_index_ivf(self.index).nprobe = nprobe
+            self._searcher = None   # its caches are keyed by the candidate settings
 
     def _checked_nprobe(self, value) -> int:
         if not 1 <= int(value) <= self.manifest["nlist"]:
@@ -442,13 +470,11 @@ class OnDiskIVF(NeckGallery):
     def __len__(self) -> int:
         return int(self.manifest["count"])
 
-    def metric_space(self, strategy: str, params: dict | None, mode: str) -> MetricSpace:
-        return self._in_memory.metric_space(strategy, params, mode)
-
-    @cached_property
     def _in_memory(self) -> Searcher:
         """This gallery as a `Searcher`, for re-rankers: the memory-mapped features, candidates from
-        the IVF lists (`nprobe` of them), re-ranked exactly, as `search_metric` does."""
+        the IVF lists (`nprobe` of them), re-ranked exactly, as `search_metric` does.  Kept on this
+        object (`metric_space`): a view over its own handles (the memory map, the index), whose
+        computed state (M′, cosine norms) lives in the memory cache and goes with it."""
         items, names = self.metadata
         if items is None:
             raise UserError(f"the on-disk IVF at {self.path} was built from bare features: re-ranked results "
@@ -465,21 +491,35 @@ class OnDiskIVF(NeckGallery):
 
     def cosine_lists(self, M: np.ndarray, strategy: tuple[str, dict | None] | None = None) -> _CosineLists:
         """The cosine lists built for M′ (matched by LᵀL = M′); refused in one line, naming the
-        command that builds them, when there are none (`strategy`: what the search was asked for)."""
-        for lists in self._cosine.values():
+        command that builds them, when there are none (`strategy`: what the search was asked for).
+        The folders are listed per request (lists built since are found); each is opened once per
+        version of its manifest, in the memory cache, however many requests ask at once."""
+        for man in sorted((self.path / COSINE_DIR).glob(f"*/{COSINE_MANIFEST}")):
+            lists = self._open_cosine(man)
             if lists.matches(M):
                 return lists
-        for man in sorted((self.path / COSINE_DIR).glob(f"*/{COSINE_MANIFEST}")):
-            if man.parent.name not in self._cosine:
-                lists = self._cosine[man.parent.name] = _CosineLists(man.parent, self.manifest)
-                if lists.matches(M):
-                    return lists
         if strategy is None:
             how = f"`{cosine_command(self.path, 'STRATEGY', {})}` with the strategy of this M′"
         else:
             how = f"`{cosine_command(self.path, strategy[0], dict(strategy[1] or {}))}`"
         raise UserError(f"cosine mode on the on-disk IVF {self.path} needs cosine lists for this M′; "
                         f"build them with {how}, or search with --mode bilinear")
+
+    def _open_cosine(self, man: Path) -> _CosineLists:
+        """The cosine lists of folder man.parent, opened once per (folder, version of its manifest,
+        this IVF's features and nlist, which they are checked against)."""
+        try:
+            st = man.stat()
+        except OSError:  # removed since it was listed: refused, naming the rebuild
+            return _CosineLists(man.parent, self.manifest)
+        key = key_hash(str(man.parent.resolve()), st.st_size, st.st_mtime_ns, st.st_ino,
+                       self.manifest["features"]["fingerprint"], self.manifest["nlist"])
+
+        def build():
+            lists = _CosineLists(man.parent, self.manifest)
+            # L and M′ weigh in the budget; the lists themselves are read from disk, not held
+            return lists, [lists.L, lists.M]
+        return CACHE.get_or_build(("ondisk-cosine-lists", key), build)[0]
 
     def search(self, queries: np.ndarray, strategy: str = "trained", params: dict | None = None,
                mode: str = "bilinear", k: int = 10, what: str = "query features") -> Hits:
@@ -513,14 +553,10 @@ class OnDiskIVF(NeckGallery):
         R = np.full((len(qt), k), -1, dtype=np.int64)
         S = np.full((len(qt), k), -np.inf, dtype=np.float32)
         for b in range(0, len(qt), _QUERY_BLOCK):
-            block = qt[b: b + _QUERY_BLOCK]
             _, cand = search(qc[b: b + _QUERY_BLOCK], kc, params=params)
-            uniq = np.unique(cand[cand >= 0])        # sorted: the memmap is read front to back
-            X = np.asarray(self.features[uniq], dtype=np.float32)
-            norms = metric.norms(X)
-            for i, c in enumerate(cand):
-                pos = np.searchsorted(uniq, c[c >= 0])
-                R[b + i], S[b + i] = exact_top(block[i], uniq[pos], X[pos],
-                                               None if norms is None else norms[pos], k)
+            # the block's candidate rows read once, sorted: the memmap is read front to back
+            R[b: b + _QUERY_BLOCK], S[b: b + _QUERY_BLOCK] = rescore(
+                qt[b: b + _QUERY_BLOCK], cand, lambda rows: self.features[rows], k,
+                None if metric.mode == "bilinear" else lambda _, X: apply_norms(metric.apply, X))
         items, names = self.metadata
         return Hits(R, S, items, class_names=names)

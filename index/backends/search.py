@@ -1,31 +1,29 @@
-"""Exact search under any refined metric M′ over one stored inner-product index.
+"""Exact search under any refined M′ over one stored inner-product index.
 
 Bilinear mode searches the stored index with M′φ(q): the database is stored
 once and switching strategy costs one (structured) d × d product per query.
 Cosine mode (PSD M′ only) divides by ‖φ(x)‖_M′; those norms, and the
 norm-scaled copy of the database the exact cosine search uses, are kept per
-strategy in the metric-space layer's memory cache (its budget, built once).
-Approximate indexes fetch candidates and re-rank them exactly.
-FAISS reads are thread-safe; the table of refined metrics is guarded by a lock.  A `gallery.Gallery`, whose
-re-rankers run in a `space.SearcherSpace` over it.
+searcher and strategy in the metric-space layer's memory cache (its budget, built
+once, dropped with the searcher).  Each strategy's M′ and its operator are
+`gallery.refined_metric`'s, built once per neck and strategy in the same cache.
+Approximate indexes fetch candidates and re-rank them exactly (`gallery.rescore`).
+FAISS reads are thread-safe.  A `gallery.Gallery`, whose re-rankers run in a
+`space.SearcherSpace` over it.
 """
 from __future__ import annotations
 
-import threading
 import weakref
-from collections import OrderedDict
-from dataclasses import dataclass
 
 import faiss
 import numpy as np
 
 from core.errors import UserError
 
-from ..metric import MODES, matrix_report, resolve_mode, symmetrized
-from ..operator import MetricOperator
-from ..refinements import operator_kind, refine, strategy_key, strategy_label, strategy_params
+from ..metric import MODES, resolve_mode
+from ..refinements import strategy_label
 from ..space import CACHE, Hits, MetricSpace, SearcherSpace, read_rows
-from .gallery import prepare_queries
+from .gallery import RefinedMetric, neck_digest, prepare_queries, refined_metric, rescore
 from .store import IndexData
 
 
@@ -33,39 +31,17 @@ class _Owner:
     """A searcher's identity in the layer's cache (a key part that does not keep the searcher alive)."""
 
 
-@dataclass(eq=False)  # identity semantics: fields hold numpy arrays
-class RefinedMetric:
-    name: str
-    params: object
-    M: np.ndarray
-    op: MetricOperator
-    _report: dict | None = None
-
-    @property
-    def report(self) -> dict:
-        if self._report is None:
-            self._report = matrix_report(self.M, self.op.eigenvalues)  # no eigvalsh when the operator has M′'s
-        return self._report
-
-
 class Searcher:
-    def __init__(self, data: IndexData, cache_size: int = 8, rerank_factor: int = 10, per_strategy: int = 2):
+    def __init__(self, data: IndexData, rerank_factor: int = 10):
         self.data = data
         self.normalize = bool(data.manifest["normalize"])
         self.exact = data.manifest["factory"] == "Flat"
         self.rerank_factor = rerank_factor
-        self._cache: OrderedDict = OrderedDict()
-        self._raw: dict = {}
-        self._cache_size = cache_size
-        # a strategy's settings evict each other first: a seed or slider sweep over one strategy
-        # does not push out the others' (a cosine M′ holds an eigendecomposition and a scaled copy
-        # of the database, seconds to rebuild)
-        self._per_strategy = per_strategy
-        self._lock = threading.Lock()
-        # this searcher's entries in the layer's cache, dropped with it
+        # this searcher's cosine state in the layer's cache, dropped with it
         self._owner = _Owner()
         weakref.finalize(self, CACHE.drop_owner, self._owner)
-        self._M_star = symmetrized(data.M_star)  # exactly: refine need not average each M′ with M′ᵀ
+        # the identity of the neck's values: the key of every M′ this searcher reads (refined_metric)
+        self._neck = neck_digest(data.W)
         if not self.exact and hasattr(data.faiss_index, "hnsw"):
             data.faiss_index.hnsw.efSearch = max(data.faiss_index.hnsw.efSearch, 128)
 
@@ -83,31 +59,8 @@ class Searcher:
 
     # ------------------------------------------------------------ metrics
     def metric(self, strategy: str = "trained", params: dict | None = None) -> RefinedMetric:
-        # fast path: the same (strategy, raw params) as before skips parsing them again
-        raw_key = (strategy, tuple(sorted((k, v) for k, v in (params or {}).items() if v is not None)))
-        hit = self._raw.get(raw_key)
-        if hit is not None:
-            return hit
-        p = strategy_params(strategy, params)
-        key = strategy_key(strategy, p)
-        with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                self._raw[raw_key] = self._cache[key]
-                return self._cache[key]
-        M = refine(strategy, self._M_star, p, symmetric=True)
-        rm = RefinedMetric(strategy, p, M, MetricOperator.build(operator_kind(strategy), M, self.data.W, self._M_star))
-        with self._lock:
-            same = [k for k in self._cache if k[0] == strategy]
-            for k in same[: max(0, len(same) - self._per_strategy + 1)]:  # oldest first
-                del self._cache[k]
-            self._cache[key] = rm
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-            live = {id(v) for v in self._cache.values()}
-            self._raw = {k: v for k, v in self._raw.items() if id(v) in live}
-            self._raw[raw_key] = rm
-        return rm
+        """The strategy's M′ and operator, built once per neck, strategy and parameters."""
+        return refined_metric(self.data.W, strategy, params, self._neck)
 
     def _cosine_parts(self, rm: RefinedMetric):
         if not rm.report["psd"]:
@@ -132,7 +85,7 @@ class Searcher:
         return parts["norms"], parts["index"]
 
     def _cosine_key(self, rm: RefinedMetric) -> tuple:
-        return (self._owner, "cosine", strategy_key(rm.name, rm.params))
+        return (self._owner, "cosine", rm.key)
 
     def holds_cosine_parts(self, strategy: str, params: dict | None = None) -> bool:
         """Whether the strategy's cosine norms (and exact cosine index) are built and kept now."""
@@ -186,16 +139,9 @@ class Searcher:
         factor = self.rerank_factor * (4 if norms is not None else 1)
         kc = min(self.data.faiss_index.ntotal, max(k * factor, 64))
         _, cand = self.data.faiss_index.search(qt, kc)
-        D = np.full((len(qt), k), -np.inf, dtype=np.float32)
-        rows = np.full((len(qt), k), -1, dtype=np.int64)
-        for i in range(len(qt)):
-            c = np.sort(cand[i][cand[i] >= 0])  # sorted rows: sequential reads from the memmap
-            s = np.asarray(self.data.features[c], dtype=np.float32) @ qt[i]
-            if norms is not None:
-                s = np.where(norms[c] > 0, s / np.maximum(norms[c], 1e-30), -np.inf)
-            top = np.argsort(-s, kind="stable")[:k]
-            D[i, : len(top)] = s[top]
-            rows[i, : len(top)] = c[top]
+        # sorted rows: sequential reads from the memmap
+        rows, D = rescore(qt, cand, lambda r: self.data.features[r], k,
+                          None if norms is None else lambda r, _: norms[r])
         return D, rows
 
     def resolve_mode(self, strategy: str, params: dict | None, mode: str) -> tuple[str, str]:

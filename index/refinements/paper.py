@@ -10,7 +10,6 @@ the rule: O(d²) instead of a loop of d² draws.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import numpy as np
 
 from core.arrays import check_matrix, load_npy
 from core.errors import UserError
+from core.memory import CACHE
 from core.params import param
 from core.registry import NoParams
 
@@ -109,14 +109,16 @@ def random_restraint(M: np.ndarray, p: RestraintParams) -> np.ndarray:
     return out
 
 
-@functools.lru_cache(maxsize=2)
 def _pair_indices(d: int) -> tuple[np.ndarray, np.ndarray]:
     """Flat positions of the off-diagonal pairs (i < j): (i·d + j, j·d + i), in np.triu_indices'
-    order.  Cached: the app draws a new random restraint per seed, and these are d² / 2 each."""
-    iu, ju = np.triu_indices(d, k=1)
-    upper, lower = iu * d + ju, ju * d + iu
-    upper.flags.writeable = lower.flags.writeable = False
-    return upper, lower
+    order, read-only.  Built once per d in the process's memory cache: the app draws a new random
+    restraint per seed, and these are d² / 2 each."""
+    def build():
+        iu, ju = np.triu_indices(d, k=1)
+        upper, lower = iu * d + ju, ju * d + iu
+        upper.flags.writeable = lower.flags.writeable = False
+        return upper, lower
+    return CACHE.get_or_build(("pair-indices", int(d)), build)
 
 
 @dataclass

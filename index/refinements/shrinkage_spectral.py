@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from core.errors import UserError
+from core.memory import CACHE
 from core.params import param
 
 from .registry import REFINEMENTS
@@ -34,17 +35,11 @@ def shrink(M: np.ndarray, p: ShrinkParams) -> np.ndarray:
     return (1.0 - p.alpha) * M / tr + p.alpha * np.eye(d) / d
 
 
-_EIGH: dict = {}  # digest of M* → its eigendecomposition: a sweep over p decomposes M* once
-
-
 def _eigh(M: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    key = (M.shape, hashlib.blake2b(np.ascontiguousarray(M).tobytes(), digest_size=16).digest())
-    hit = _EIGH.get(key)
-    if hit is None:
-        hit = np.linalg.eigh(M)
-        _EIGH.clear()  # one M* at a time
-        _EIGH[key] = hit
-    return hit
+    """M*'s eigendecomposition, computed once per M* (keyed by a digest of its values) in the
+    process's memory cache however many threads ask: a sweep over p decomposes M* once."""
+    digest = hashlib.blake2b(np.ascontiguousarray(M).tobytes(), digest_size=16).hexdigest()
+    return CACHE.get_or_build(("eigh", M.shape, str(M.dtype), digest), lambda: np.linalg.eigh(M))
 
 
 @dataclass
