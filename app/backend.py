@@ -13,8 +13,11 @@ M′ per strategy, and the exact scores the why panel ranks by (faiss: the galle
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -23,6 +26,7 @@ from index.backends.flags import BACKENDS
 from index.backends.gallery import Gallery
 from index.backends.search import Searcher
 from index.backends.store import IndexData, Items, read_index
+from index.space import key_hash
 
 
 class MilvusRows:
@@ -68,6 +72,26 @@ class Served:
     view: IndexData      # metadata, W, model facts, features by row
     metrics: Searcher    # M′ per strategy and exact scores over `view` (the why panel, the maps)
     where: str           # what the page header and exports call it
+
+    @cached_property
+    def content(self) -> str:
+        """A digest of the gallery's content, computed once: the index directory's checksums (faiss;
+        ondisk: the source index's and the IVF's own files), the collection's (milvus)."""
+        from index.analysis.compare import data_digest
+
+        g: Any = self.gallery  # the backend's own gallery class
+        if self.backend == "milvus":  # its vectors' checksum and its neck: the vectors are read by row
+            neck = hashlib.sha256(np.ascontiguousarray(self.view.W, dtype="<f4").tobytes()).hexdigest()
+            return key_hash("milvus", g.content_key, neck)
+        own = g.manifest.get("files") if self.backend == "ondisk" else None
+        return key_hash(self.backend, data_digest(self.view), own)
+
+    @property
+    def digest(self) -> str:
+        """What the app's results are kept under (app/cache.py): the gallery's `content` and how it
+        is searched now (the lists probed, the candidates re-scored per result)."""
+        g = self.gallery
+        return key_hash(self.content, getattr(g, "nprobe", None), getattr(g, "rerank_factor", None))
 
 
 def open_served(backend: str = "faiss", index=None, *, ivf=None, nprobe: int | None = None,

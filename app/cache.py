@@ -1,76 +1,43 @@
-"""The app's one cache: what it draws or computes for display (thumbnails, heatmaps, 2-D maps,
-sampled comparisons), least recently used first out, under one byte budget.
+"""Where the app keeps what it draws or computes for display (thumbnails, heatmaps, 2-D maps,
+sampled comparisons): the process's one memory cache, core.memory.CACHE, beside every
+metric space's state and the whole-index comparisons.  One byte budget (`--cache-memory`), the
+least recently used entries dropped first, and each entry built once however many requests ask
+for it at the same time (the others wait for that build).
 
-The metrics, their cosine parts and the re-rankers' spaces are the index's own caches
-(index/backends, index/search_config.py); this holds only what the app itself makes.
+Keys are digests of what made a value (`keep`), never the objects themselves; pictures are kept
+as their pixel arrays, which the cache's size function (`core.memory.nbytes`) measures.
 """
 from __future__ import annotations
 
-import sys
-import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from PIL import Image
 
-from .limits import DEFAULT_CACHE_MB
+from core.memory import CACHE
+from index.space import key_hash
+
+OWNER = "app"  # the first part of every key this module makes
 
 
-def size_of(value: Any) -> int:
-    """Bytes a cached value holds, roughly: arrays and images by their pixels, containers by
-    their parts."""
-    if isinstance(value, np.ndarray):
-        return int(value.nbytes)
-    if isinstance(value, Image.Image):
-        return value.width * value.height * len(value.getbands())
-    if isinstance(value, (tuple, list)):
-        return sum(size_of(v) for v in value) + sys.getsizeof(value)
-    if isinstance(value, dict):
-        return sum(size_of(v) for v in value.values()) + sys.getsizeof(value)
-    if hasattr(value, "__dict__"):
-        return size_of(vars(value))
-    return sys.getsizeof(value)
+def keep(kind: str, *parts, build: Callable[[], Any]) -> Any:
+    """The value of `kind` made from `parts` (names, numbers, digests), built by `build()` once."""
+    return CACHE.get_or_build((OWNER, kind, key_hash(kind, *parts)), build)
 
 
-class AppCache:
-    """Key → value, at most `budget` bytes (by `size_of`); a value larger than the budget is
-    computed and returned but not kept.  Thread-safe; a value is computed outside the lock."""
+def held(kind: str, *parts) -> bool:
+    """Whether that value is kept now (never builds it)."""
+    return CACHE.peek((OWNER, kind, key_hash(kind, *parts))) is not None
 
-    def __init__(self, budget: int = DEFAULT_CACHE_MB << 20):
-        self.budget = int(budget)
-        self._items: OrderedDict[Any, tuple[Any, int]] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
 
-    def get(self, key, make: Callable[[], Any]):
-        with self._lock:
-            hit = self._items.get(key)
-            if hit is not None:
-                self._items.move_to_end(key)
-                return hit[0]
-        value = make()
-        self.put(key, value)
-        return value
+def pixels(img: Image.Image) -> np.ndarray:
+    """An image's pixels as a read-only array: shared by every request that reads the entry."""
+    a = np.array(img)
+    a.flags.writeable = False
+    return a
 
-    def put(self, key, value) -> None:
-        size = size_of(value)
-        with self._lock:
-            old = self._items.pop(key, None)
-            if old is not None:
-                self._bytes -= old[1]
-            if size > self.budget:
-                return
-            self._items[key] = (value, size)
-            self._bytes += size
-            while self._bytes > self.budget:
-                _, (_, s) = self._items.popitem(last=False)
-                self._bytes -= s
 
-    @property
-    def bytes(self) -> int:
-        return self._bytes
-
-    def __len__(self) -> int:
-        return len(self._items)
+def keep_image(kind: str, *parts, draw: Callable[[], Image.Image]) -> Image.Image:
+    """`keep` for a picture: kept as its pixels, returned as a new image each time."""
+    return Image.fromarray(keep(kind, *parts, build=lambda: pixels(draw())))

@@ -11,7 +11,7 @@ from core.cli import Parser
 from core.flags import add_shared_args, at_least
 from index.backends.flags import backend_args, milvus_token
 
-from .limits import COMPARE_ALL_UP_TO, COMPARE_SAMPLE, DEFAULT_CACHE_MB, DEFAULT_MAX_RERANK_SIZE
+from .limits import COMPARE_ALL_UP_TO, COMPARE_SAMPLE, DEFAULT_MAX_RERANK_SIZE
 
 DEMO_INDEX = "artifacts/demo/index"
 DEMO_ANALYSIS = "artifacts/demo/strategies"
@@ -46,9 +46,6 @@ def build_parser():
     p.add_argument("--concurrency", type=at_least(1, "--concurrency"), default=DEFAULT_CONCURRENCY,
                    help="searches served at once (queue) (default: %(default)s)")
     p.add_argument("--no-verify", action="store_true", help="skip index checksum verification at start")
-    p.add_argument("--cache-mb", type=at_least(1, "--cache-mb"), default=DEFAULT_CACHE_MB,
-                   help="memory for what the app draws and computes for display (thumbnails, heatmaps, maps, "
-                        "sampled comparisons), least recently used first out (default: %(default)s)")
     p.add_argument("--compare-all-up-to", type=at_least(1, "--compare-all-up-to"), default=COMPARE_ALL_UP_TO,
                    help="the Compare tab compares every query of a gallery up to this many items; above, a seeded "
                         "random sample of the queries, with bootstrap 95%% intervals (default: %(default)s)")
@@ -61,7 +58,9 @@ def build_parser():
     # the app serves single queries: the CPU unless asked (a GPU helps batches, not one image);
     # each of the --concurrency searches in flight gets its share of the cores: a one-image
     # forward pass and a one-query search gain little from more threads, and threads that
-    # outnumber the cores spin against each other (bench/app_load.py --app-threads)
+    # outnumber the cores spin against each other (bench/app_load.py --app-threads).
+    # --cache-memory: the one budget of everything the process keeps in memory, the metric spaces'
+    # state and what the app draws and computes for display alike (app/cache.py)
     add_shared_args(p, "threads", "device", "cache_memory", defaults={"device": "cpu", "threads": None},
                     shown={"threads": "cores ÷ --concurrency, at least 1; here "
                                       f"{serving_thread_count(DEFAULT_CONCURRENCY)} at the default concurrency"})
@@ -121,7 +120,7 @@ def launch(args, block: bool = True):
                              token=milvus_token(args),
                              verify=not args.no_verify, image_root=args.image_root if first else None)
         return RetrievalService(ix, ck, an, device=args.device, max_rerank_size=args.max_rerank_size, served=served,
-                                cache_mb=args.cache_mb, compare_all_up_to=args.compare_all_up_to,
+                                compare_all_up_to=args.compare_all_up_to,
                                 compare_sample=args.compare_sample)
     services = [serve(ix, ck, an, i == 0) for i, (ix, ck, an, _, _) in enumerate(sites)]
     names = [label or (Path(ix).name if svc.backend == "faiss" else svc.served.where)

@@ -141,15 +141,17 @@ class Handlers:
         return why_html(self.svc, why), gr.update(open=True)
 
     def on_export(self, qstate, upload, k, **cfg):
-        """→ the JSON and CSV files of the current comparison (in a fresh temp folder)."""
+        """→ the file box, shown with the JSON and CSV files of the current comparison (in a fresh
+        temp folder); hidden and emptied where there is nothing to export (the box is hidden until
+        the first export: empty, it would take room on the Search tab)."""
         try:
             q = self._query(qstate, upload)
             lspec, rspec = configs_from(cfg)
             payload = self.svc.export(q, rspec, int(k), left=lspec)
         except UserError as e:
             gr.Warning(str(e))
-            return None
-        return list(write_exports(payload))
+            return gr.update(value=None, visible=False)
+        return gr.update(value=list(write_exports(payload)), visible=True)
 
     def on_load(self, request: gr.Request):
         """A shared link's comparison → query state, query image, k, then per side (left, right) its

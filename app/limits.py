@@ -1,5 +1,5 @@
-"""A server's bounds on one request's work and on what it keeps, light enough for `python -m app
---help` to import."""
+"""A server's bounds on one request's work, light enough for `python -m app --help` to import
+(what the process keeps in memory is bounded by `--cache-memory`: app/cache.py)."""
 
 # every re-ranker size parameter (neighbours expanded, k-reciprocal sets, a graph's k) of one
 # request, in the panels, the Compare tab and both HTTP APIs (`--max-rerank-size`): the search's
@@ -12,4 +12,3 @@ DEFAULT_MAX_RERANK_SIZE = 200
 # IVF with classes of 1,000: docs/app-and-compare.md)
 COMPARE_ALL_UP_TO = 10_000
 COMPARE_SAMPLE = 200
-DEFAULT_CACHE_MB = 256  # the app's one cache (app/cache.py)

@@ -7,12 +7,16 @@ Each query is searched through the gallery (`Gallery.search`, its own row droppe
 one-deeper list; with a re-ranker `SearchConfig.search` with the row left out) to depth
 max(R, NEIGHBOURS): its AP reads the top R, Jaccard@k the top NEIGHBOURS, as
 index/analysis/compare.py's whole-index comparison does.  Its features are read by row from
-the backend (memory-mapped file or the collection), only the sample's.  The faiss backend up
-to that size keeps the batched whole-index comparison (`Comparer`).
+the backend (memory-mapped file or the collection), only the sample's.  Each side (a
+configuration over a set of queries) is kept in the process's memory cache (app/cache.py):
+computed once however many requests ask for it at the same time.  The faiss backend up to that
+size keeps the batched whole-index comparison (`Comparer`).
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -22,7 +26,7 @@ from index.analysis.compare import NEIGHBOURS, Comparison, Progress, bootstrap_c
 from index.search_config import NO_RERANK, SearchConfig
 
 from .backend import Served
-from .cache import AppCache
+from .cache import keep
 
 CHUNK = 32                  # queries searched together
 
@@ -68,19 +72,18 @@ def sample_rows(valid: np.ndarray, size: int, seed: int) -> np.ndarray:
 
 
 class GalleryComparer:
-    """Per-query AP through the gallery's own search, per configuration and sample, cached."""
+    """Per-query AP through the gallery's own search, per configuration and sample, kept in the
+    process's memory cache."""
 
-    def __init__(self, served: Served, cache: AppCache):
-        self.served, self.cache = served, cache
-        self._R: np.ndarray | None = None
+    def __init__(self, served: Served):
+        self.served = served
 
-    @property
+    @cached_property
     def R(self) -> np.ndarray:
-        """Each item's relevant count (other items of its class)."""
-        if self._R is None:
-            y = self.served.view.items.labels
-            self._R = relevant_counts(y, y, same_set=True)
-        return self._R
+        """Each item's relevant count (other items of its class): fixed by the gallery's labels,
+        one integer an item, computed once (two first callers compute the same array)."""
+        y = self.served.view.items.labels
+        return relevant_counts(y, y, same_set=True)
 
     def rows(self, sample: int | None, seed: int) -> tuple[np.ndarray, int]:
         """(query rows, population): every query (population 0) when `sample` is None, else
@@ -93,8 +96,10 @@ class GalleryComparer:
 
     def side(self, cfg: SearchConfig, rows: np.ndarray, progress: Progress | None) -> tuple[np.ndarray, np.ndarray]:
         """(AP, top NEIGHBOURS rows) of the queries `rows` under `cfg` (mode resolved)."""
-        key = ("side", cfg.key(), rows.tobytes())
-        return self.cache.get(key, lambda: self._side(cfg, rows, progress))
+        queries = hashlib.blake2b(np.ascontiguousarray(rows, dtype=np.int64).tobytes(), digest_size=16).hexdigest()
+        # `progress` is the building request's: another request for the same side waits for it
+        return keep("sampled-side", self.served.digest, cfg.key(), queries,
+                    build=lambda: self._side(cfg, rows, progress))
 
     def _side(self, cfg: SearchConfig, rows: np.ndarray, progress: Progress | None):
         g, view = self.served.gallery, self.served.view
@@ -110,7 +115,7 @@ class GalleryComparer:
             feats = np.asarray(view.features[part], dtype=np.float32)
             if cfg.rerank == NO_RERANK:
                 hits = g.search(feats, cfg.strategy, cfg.params, cfg.mode, depth + 1, what="index features")
-                found = drop_rows(hits.rows, part, depth)
+                found = without_own_rows(hits.rows, part, depth)
             else:
                 found = cfg.search(g, feats, depth, self_ids=part, what="index features").rows
             nbr = np.where(found >= 0, y[np.maximum(found, 0)], missing)
@@ -138,7 +143,7 @@ class GalleryComparer:
                                  population)
 
 
-def drop_rows(found: np.ndarray, own: np.ndarray, depth: int) -> np.ndarray:
+def without_own_rows(found: np.ndarray, own: np.ndarray, depth: int) -> np.ndarray:
     """Each query's list without its own row (`own[i]`), cut to `depth` (−1 padded)."""
     out = np.full((len(found), depth), -1, dtype=np.int64)
     for i, (r, o) in enumerate(zip(found, own, strict=True)):

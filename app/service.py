@@ -9,7 +9,8 @@ compares the two over every query or a seeded sample (app/sampled.py), explains 
 moved (index/analysis/explain.py over the backend's features, read by row), and draws the
 pictures (app/render.py).  The API's parameters are app/params.py.  Every configuration
 searched is first checked against the server's bound on a re-ranker's sizes.  What the app
-draws is kept in one bounded cache (app/cache.py).
+draws or computes is kept in the process's one memory cache under `--cache-memory`
+(app/cache.py), keyed by the gallery's digest (`Served.digest`).
 """
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ from index.search_config import NO_RERANK, SearchConfig
 
 from . import render
 from .backend import Served, open_served
-from .cache import AppCache
+from .cache import keep, keep_image, pixels
 from .compare_view import ap_scatter, class_colours, metric_features, project_2d, subsample, svg_scatter
-from .limits import COMPARE_ALL_UP_TO, COMPARE_SAMPLE, DEFAULT_CACHE_MB, DEFAULT_MAX_RERANK_SIZE
+from .limits import COMPARE_ALL_UP_TO, COMPARE_SAMPLE, DEFAULT_MAX_RERANK_SIZE
 from .params import api_params, config_dict, rerank_params_from, spec_from, whole_number
 from .sampled import GalleryComparer
 
@@ -63,8 +64,8 @@ class Panel:
 class RetrievalService:
     def __init__(self, index_dir=None, checkpoint: str | None = None, analysis_dir: str | None = None,
                  verify: bool = True, device: str = "cpu", max_rerank_size: int = DEFAULT_MAX_RERANK_SIZE,
-                 served: Served | None = None, cache_mb: float = DEFAULT_CACHE_MB,
-                 compare_all_up_to: int = COMPARE_ALL_UP_TO, compare_sample: int = COMPARE_SAMPLE):
+                 served: Served | None = None, compare_all_up_to: int = COMPARE_ALL_UP_TO,
+                 compare_sample: int = COMPARE_SAMPLE):
         """`served`: the gallery on any backend (app/backend.py); else the index directory
         `index_dir`, searched in RAM.  The Compare tab compares every query up to
         `compare_all_up_to` gallery items, above a seeded sample of `compare_sample`."""
@@ -82,13 +83,13 @@ class RetrievalService:
             self.embedder = ImageEmbedder(ck, man, device=device)
         self.analysis_dir = Path(analysis_dir) if analysis_dir else None
         self.root = Path(self.data.root) if self.data.root else None
-        # id → row by binary search over the sorted ids: 16 bytes an item (a dict: ~100 at 10⁶)
+        # id → row by binary search over the sorted ids: 16 bytes an item (a dict: ~100 at 10⁶),
+        # made once here and never changed (the gallery's own index, not a cache)
         self._by_id = np.argsort(self.data.items.ids, kind="stable")
         self._sorted_ids = self.data.items.ids[self._by_id]
-        self.cache = AppCache(int(cache_mb * (1 << 20)))
+        # neither keeps results itself: both keep them in the process's memory cache
         self.comparer = Comparer(self.data, self.searcher) if self.backend == "faiss" else None
-        self.sampler = GalleryComparer(self.served, self.cache)
-        self.explainer = Explainer(self.searcher)
+        self.sampler = GalleryComparer(self.served)
         self.compare_all_up_to, self.compare_sample = int(compare_all_up_to), int(compare_sample)
 
     def warm(self) -> None:
@@ -148,6 +149,12 @@ class RetrievalService:
         check_size_limit(spec.rerank, spec.rerank_params, self.max_rerank_size)
         if spec.rerank != NO_RERANK and self.rerank_refusal is not None:
             raise UserError(self.rerank_refusal)
+
+    @cached_property
+    def explainer(self) -> Explainer:
+        """The why panel's, keyed by the gallery's digest (made at the first why: a collection's
+        digest may read a few of its rows).  It keeps its results in the process's memory cache."""
+        return Explainer(self.searcher, key=self.served.digest)
 
     @cached_property
     def rerank_refusal(self) -> str | None:
@@ -322,7 +329,7 @@ class RetrievalService:
 
     def map_coords(self, strategy: str, params: dict, mode: str, method: str) -> tuple[np.ndarray, np.ndarray, str]:
         """(rows, 2-D coordinates, note) of the gallery (at most MAX_MAP_POINTS of it, read by row)
-        under a metric; computed once per (strategy, parameters, mode, method)."""
+        under a metric; computed once per (gallery, strategy, parameters, mode, method)."""
         rm = self.searcher.metric(strategy, params)
 
         def make():
@@ -335,7 +342,7 @@ class RetrievalService:
             if used != method:
                 notes.append(f"{method} is not installed: {used}")
             return rows, xy, ", ".join(x for x in notes if x)
-        return self.cache.get(("map", strategy_key(strategy, rm.params), mode, method), make)
+        return keep("map", self.served.digest, strategy_key(strategy, rm.params), mode, method, build=make)
 
     def map_html(self, spec: SearchConfig, method: str, title: str, q_id: int | None = None) -> str:
         """The gallery in 2-D under `spec`, coloured by class, the query (an item) starred."""
@@ -363,8 +370,9 @@ class RetrievalService:
         """The gallery image of an item, read when first shown (only indexed items are ever read);
         a placeholder saying "no image" where it has none."""
         row = self._row(item_id)
-        return self.cache.get(("thumb", int(item_id), size),
-                              lambda: render.thumbnail(self.data.root, self.data.items.paths[row], int(item_id), size))
+        root, rel = self.data.root, self.data.items.paths[row]
+        return keep_image("thumb", str(root or ""), str(rel), int(item_id), int(size),
+                          draw=lambda: render.thumbnail(root, rel, int(item_id), size))
 
     def thumbnail_uri(self, item_id: int, size: int = 96) -> str:
         """A thumbnail as a data: URI (the plots' hover preview; the app serves no files)."""
@@ -394,25 +402,28 @@ class RetrievalService:
         metric's: a re-ranker does not change it, and is not named); drawn once per M′."""
         spec = spec.without_rerank()
         rm = self.searcher.metric(spec.strategy, spec.params)
-        return self.cache.get(("heatmap", strategy_key(spec.strategy, rm.params), spec.label(), max_side),
-                              lambda: render.plot_matrix(rm.M, spec.label(), max_side))
+        return keep_image("heatmap", self.served.digest, strategy_key(spec.strategy, rm.params), spec.label(),
+                          int(max_side), draw=lambda: render.plot_matrix(rm.M, spec.label(), max_side))
 
     def map_base(self) -> tuple:
-        """(rows ↦ 2-D, the drawn map, 2-D ↦ pixel) of the gallery's trunk features (UMAP if
-        installed, else PCA; at most MAX_MAP_POINTS items, read by row), drawn once."""
-        def make():
+        """(rows ↦ 2-D, the drawn map's pixels, 2-D ↦ pixel) of the gallery's trunk features (UMAP if
+        installed, else PCA; at most MAX_MAP_POINTS items, read by row), drawn once per gallery."""
+        def make() -> dict:
             rows = subsample(len(self.data.items))
             X = self.searcher.prepare_queries(np.asarray(self.data.features[rows], dtype=np.float32))
             xy, proj, used = project_2d(X, "UMAP")
             img, to_pixel = render.plot_map(xy, self.data.items.labels[rows],
                                             f"gallery, {used} of trunk features (colour = class; ★ = the query)")
-            return proj, img, to_pixel
-        return self.cache.get(("gallery_map",), make)
+            # UMAP's `transform` keeps the rows it was fitted on: held here too, so the cache counts them
+            return {"proj": proj, "pixels": pixels(img), "to_pixel": to_pixel,
+                    "fitted_on": X if used == "UMAP" else np.zeros(0, np.float32)}
+        base = keep("gallery-map", self.served.digest, build=make)
+        return base["proj"], base["pixels"], base["to_pixel"]
 
     def gallery_map(self, q: Query | None = None) -> Image.Image:
         """The gallery's 2-D map (`map_base`), coloured by class; the query starred on a copy."""
         proj, base, to_pixel = self.map_base()
-        img = base.copy()
+        img = Image.fromarray(base).copy()
         if q is not None and proj is not None:
             x, y = to_pixel(proj(self.searcher.prepare_queries(q.feats))[0])
             render.draw_star(img, x, y)

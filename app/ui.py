@@ -125,7 +125,9 @@ def search_tab(svc: RetrievalService, tabs: gr.Tabs) -> tuple[Shared, dict]:
             gr.Markdown("_An uploaded query cannot be in a link: share a gallery query (an example, a "
                         "result, a disagreement)._")
             link_qs = gr.Textbox(visible=False)
-            exported = gr.File(label="exported comparison", file_count="multiple", visible=True, height=80)
+            # hidden until there is an export (`Handlers.on_export` shows it): empty, it takes room
+            exported = gr.File(label="exported comparison", file_count="multiple", visible=False, height=80,
+                               elem_id="exported")
     examples = gr.Gallery(value=[(svc.thumbnail(i), svc.item_class(i))
                                  for i in example_ids],
                           label="Examples from the test split: click one to query", columns=12,

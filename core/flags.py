@@ -7,14 +7,14 @@ import re
 from typing import Any
 
 HELP = {
-    "threads": "CPU threads for torch and FAISS; 0 = the libraries' own setting",
+    "threads": "CPU threads for torch and FAISS; 0 = OMP_NUM_THREADS where set, else every core",
     "progress": "show progress bars",
     "cache_dir": "trunk-feature cache folder ('' = off)",
     "device": "where the model runs: auto (CUDA when available) | cpu | cuda | cuda:N",
     "json": "also write the result as JSON to this file",
-    "cache_memory": "memory kept between searches for every metric space's state together (gallery keys, "
-                    "neighbour lists, re-rankers' offline sets), least recently used dropped first: a size such "
-                    "as 512M or 4G",
+    "cache_memory": "memory kept between searches for every metric space's state and what is computed from it, "
+                    "together (gallery keys, neighbour lists, re-rankers' offline sets, comparisons; the app's "
+                    "maps and pictures), least recently used dropped first: a size such as 512M or 4G",
 }
 CACHE_MEMORY_ENV = "DML_CACHE_MEMORY"  # the same budget for a process started without the flag
 CACHE_MEMORY_DEFAULT = "4G"

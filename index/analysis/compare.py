@@ -3,12 +3,15 @@
 Every item is a query against the rest (leave-one-out), scored by MAP@R: one batched sweep
 (index/analysis/sweep.py) up to `sweep.MAX_N` items, one chunked exact search above; a side
 with a re-ranker through `SearchConfig.search`, `RERANK_CHUNK` queries at a time, its own row
-left out.  Cached per configuration with each query's top `NEIGHBOURS` items (Jaccard@k).  The
-app's Compare tab and `index report` use it; docs/app-and-compare.md describes both.
+left out.  Each configuration's per-query AP and top `NEIGHBOURS` items (Jaccard@k) are kept in
+the process's one memory cache (core.memory.CACHE), keyed by a digest of the gallery's
+content and the configuration: built once however many threads ask, and two different
+configurations computed at the same time.  The app's Compare tab and `index report` use it;
+docs/app-and-compare.md describes both.
 """
 from __future__ import annotations
 
-import threading
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +30,7 @@ from ..backends.store import IndexData
 from ..refinements import strategy_key
 from ..rerankers import ranked_pool
 from ..search_config import NO_RERANK, SearchConfig
+from ..space import CACHE, fingerprint, key_hash
 from .sweep import MAX_N, GramSweep
 
 FILTERS = ("all", "improved", "worsened")
@@ -34,10 +38,47 @@ TIE_TOL = 1e-12  # APs are equal when their rankings are: only round-off separat
 NEIGHBOURS = 50  # top items kept per query and configuration: Jaccard@k for k up to this (the app's k ≤ 48)
 RERANK_CHUNK = 256  # queries per re-ranked search of a whole-index comparison (progress after each)
 Progress = Callable[[int, int, str], None]  # (queries done, queries in all, what) after each chunk
+SIGN_TEST_FLOOR = 1e-300  # a p-value below this is shown as a bound (an underflow reads as 0)
+
+
+def data_digest(data: IndexData) -> str:
+    """What a gallery's analyses are kept under: a digest of its content (`space.store.fingerprint`:
+    an index directory's checksums, else its arrays), or of a Milvus collection's checksum
+    recorded at export and its neck (its vectors are read by row, never hashed whole); with how
+    its queries are prepared and searched (normalised or not, the index's factory)."""
+    man = data.manifest if isinstance(data.manifest, dict) else {}
+    how = [bool(man.get("normalize")), str(man.get("factory", ""))]
+    if not man.get("files") and man.get("content_sha256"):
+        return key_hash("collection", man["content_sha256"],
+                        hashlib.sha256(np.ascontiguousarray(data.W, dtype="<f4").tobytes()).hexdigest(), how)
+    return key_hash("gallery", fingerprint(data), how)
+
+
+def p_value_text(p: float) -> str:
+    """'p = 0.0123', or a bound where the p-value is below SIGN_TEST_FLOOR (0 included: the exact
+    value underflowed; the smallest positive double is ~4.9e-324)."""
+    return "p < 10⁻³⁰⁰" if p < SIGN_TEST_FLOOR else f"p = {p:.3g}"
 
 
 class QuerySweep(GramSweep):
-    """The batched sweep, kept per query: each item's MAP@R and top items under one setting."""
+    """The batched sweep, kept per query: each item's MAP@R and top items under one setting.
+    Given `key` (the gallery's digest), ΦΦᵀ and the low-rank EEᵀ, shared by every setting and
+    only read, are kept in the process's memory cache; the rest (N × N work buffers) is this
+    sweep's own, so sweeps of different settings run at the same time without sharing a buffer."""
+
+    def __init__(self, features: np.ndarray, labels: np.ndarray, W: np.ndarray, key: str | None = None):
+        super().__init__(features, labels, W)
+        self.key = key
+
+    def gram(self) -> np.ndarray:
+        if self._G is None and self.key is not None:
+            self._G = CACHE.get_or_build(("analysis.compare", key_hash(self.key, "gram")), super().gram)
+        return super().gram()
+
+    def low_rank(self) -> np.ndarray:
+        if self._T is None and self.key is not None:
+            self._T = CACHE.get_or_build(("analysis.compare", key_hash(self.key, "low-rank")), super().low_rank)
+        return super().low_rank()
 
     def per_query(self, S: torch.Tensor, mode: str, top: int = NEIGHBOURS) -> tuple[np.ndarray, np.ndarray]:
         """(MAP@R of every item, NaN where it has no other item of its class; its `top` first
@@ -128,7 +169,7 @@ class Comparison:
         text = (f"{s['queries']:,} queries: {s['improved']:,} improved, {s['worsened']:,} worsened, "
                 f"{s['tied']:,} tied · MAP@R {s['map_a']:.4f} → {s['map_b']:.4f} · mean ΔAP {s['mean_delta']:+.4f} "
                 f"(bootstrap 95% CI [{s['ci95'][0]:+.4f}, {s['ci95'][1]:+.4f}]) · two-sided sign test "
-                f"p = {s['sign_test_p']:.3g}")
+                f"{p_value_text(s['sign_test_p'])}")
         if "mean_jaccard" in s:
             text += f" · mean top-{self.k} overlap (Jaccard@{self.k}) {s['mean_jaccard']:.3f}"
         return text
@@ -184,31 +225,54 @@ class Comparison:
 
 
 class Comparer:
-    """Per-query AP of whole-index leave-one-out retrieval, one batched pass per setting, cached."""
+    """Per-query AP of whole-index leave-one-out retrieval, one batched pass per setting.  Every
+    result is kept in the process's memory cache (module doc) under a digest of the gallery (`key`)
+    and the configuration: no lock here, so two different comparisons run at once and the same
+    one runs once (a second caller waits for the first's result)."""
 
-    def __init__(self, data: IndexData, searcher: Searcher | None = None, cache_size: int = 16):
+    def __init__(self, data: IndexData, searcher: Searcher | None = None, key: str | None = None):
+        """`key`: the gallery's digest where the caller has it (default: `data_digest(data)`,
+        computed at the first comparison)."""
         self.data = data
         self.searcher = searcher or Searcher(data)
-        self._sweep: QuerySweep | None = None
-        self._cache: dict = {}
-        self._cache_size = cache_size
-        self._lock = threading.Lock()
+        self._key = key
+
+    @property
+    def key(self) -> str:
+        """A digest of what every result here depends on: the gallery's content, and how it is
+        searched (an exact index or not, candidates read per result)."""
+        if self._key is None:  # two threads may both compute it: the same string
+            self._key = key_hash("compare", data_digest(self.data), bool(self.searcher.exact),
+                                 int(self.searcher.rerank_factor))
+        return self._key
+
+    def _kept(self, what: str, *parts, build: Callable[[], dict]) -> dict:
+        return CACHE.get_or_build(("analysis.compare", key_hash(self.key, what, *parts)), build)
 
     def resolve(self, strategy: str, params: dict | None, mode: str) -> str:
         return self.searcher.resolve_mode(strategy, params or {}, mode)[0]
 
-    def _entry(self, strategy: str, params: dict | None, mode: str, neighbours: bool = False) -> dict:
+    def batched(self) -> bool:
+        """Whether a configuration without a re-ranker takes the batched sweep (else the search path)."""
+        return bool(self.searcher.exact) and len(self.data.items) <= MAX_N
+
+    def _per_query_key(self, strategy: str, params: dict | None, mode: str) -> tuple:
         rm = self.searcher.metric(strategy, params)
-        key = (strategy_key(strategy, rm.params), mode)
-        with self._lock:  # one computation at a time: each holds N² floats
-            entry = self._cache.get(key)
-            if entry is None:
-                entry = self._cache[key] = self._compute(rm, strategy, params, mode)
-                while len(self._cache) > self._cache_size:
-                    self._cache.pop(next(iter(self._cache)))
-            if neighbours and entry["top"] is None:
-                entry["top"] = self._search_neighbours(strategy, params, mode)
-            return entry
+        # the path too: the two agree up to floating-point ties, and only the sweep gives the top lists
+        return "per-query", "sweep" if self.batched() else "search", strategy_key(strategy, rm.params), mode
+
+    def _entry(self, strategy: str, params: dict | None, mode: str) -> dict:
+        rm = self.searcher.metric(strategy, params)
+        return self._kept(*self._per_query_key(strategy, params, mode),
+                          build=lambda: self._compute(rm, strategy, params, mode))
+
+    def holds(self, cfg: SearchConfig) -> bool:
+        """Whether the per-query AP of `cfg` (its mode as given, its re-ranker included) is kept now."""
+        if cfg.rerank == NO_RERANK:
+            parts = self._per_query_key(cfg.strategy, cfg.params, cfg.mode)
+        else:
+            parts = ("reranked", cfg.normalized().key())
+        return CACHE.peek(("analysis.compare", key_hash(self.key, *parts))) is not None
 
     def per_query_ap(self, strategy: str = "trained", params: dict | None = None, mode: str = "cosine") -> np.ndarray:
         """MAP@R of every index item as a query, in index order (NaN: no other item of its class).
@@ -217,7 +281,12 @@ class Comparer:
 
     def neighbours(self, strategy: str = "trained", params: dict | None = None, mode: str = "cosine") -> np.ndarray:
         """Each item's first `NEIGHBOURS` rows as a query (itself left out; −1: none), in index order."""
-        return self._entry(strategy, params, mode, neighbours=True)["top"]
+        entry = self._entry(strategy, params, mode)
+        if entry["top"] is not None:  # the batched pass gives them with the APs
+            return entry["top"]
+        rm = self.searcher.metric(strategy, params)
+        return self._kept("neighbours", strategy_key(strategy, rm.params), mode,
+                          build=lambda: {"top": self._search_neighbours(strategy, params, mode)})["top"]
 
     def ap(self, cfg: SearchConfig, progress: Progress | None = None) -> np.ndarray:
         """`per_query_ap` of a configuration (its mode as given), its re-ranker included."""
@@ -233,14 +302,8 @@ class Comparer:
 
     def _reranked(self, cfg: SearchConfig, progress: Progress | None) -> dict:
         cfg = cfg.normalized()  # typed parameters, defaults filled in: one cache entry per configuration
-        key = cfg.key()
-        with self._lock:  # one computation at a time, as for the batched path
-            entry = self._cache.get(key)
-            if entry is None:
-                entry = self._cache[key] = self._compute_reranked(cfg, progress)
-                while len(self._cache) > self._cache_size:
-                    self._cache.pop(next(iter(self._cache)))
-            return entry
+        # `progress` is the building caller's: another caller of the same configuration waits for it
+        return self._kept("reranked", cfg.key(), build=lambda: self._compute_reranked(cfg, progress))
 
     def _compute_reranked(self, cfg: SearchConfig, progress: Progress | None) -> dict:
         """Every item that has a relevant item as a query, re-ranked with itself left out.  A
@@ -286,12 +349,13 @@ class Comparer:
 
     def _compute(self, rm, strategy, params, mode) -> dict:
         y = self.data.items.labels
-        if self.searcher.exact and len(y) <= MAX_N:
-            if self._sweep is None:
-                self._sweep = QuerySweep(np.array(self.data.features, dtype=np.float32), y, self.data.W)
+        if self.batched():
             if mode == "cosine" and not rm.report["psd"]:
                 self.searcher.query_view(strategy, params, mode)  # raises the search path's refusal
-            ap, top = self._sweep.per_query(self._sweep.scores(rm.M, rm.op), mode)
+            # the features as they are (a memory map or the Flat index's own vectors: float32, no
+            # copy); this sweep's N × N buffers live for this one pass
+            sweep = QuerySweep(self.data.features, y, self.data.W, key=self.key)
+            ap, top = sweep.per_query(sweep.scores(rm.M, rm.op), mode)
             return {"ap": ap, "top": top}
         transform, index, _ = self.searcher.query_view(strategy, params, mode)
         q = self.searcher.prepare_queries(np.asarray(self.data.features, dtype=np.float32))

@@ -10,8 +10,6 @@ reads instead (`SUPPORT`, `FULL_DEPTH`).  The derivation and the panel: docs/app
 from __future__ import annotations
 
 import hashlib
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +18,8 @@ from ..backends.search import Searcher
 from ..refinements import strategy_key
 from ..rerankers import RERANKERS, ranked_pool
 from ..search_config import NO_RERANK, SearchConfig
+from ..space import CACHE, key_hash
+from .compare import data_digest
 
 EIG_TOL = 1e-9  # eigenvalues within this × max |μ| of their neighbour share an eigenspace
 STRIP = 8       # gallery items shown per direction
@@ -84,6 +84,10 @@ class Eigenspaces:
         scale = max(float(np.abs(mu).max(initial=0.0)), 1e-300)
         gaps = np.diff(mu) > tol * scale
         return cls(mu, V, np.concatenate([[0], np.nonzero(gaps)[0] + 1]).astype(np.int64))
+
+
+def _arrays(sp: Eigenspaces) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return sp.mu, sp.V, sp.starts
 
 
 def side_score(q: np.ndarray, x: np.ndarray, M: np.ndarray, mode: str) -> tuple[float, float, float]:
@@ -191,16 +195,22 @@ class Why:
 
 
 class Explainer:
-    """`why` for the app and the tests: the eigendecomposition of M_B − M_A is cached per pair of
-    metrics, and each direction's gallery strip per direction."""
+    """`why` for the app and the tests.  The eigendecomposition of M_B − M_A (per pair of metrics)
+    and each direction's gallery strip are kept in the process's memory cache
+    (core.memory.CACHE), keyed by a digest of the gallery and what made them."""
 
-    def __init__(self, searcher: Searcher, cache_size: int = 2, strip_cache: int = 256):
+    def __init__(self, searcher: Searcher, key: str | None = None):
+        """`key`: the gallery's digest where the caller has it (default: `compare.data_digest`
+        of the searcher's data, computed when first needed)."""
         self.searcher = searcher
         self.data = searcher.data
-        self._spaces: OrderedDict = OrderedDict()
-        self._strips: OrderedDict = OrderedDict()
-        self._sizes = (cache_size, strip_cache)
-        self._lock = threading.Lock()
+        self._key = key
+
+    @property
+    def key(self) -> str:
+        if self._key is None:  # two threads may both compute it: the same string
+            self._key = data_digest(self.data)
+        return self._key
 
     def resolved(self, cfg: SearchConfig) -> SearchConfig:
         cfg.check_searchable()
@@ -208,16 +218,11 @@ class Explainer:
 
     def spaces(self, a: SearchConfig, b: SearchConfig) -> Eigenspaces:
         ma, mb = self.searcher.metric(a.strategy, a.params), self.searcher.metric(b.strategy, b.params)
-        key = (strategy_key(a.strategy, ma.params), strategy_key(b.strategy, mb.params))
-        with self._lock:
-            hit = self._spaces.get(key)
-        if hit is None:
-            hit = Eigenspaces.of(ma.M, mb.M)  # a d × d eigendecomposition: once per pair of metrics
-            with self._lock:
-                self._spaces[key] = hit
-                while len(self._spaces) > self._sizes[0]:
-                    self._spaces.popitem(last=False)
-        return hit
+        key = ("analysis.explain", key_hash(self.key, "eigenspaces", strategy_key(a.strategy, ma.params),
+                                            strategy_key(b.strategy, mb.params)))
+        # a d × d eigendecomposition: once per pair of metrics, kept as arrays (what the cache measures)
+        mu, V, starts = CACHE.get_or_build(key, lambda: _arrays(Eigenspaces.of(ma.M, mb.M)))
+        return Eigenspaces(mu, V, starts)
 
     def scores(self, q: np.ndarray, cfg: SearchConfig) -> np.ndarray:
         """The query's score against every gallery item under `cfg` (mode as given), as the
@@ -248,22 +253,19 @@ class Explainer:
         with vᵀx."""
         v = np.asarray(v, dtype=np.float64)
         canon = v * (1.0 if v[int(np.argmax(np.abs(v)))] >= 0 else -1.0)  # ±v: the same strip
-        key = (n, hashlib.blake2b(canon.tobytes(), digest_size=16).digest())
-        with self._lock:
-            hit = self._strips.get(key)
-        if hit is None:
+        key = ("analysis.explain", key_hash(self.key, "strip", int(n),
+                                            hashlib.blake2b(canon.tobytes(), digest_size=16).hexdigest()))
+
+        def build() -> tuple[np.ndarray, np.ndarray]:
             v32 = canon.astype(np.float32)
             feats = self.data.features
             proj = np.concatenate([np.asarray(feats[s: s + 65536], dtype=np.float32) @ v32
                                    for s in range(0, len(self.data.items), 65536)])
             rows = np.argsort(-np.abs(proj), kind="stable")[:n]
-            hit = [(int(r), float(proj[r])) for r in rows]
-            with self._lock:
-                self._strips[key] = hit
-                while len(self._strips) > self._sizes[1]:
-                    self._strips.popitem(last=False)
+            return rows.astype(np.int64), proj[rows].astype(np.float64)
+        rows, proj = CACHE.get_or_build(key, build)
         sign = 1.0 if np.dot(v, canon) >= 0 else -1.0
-        return [(r, sign * p) for r, p in hit]
+        return [(int(r), sign * float(p)) for r, p in zip(rows, proj, strict=True)]
 
     def why(self, q_feats: np.ndarray, row: int, left: SearchConfig, right: SearchConfig,
             self_row: int | None = None, k: int = 12, top: int = 5, n_strip: int = STRIP) -> Why:

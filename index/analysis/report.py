@@ -50,23 +50,25 @@ def _fig_png(fig) -> str:
 
 
 class Thumbs:
-    """Inline thumbnails of index items, each encoded once."""
+    """Inline thumbnails of index items, each encoded once per report: `build_report` makes one
+    and drops it with the page, so what it holds (the items the page shows, a few kB each) lives
+    for that one report, outside the process's memory cache."""
 
     def __init__(self, data: IndexData, size: int = 64):
         self.data, self.size = data, size
-        self._cache: dict[int, str] = {}  # item id → its thumbnail's data URI
+        self._uris: dict[int, str] = {}  # item id → its thumbnail's data URI
         self._row = {int(i): r for r, i in enumerate(data.items.ids)}
 
     def __call__(self, item_id: int) -> str:
-        if item_id not in self._cache:
+        if item_id not in self._uris:
             img = item_image(self.data, self._row[item_id])
             if img is None:
                 img = Image.new("RGB", (self.size, self.size), (230, 230, 230))
                 ImageDraw.Draw(img).text((4, self.size // 2 - 6), f"id {item_id}", fill=(90, 90, 90))
             img = img.copy()
             img.thumbnail((self.size, self.size))
-            self._cache[item_id] = _png(img)
-        return self._cache[item_id]
+            self._uris[item_id] = _png(img)
+        return self._uris[item_id]
 
 
 def scatter_png(cmp: Comparison) -> str:
@@ -157,7 +159,9 @@ def query_rows(cmp: Comparison, rows: list[dict], res_a: list, res_b: list, thum
 def build_report(data: IndexData, left: SearchConfig, right: SearchConfig, top: int = 20, k: int = 8,
                  analysis: Path | None = None, seed: int = 0, progress: Progress | None = None) -> str:
     """The report's HTML (one string, nothing linked): `left` (x) against `right` (y), each with
-    its re-ranker where it has one.  `progress`: the comparer's, while a re-ranked side is computed."""
+    its re-ranker where it has one.  `progress`: the comparer's, while a re-ranked side is computed.
+    The comparison is kept in the process's memory cache (`Comparer`): a second report of the
+    same configurations in one process reuses it."""
     comparer = Comparer(data)
     cmp = comparer.compare(left, right, seed=seed, k=k, progress=progress)
     sides = [c.normalized().with_mode(comparer.resolve(c.strategy, c.params, c.mode)) for c in (left, right)]

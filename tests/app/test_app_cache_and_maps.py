@@ -1,33 +1,48 @@
-"""The app's one cache (a byte budget, least recently used out) and its one 2-D projection."""
+"""The app's results in the process's one memory cache, and its one 2-D projection."""
 import sys
+import threading
 
 import numpy as np
 import pytest
+from PIL import Image
 
-from app.cache import AppCache, size_of
+from app.cache import held, keep, keep_image
 from app.compare_view import project_2d
 from app.service import SearchConfig
+from core.memory import nbytes
+from index.space import CACHE
 
 
-def test_the_cache_keeps_what_fits_its_budget_least_recently_used_out():
-    c = AppCache(budget=3000)
-    made = []
+def test_a_value_is_built_once_however_many_requests_ask_at_once():
+    made, start = [], threading.Barrier(4)
 
-    def make(i):
-        made.append(i)
-        return np.zeros(1000, dtype=np.uint8) + i
+    def make():
+        made.append(1)
+        return np.arange(1000, dtype=np.float32)
 
-    for i in (0, 1, 2):
-        c.get(i, lambda i=i: make(i))
-    assert c.bytes == 3000 and len(c) == 3
-    c.get(0, lambda: make(0))  # a hit: 0 is now the most recently used
-    c.get(3, lambda: make(3))  # over budget: 1, the least recently used, goes
-    assert made == [0, 1, 2, 3] and c.bytes <= 3000
-    c.get(1, lambda: make(1))
-    assert made[-1] == 1  # made again
-    big = c.get("big", lambda: np.zeros(4000, dtype=np.uint8))
-    assert len(big) == 4000 and c.bytes <= 3000  # larger than the budget: returned, not kept
-    assert size_of((np.zeros(10, np.float32), np.zeros(5, np.float64))) >= 80
+    def ask(out):
+        start.wait()
+        out.append(keep("test-value", "built once", 1, build=make))
+
+    got: list = []
+    threads = [threading.Thread(target=ask, args=(got,)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1 and len(got) == 4 and all(g is got[0] for g in got)
+    assert held("test-value", "built once", 1) and not held("test-value", "built once", 2)
+
+
+def test_a_picture_is_kept_as_pixels_the_budget_counts():
+    img = Image.new("RGB", (40, 30), (10, 20, 30))
+    before = CACHE.used
+    out = keep_image("test-picture", "pixels", draw=lambda: img)
+    assert out.size == (40, 30) and np.array_equal(np.asarray(out), np.asarray(img))
+    assert CACHE.used - before == 40 * 30 * 3 == nbytes(np.asarray(img))
+    out.putpixel((0, 0), (0, 0, 0))  # a request's copy: the kept pixels stay as drawn
+    again = keep_image("test-picture", "pixels", draw=lambda: Image.new("RGB", (1, 1)))
+    assert np.array_equal(np.asarray(again), np.asarray(img))
 
 
 def test_one_projection_umap_where_installed_else_pca(monkeypatch):

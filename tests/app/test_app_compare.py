@@ -253,7 +253,7 @@ def test_two_configurations_end_to_end(svc, tmp_path):
     _, svg_few, *_ = h.on_compare(q, "all", 6, "outcome", 0.4, **cfg)
     assert svg_few.count("<circle") == int((cmp.jaccard <= 0.4).sum())
     # the export carries both configurations
-    files = h.on_export(q, None, 6, **cfg)
+    files = h.on_export(q, None, 6, **cfg)["value"]
     payload = json.loads(open(files[0]).read())
     assert payload["left"]["strategy"] == "shrink" and payload["left"]["params"] == {"alpha": 0.3}
     assert payload["right"]["label"] == "random(r=0.5, seed=0) · bilinear" and payload["left"]["rerank"] == "none"
@@ -303,7 +303,7 @@ def test_export_of_an_item_query_carries_p_at_k_and_ap(svc, tmp_path):
     from app.handlers import Handlers
 
     item = {"kind": "item", "id": int(svc.data.items.ids[3])}
-    files = Handlers(svc).on_export(item, None, 4, **panels())
+    files = Handlers(svc).on_export(item, None, 4, **panels())["value"]
     payload = json.loads(open(files[0]).read())
     assert payload["query"]["id"] == item["id"] and all(p["ap"] is not None and p["p_at_k"] is not None
                                                          for p in payload["panels"])

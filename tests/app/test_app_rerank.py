@@ -152,7 +152,7 @@ def test_compare_why_and_export_handlers_with_a_reranker(svc, tmp_path):
     assert "does not apply" in html_out and "why-strip" not in html_out
     assert html_out.count('class="why-support"') == 1 and "nearest items" in html_out
     # the export carries the re-ranker (JSON and CSV)
-    files = h.on_export({"kind": "item", "id": item}, None, 4, **values)
+    files = h.on_export({"kind": "item", "id": item}, None, 4, **values)["value"]
     payload = json.loads(open(files[0]).read())
     assert payload["right"]["rerank"] == "dba" and payload["right"]["rerank_params"] == {"n": 2, "alpha": 3.0}
     assert [r["id"] for r in payload["panels"][1]["results"]] == shown

@@ -6,9 +6,11 @@ import pytest
 from PIL import Image
 from support import panels
 
+from app import render
 from app.service import RetrievalService, SearchConfig
 from core.errors import UserError
 from evaluation import evaluate
+from index.space import CACHE
 
 
 def test_item_query_leaves_itself_out_and_scores_match_evaluator(svc):
@@ -143,10 +145,16 @@ def test_strategy_choices_come_from_the_registry(svc):
     assert set(svc.strategy_choices(with_files=False)) == set(REFINEMENTS.names()) - {"custom"}
 
 
-def test_pictures_render(svc):
+def test_pictures_render(svc, monkeypatch):
     spec = SearchConfig("diagonal", {"r": 0.5}, "bilinear")
-    assert svc.heatmap(spec).size[0] > 100
-    assert svc.heatmap(spec) is svc.heatmap(spec)  # drawn once per M′
+    CACHE.clear()  # what earlier tests drew
+    drawn = []
+    plot = render.plot_matrix
+    monkeypatch.setattr(render, "plot_matrix", lambda *a: drawn.append(a[1]) or plot(*a))
+    first = svc.heatmap(spec)
+    assert first.size[0] > 100
+    assert np.array_equal(np.asarray(svc.heatmap(spec)), np.asarray(first))
+    assert drawn == [spec.label()]  # drawn once per M′
     assert len(svc.examples(4)) == 4
 
 
@@ -162,9 +170,10 @@ def test_gallery_map_stars_the_query_where_its_point_is(svc):
     assert len(changed) and np.abs(changed - [y, x]).max() <= 12  # only around it
 
 
-def test_warm_builds_every_default_strategy_before_the_first_search(tiny_index):
+def test_warm_builds_every_default_strategy_before_the_first_search(tiny_index, monkeypatch):
     """The app warms these in the background at start: afterwards a search under any
     file-free strategy at its defaults builds nothing (same M′ object, cosine parts ready)."""
+    CACHE.clear()  # what earlier tests built: this one counts what a first comparison computes
     s = RetrievalService(tiny_index)
     s.warm()
     names = s.strategy_choices(with_files=False)
@@ -177,12 +186,12 @@ def test_warm_builds_every_default_strategy_before_the_first_search(tiny_index):
         s.panel(q, SearchConfig(n, {}, "cosine"), k=3)
         assert s.searcher.metric(n, {}) is built[n], n
     # the Compare tab's baseline too, in either mode: a first comparison computes only its M′'s
-    from index.refinements import strategy_key
-
-    cached = set(s.comparer._cache)
-    assert {(strategy_key("trained", {}), mode) for mode in ("cosine", "bilinear")} <= cached
+    assert all(s.comparer.holds(SearchConfig("trained", {}, mode)) for mode in ("cosine", "bilinear"))
+    computed = []
+    compute = s.comparer._compute
+    monkeypatch.setattr(s.comparer, "_compute", lambda rm, *a: computed.append(rm.name) or compute(rm, *a))
     s.comparison(SearchConfig("identity", {}, "cosine"))
-    assert set(s.comparer._cache) - cached == {(strategy_key("identity", {}), "cosine")}
+    assert computed == ["identity"] and s.comparer.holds(SearchConfig("identity", {}, "cosine"))
 
 
 def test_query_embedding_reproduces_the_indexed_features(svc):

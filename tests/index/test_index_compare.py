@@ -197,7 +197,7 @@ def test_reranked_per_query_ap_is_each_query_reranked_alone(data, cfg, passes, t
     assert seen[0] == (0, 60 * passes) and seen[-1] == (60 * passes, 60 * passes)
     assert len(seen) == 1 + passes * math.ceil(60 / 7)
     assert c.ap(cfg) is ap  # cached per configuration, re-ranker included
-    assert SearchConfig.of(cfg.strategy, cfg.params, cfg.mode, cfg.rerank, cfg.rerank_params).key() in c._cache
+    assert c.holds(SearchConfig.of(cfg.strategy, cfg.params, cfg.mode, cfg.rerank, cfg.rerank_params))
 
 
 def test_a_reranker_is_its_own_cache_entry_and_changes_the_comparison(data, tmp_path, monkeypatch):
