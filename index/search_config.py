@@ -21,6 +21,7 @@ from .metric import MODES
 from .refinements import REFINEMENTS, strategy_key, strategy_label, strategy_params
 from .rerankers import RERANKERS, rerank, reranker_params
 from .space import MetricSpace, gallery_space
+from .threads import request_threads
 
 NO_RERANK = "none"
 
@@ -83,6 +84,7 @@ class SearchConfig:
         own gallery row (`self_ids`: a row per query, −1 for none) left out.  Without a re-ranker:
         the gallery's own search, bit for bit; with one: the re-ranker over that search, in the
         gallery's metric space (a backend that cannot hold one refuses, naming itself)."""
+        request_threads()
         if self.rerank == NO_RERANK and self_ids is None:
             return gallery.search(queries, self.strategy, self.params, self.mode, k, what)
         q = gallery.prepare_queries(queries, what)

@@ -8,10 +8,10 @@ from pathlib import Path
 
 from core.config import add_config_args
 from core.errors import UserError
-from core.flags import apply_threads
 from data import DataConfig
 
 from ..build_config import BuildConfig
+from ..threads import batch_threads
 from .flags import data_args, given_data
 
 
@@ -35,7 +35,7 @@ def cmd_build(args) -> int:
 
     if not args.out:
         raise UserError("give --out (the index directory to write), on the command line or in --config")
-    apply_threads(args.threads)
+    batch_threads(args.threads, one_blas_thread=False, torch=not args.features)
     # under torchrun only rank 0 writes --out, so only it takes the lock; every rank checks the guard
     with writing_index(args.out, args.overwrite, lock=distributed_rank()[0] == 0):
         path = _build(args)

@@ -6,12 +6,13 @@ import argparse
 import json
 
 from core.atomic import check_file_target, write_json
-from core.flags import add_shared_args, apply_threads, at_least
+from core.flags import add_shared_args, at_least
 
 from ..refinements import GRIDS, REFINEMENTS, file_params
 from ..rerankers import RERANKERS
 from ..space import set_memory_budget
-from .flags import data_args, given_data, strategy_list
+from ..threads import batch_threads
+from .flags import data_args, given_data, strategy_list, threads_arg
 
 
 # ---------------------------------------------------------------- evaluate
@@ -37,7 +38,7 @@ def cmd_evaluate(args) -> int:
 
     if args.json:
         check_file_target(args.json)
-    apply_threads(args.threads)
+    batch_threads(args.threads, one_blas_thread=any(r != "none" for r in args.rerankers))
     set_memory_budget(args.cache_memory)
     splits = args.splits
     split = next((s for s in splits if s != "val"), "val")
@@ -78,7 +79,7 @@ def cmd_select(args) -> int:
 
     if args.json:
         check_file_target(args.json)
-    apply_threads(args.threads)
+    batch_threads(args.threads, one_blas_thread=False)
     vf, vy, W = split_features(args.checkpoint, given_data(args), "val", args.cache_dir or None, args.progress,
                                args.device)
     res = select_strategy(vf, vy, W, normalize=args.normalize, seeds=args.seeds, progress=args.progress,
@@ -115,7 +116,8 @@ def _sweep_args(e) -> None:
                    help="seeds per random strategy setting, averaged (default: %(default)s)")
     e.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True,
                    help="L2-normalise φ(x), as indexes do by default (default: %(default)s)")
-    add_shared_args(e, "json", "threads", "progress", "cache_dir", "device", "cache_memory")
+    add_shared_args(e, "json", "progress", "cache_dir", "device", "cache_memory")
+    threads_arg(e)
     data_args(e)
 
 

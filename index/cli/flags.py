@@ -1,6 +1,6 @@
 """The flags several `python -m index` commands share, so that a flag means the same on each:
 the metric (--strategy, a flag per strategy parameter, --mode), the re-ranker (--rerank,
---rerank-param), the data settings and Milvus's connection."""
+--rerank-param), the threads, the data settings and Milvus's connection."""
 from __future__ import annotations
 
 import argparse
@@ -8,12 +8,14 @@ import dataclasses
 
 from core.config import add_config_args
 from core.errors import UserError
+from core.flags import DEFAULTS, at_least
 from core.params import convert
 from data import DATASETS, DataConfig
 from data.config import RUNTIME_FIELDS
 
 from ..refinements import MODES, REFINEMENTS, shared_params
 from ..rerankers import RERANKERS
+from ..threads import cores
 
 INHERITED = "the checkpoint's"
 
@@ -91,6 +93,19 @@ def rerank_params_from(values: list[str]) -> dict:
                 raise UserError(f"--rerank-param wants KEY=VALUE, got {item!r}")
             out[key.strip()] = val.strip()
     return out
+
+
+# ---------------------------------------------------------------- threads (search, evaluate, select)
+THREADS_HELP = ("CPU threads for torch, FAISS and the re-rankers' query batches, set once at start-up "
+                "(numpy's BLAS runs on one thread in `search` and where re-rankers run: the batches spread "
+                "over the threads instead); 0 = $OMP_NUM_THREADS where set, else every core this process "
+                "may use")
+
+
+def threads_arg(p) -> None:
+    """--threads of a batch command: the same meaning on every one (`index.threads.batch_threads`)."""
+    p.add_argument("--threads", type=at_least(0, "--threads"), default=DEFAULTS["threads"],
+                   help=f"{THREADS_HELP} ({cores()} here) (default: %(default)s)")
 
 
 # ---------------------------------------------------------------- data settings (build, evaluate, select)

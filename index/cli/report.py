@@ -7,13 +7,14 @@ import sys
 from pathlib import Path
 
 from core.errors import UserError
-from core.flags import add_shared_args, apply_threads
+from core.flags import add_shared_args
 
 from ..refinements import MODES, REFINEMENTS
 from ..rerankers import RERANKERS
 from ..search_config import SearchConfig
 from ..space import set_memory_budget
-from .flags import strategy_args, strategy_params_from
+from ..threads import batch_threads
+from .flags import strategy_args, strategy_params_from, threads_arg
 
 
 def report_parser(sub) -> None:
@@ -28,7 +29,8 @@ def report_parser(sub) -> None:
     rp.add_argument("--k", type=int, default=8, help="results shown per query and configuration, and the k of "
                                                      "Jaccard@k, their top-k overlap (default: %(default)s)")
     rp.add_argument("--no-verify", action="store_true", help="skip the checksum verification at load")
-    add_shared_args(rp, "threads", "cache_memory")
+    add_shared_args(rp, "cache_memory")
+    threads_arg(rp)
     g = rp.add_argument_group("left configuration (x; the flags below --strategy set the right one, y)")
     g.add_argument("--left-strategy", default="trained", metavar="NAME",
                    help=f"refinement strategy of the left side, one of {', '.join(REFINEMENTS.names())} "
@@ -64,7 +66,7 @@ def cmd_report(args) -> int:
     from ..analysis.report import write_report
     from ..backends.store import read_index
 
-    apply_threads(args.threads)
+    batch_threads(args.threads, torch=False)
     set_memory_budget(args.cache_memory)
     analysis = Path(args.analysis) if args.analysis else None
     if analysis is not None and not analysis.is_dir():

@@ -16,7 +16,8 @@ from ..backends.flags import backend_args, milvus_token
 from ..backends.gallery import Gallery
 from ..search_config import NO_RERANK, SearchConfig
 from ..space import set_memory_budget
-from .flags import rerank_args, rerank_params_from, strategy_args, strategy_params_from
+from ..threads import batch_threads
+from .flags import rerank_args, rerank_params_from, strategy_args, strategy_params_from, threads_arg
 
 
 def search_parser(sub) -> None:
@@ -27,7 +28,8 @@ def search_parser(sub) -> None:
     s.add_argument("--checkpoint", help="model to embed query images (default: the index's own)")
     s.add_argument("--k", type=int, default=10,
                    help="results per query, at most the index size (default: %(default)s)")
-    add_shared_args(s, "json", "threads", "device", "cache_memory")
+    add_shared_args(s, "json", "device", "cache_memory")
+    threads_arg(s)
     s.add_argument("--no-verify", action="store_true", help="skip the checksum verification at load")
     strategy_args(s)
     rerank_args(s)
@@ -39,13 +41,14 @@ def cmd_search(args) -> int:
     """One path for every backend: open the gallery, resolve the mode (cosine falls back to
     bilinear for an indefinite M′), embed or load the queries, search through
     `SearchConfig.search` (the strategy's search, then any re-ranker), write the same JSON."""
-    from ..threads import serving_threads
-
     if args.json:
         check_file_target(args.json)
     if args.rerank_factor < 1:
         raise UserError(f"--rerank-factor must be ≥ 1, got {args.rerank_factor}")
-    serving_threads(args.threads or None)  # BLAS on 1 thread for single queries; FAISS as asked
+    # once for the command: FAISS, the re-rankers' batches and torch (image queries) on every core
+    # unless asked, numpy's BLAS on one thread (the batches' threads use the cores; a single
+    # query's M′q is too small for BLAS threads)
+    batch_threads(args.threads, torch=bool(args.image))
     set_memory_budget(args.cache_memory)
     given = {k: v for k, v in strategy_params_from(args).items() if v is not None}
     cfg = SearchConfig.of(args.strategy, given, args.mode, args.rerank, rerank_params_from(args.rerank_param),
