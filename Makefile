@@ -6,7 +6,7 @@ TEST_ARGS ?=
 # suite in about 0.7× the time of one process with 2 threads
 TEST_WORKERS ?= 2
 PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS)
-# what `make test-fast` leaves out: a real browser, Milvus Lite, and tests that start several processes
+# what `make test-fast` leaves out: a real browser, Milvus (Lite and a server), and tests that start several processes
 SLOW_MARKERS := not browser and not milvus and not multiprocess
 
 .PHONY: setup setup-dev setup-test demo test test-fast lint clean
@@ -19,7 +19,8 @@ setup:
 setup-dev:
 	WITH_TEST=1 bash scripts/bootstrap.sh
 
-# + Debian's chromium for the browser tests and the `milvus` extra for Milvus Lite's
+# + Debian's chromium for the browser tests and the `milvus` extra for the Milvus tests (Milvus Lite, and
+# the Milvus server the tests start on 127.0.0.1)
 setup-test:
 	WITH_BROWSER=1 WITH_MILVUS=1 WITH_TEST=1 bash scripts/bootstrap.sh
 

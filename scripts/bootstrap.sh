@@ -41,8 +41,8 @@ fi
 # The project itself, editable (`pip install -e .`: one .pth line, nothing written into the
 # checkout), with the dependencies pyproject.toml reads from requirements.txt and the extras asked
 # for: `test` (requirements-test.txt: pytest, ruff, mypy, playwright) for make test/test-fast/lint,
-# `milvus` (requirements-milvus.txt) for make test.  One stamp per part, so moving between make
-# targets never reinstalls what is already there.
+# `milvus` (requirements-milvus.txt: Milvus Lite, and the Milvus server the tests start) for make
+# test.  One stamp per part, so moving between make targets never reinstalls what is already there.
 parts=(base)
 [ "${WITH_TEST:-0}" = 1 ] && parts+=(test)
 [ "${WITH_MILVUS:-0}" = 1 ] && parts+=(milvus)

@@ -41,3 +41,22 @@ def tiny_index(tiny_run):
     if not (out / "manifest.json").exists():
         build_from_dataset(Path(cfg.out) / "best.pt", cfg.data_config(), out, progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def milvus_server(tmp_path_factory):
+    """A real Milvus server on 127.0.0.1 (tests/milvus_server.py), one per test process, started
+    by the first test that asks for it; every test that needs it is skipped, with the reason,
+    where it cannot start."""
+    pytest.importorskip("pymilvus", reason="the Milvus backend needs pymilvus: pip install -r requirements-milvus.txt")
+    from milvus_server import MilvusServer, NoServer
+
+    server = MilvusServer(tmp_path_factory.mktemp("milvus-server-data"))
+    try:
+        server.start()
+    except NoServer as e:
+        pytest.skip(str(e))
+    except OSError as e:   # its binary does not run here
+        pytest.skip(f"the Milvus server cannot run here: {e}")
+    yield server
+    server.stop()

@@ -1,6 +1,7 @@
-"""The Milvus backend (index/backends/milvus_store.py) on Milvus Lite: the same top-k as FAISS Flat under
-every strategy, metric type IP only, the export/search CLI, and every re-ranker with the results it
-gives on the in-RAM index."""
+"""The Milvus backend (index/backends/milvus_store.py) on Milvus Lite and on a real Milvus server
+(tests/milvus_server.py; each module fixture its own database there): the same top-k as FAISS Flat
+under every strategy, metric type IP only, the export/search CLI, and every re-ranker with the
+results it gives on the in-RAM index."""
 import json
 
 import numpy as np
@@ -20,19 +21,39 @@ from index.search_config import SearchConfig
 pytestmark = pytest.mark.milvus
 
 N, DIM, K = 400, 16, 10
+BACKENDS = ["lite", "server"]
 STRATEGIES = [("trained", {}), ("identity", {}), ("diagonal", {"r": 0.5, "seed": 0}), ("random", {"r": 0.5, "seed": 1})]
 
 
+@pytest.fixture(scope="module", params=BACKENDS)
+def milvus_at(request):
+    """Where a module fixture's collections go: `at(folder, name)` is a Milvus Lite file in the
+    folder, or a new database on the server (dropped, collections and all, at the module's end)."""
+    if request.param == "lite":
+        yield lambda t, name: str(t / f"{name}.db")
+        return
+    server = request.getfixturevalue("milvus_server")
+    made: list[str] = []
+
+    def at(t, name):
+        made.append(server.database(name))
+        return made[-1]
+    yield at
+    for uri in made:
+        server.drop_database(uri)
+
+
 @pytest.fixture(scope="module")
-def gallery(tmp_path_factory):
+def gallery(tmp_path_factory, milvus_at):
     t = tmp_path_factory.mktemp("milvus")
     rng = np.random.default_rng(0)
     X = rng.standard_normal((N, DIM)).astype(np.float32)
     items = Items(np.arange(N) * 7 + 3, rng.integers(0, 9, N), [f"img/{i}.png" for i in range(N)], ["gallery"] * N)
     idx = write_index(t / "idx", X, items, rng.standard_normal((5, DIM)).astype(np.float32), normalize=True,
                       info={"backbone": "none"})
-    assert export_index(idx, str(t / "g.db"), "gal") == N
-    g = MilvusGallery(str(t / "g.db"), "gal")
+    uri = milvus_at(t, "g")
+    assert export_index(idx, uri, "gal") == N
+    g = MilvusGallery(uri, "gal")
     yield t, Searcher(read_index(idx)), g, rng.standard_normal((12, DIM)).astype(np.float32)
     g.close()
 
@@ -70,20 +91,20 @@ def test_collection_uses_inner_product_never_cosine(gallery):
     t, _, g, _ = gallery
     assert g.client.describe_index("gal", "vector")["metric_type"] == "IP"
     # a collection re-indexed with COSINE would normalise M′q: opening it is refused
-    export_index(t / "idx", str(t / "g.db"), "cos")
+    export_index(t / "idx", g.uri, "cos")
     g.client.release_collection("cos")
     g.client.drop_index("cos", "vector")
     ip = g.client.prepare_index_params()
     ip.add_index("vector", index_type="FLAT", metric_type="COSINE")
     g.client.create_index("cos", ip)
     with pytest.raises(UserError, match="indexes with metric COSINE; searching under M′ needs IP"):
-        MilvusGallery(str(t / "g.db"), "cos")
+        MilvusGallery(g.uri, "cos")
 
 
 def test_cli_export_and_search_match_faiss(gallery, capsys):
     t, _, g, Q = gallery
     np.save(t / "q.npy", Q[:3])
-    uri = str(t / "g.db")  # the fixture's open database: its Milvus Lite server is running already
+    uri = g.uri  # the fixture's open database (on Lite: its server in this process is running already)
     assert main(["export", "--to", "milvus", "--index", str(t / "idx"), "--uri", uri, "--collection", "c"]) == 0
     assert json.loads(capsys.readouterr().out)["exported"] == N
     with pytest.raises(UserError, match="already exists"):
@@ -108,23 +129,24 @@ SMALL = 120  # the gallery×gallery passes search Milvus once per item: a small 
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory):
+def small(tmp_path_factory, milvus_at):
     """A small index directory, its export (whose source feature store is still there), and an
     export of the same rows without a source (its vectors are copied from the collection)."""
     t = tmp_path_factory.mktemp("milvus-rerank")
+    uri = milvus_at(t, "r")
     rng = np.random.default_rng(5)
     X = rng.standard_normal((SMALL, DIM)).astype(np.float32)
     items = Items(np.arange(SMALL) * 3 + 1, rng.integers(0, 6, SMALL), [f"img/{i}.png" for i in range(SMALL)],
                   ["gallery"] * SMALL)
     idx = write_index(t / "idx", X, items, rng.standard_normal((5, DIM)).astype(np.float32), normalize=True,
                       info={"backbone": "none"}, class_names={c: f"c{c}" for c in range(6)})
-    export_index(idx, str(t / "r.db"), "src")
+    export_index(idx, uri, "src")
     data = read_index(idx)
-    export_features(str(t / "r.db"), "bare", data.features, data.items, data.W, normalize=True,
+    export_features(uri, "bare", data.features, data.items, data.W, normalize=True,
                     class_names=data.class_names)
-    export_features(str(t / "r.db"), "hnsw", data.features, data.items, data.W, normalize=True,
+    export_features(uri, "hnsw", data.features, data.items, data.W, normalize=True,
                     class_names=data.class_names, index_type="HNSW", index_params={"M": 8, "efConstruction": 64})
-    return t, Searcher(data), rng.standard_normal((4, DIM)).astype(np.float32)
+    return t, Searcher(data), rng.standard_normal((4, DIM)).astype(np.float32), uri
 
 
 @pytest.fixture(autouse=True)
@@ -144,8 +166,8 @@ def assert_same_hits(got, want):
 def test_every_reranker_on_milvus_equals_the_index(small, rerank, mode, strategy, params):
     """Each registered re-ranker (its defaults) on a FLAT collection: the rows and scores of the
     same re-ranker on the in-RAM index of the same items, leave-one-out queries included."""
-    t, s, Q = small
-    g = MilvusGallery(str(t / "r.db"), "src")
+    t, s, Q, uri = small
+    g = MilvusGallery(uri, "src")
     try:
         cfg = SearchConfig.of(strategy, params, mode, rerank)
         assert_same_hits(cfg.search(g, Q, K), cfg.search(s, Q, K))
@@ -164,13 +186,15 @@ def test_an_hnsw_collection_gives_rerankers_its_own_candidates(small, monkeypatc
     with ef = the pool, which holds the whole small gallery here), re-ranked exactly: every
     re-ranker as on the in-RAM index."""
     from index.backends import milvus_store
+    from index.space import CACHE
 
-    t, s, Q = small
+    _, s, Q, uri = small
+    CACHE.clear()  # the other backend's run of this test: the same content, so the same keys
     asked = []
     search_ip = milvus_store.MilvusGallery.search_ip
     monkeypatch.setattr(milvus_store.MilvusGallery, "search_ip", lambda g, qt, *a, **kw: asked.append(len(qt))
                         or search_ip(g, qt, *a, **kw))
-    g = MilvusGallery(str(t / "r.db"), "hnsw")
+    g = MilvusGallery(uri, "hnsw")
     try:
         for rerank in RERANKERS.names():
             cfg = SearchConfig.of("trained", {}, "cosine", rerank)
@@ -183,9 +207,9 @@ def test_an_hnsw_collection_gives_rerankers_its_own_candidates(small, monkeypatc
 def test_without_its_source_index_milvus_copies_the_vectors_once(small):
     """A collection with no source feature store (or one that changed) re-ranks over its own
     vectors, copied once into the cache folder, keyed by the collection's content."""
-    t, s, Q = small
+    t, s, Q, uri = small
     cfg = SearchConfig.of("trained", {}, "cosine", "kreciprocal")
-    g = MilvusGallery(str(t / "r.db"), "bare")
+    g = MilvusGallery(uri, "bare")
     try:
         assert_same_hits(cfg.search(g, Q, K), cfg.search(s, Q, K))
         data = cfg.space(g).searcher.data
@@ -195,12 +219,12 @@ def test_without_its_source_index_milvus_copies_the_vectors_once(small):
         before = copy.stat().st_mtime_ns
     finally:
         g.close()
-    g = MilvusGallery(str(t / "r.db"), "bare")   # a new process's view: the copy is read, not made again
+    g = MilvusGallery(uri, "bare")   # a new process's view: the copy is read, not made again
     try:
         assert_same_hits(cfg.search(g, Q, K), cfg.search(s, Q, K))
         assert cfg.space(g).searcher.data.path / "features.npy" == copy and copy.stat().st_mtime_ns == before
         # the same content: the same key as the collection with a source index
-        assert g.content_key == MilvusGallery(str(t / "r.db"), "src").content_key
+        assert g.content_key == MilvusGallery(uri, "src").content_key
     finally:
         g.close()
 
@@ -208,8 +232,8 @@ def test_without_its_source_index_milvus_copies_the_vectors_once(small):
 def test_a_changed_source_index_is_not_read(small):
     """A source index whose features no longer hold the collection's vectors is passed over; a
     collection without a recorded checksum is keyed by a sample of its rows."""
-    t, s, Q = small
-    g = MilvusGallery(str(t / "r.db"), "src")
+    t, s, Q, uri = small
+    g = MilvusGallery(uri, "src")
     try:
         g.info["source_index"]["features_sha256"] = "0" * 64   # as if the index were rebuilt since
         recorded = g.info.pop("content_sha256")
@@ -226,9 +250,9 @@ def test_copying_the_vectors_without_disk_space_is_refused_in_one_line(small, mo
     import shutil
     from collections import namedtuple
 
-    t, _, Q = small
+    t, _, Q, uri = small
     monkeypatch.setattr(shutil, "disk_usage", lambda p: namedtuple("U", "total used free")(10**6, 10**6 - 100, 100))
-    g = MilvusGallery(str(t / "r.db"), "bare")
+    g = MilvusGallery(uri, "bare")
     try:
         with pytest.raises(UserError, match=r"re-ranking on Milvus collection 'bare' copies its vectors \(0\.00 GiB\) "
                                             r"to .*; free space there or set XDG_CACHE_HOME to a larger disk$") as e:
@@ -239,12 +263,12 @@ def test_copying_the_vectors_without_disk_space_is_refused_in_one_line(small, mo
 
 
 def test_cli_search_reranks_on_milvus_as_on_the_index(small, capsys):
-    t, _, Q = small
+    t, _, Q, uri = small
     np.save(t / "q.npy", Q)
     common = ["search", "--features", str(t / "q.npy"), "--k", "5", "--rerank", "aqe", "--rerank-param", "n=3"]
     assert main(common + ["--index", str(t / "idx")]) == 0
     want = json.loads(capsys.readouterr().out)
-    assert main(common + ["--backend", "milvus", "--uri", str(t / "r.db"), "--collection", "bare"]) == 0
+    assert main(common + ["--backend", "milvus", "--uri", uri, "--collection", "bare"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["rerank"] == want["rerank"] == "aqe" and got["rerank_params"] == want["rerank_params"]
     for a, b in zip(got["queries"], want["queries"], strict=True):
