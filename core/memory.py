@@ -158,3 +158,12 @@ def set_memory_budget(size: str | int | None) -> None:
 
 def memory_budget() -> int:
     return CACHE.budget
+
+
+def check_fits(what: str, size: int, advice: str = "") -> None:
+    """Refuse, in one line and before anything is built, an artefact of `size` bytes (`what` says
+    what it holds) that the memory budget could not keep."""
+    if size > CACHE.budget:
+        raise UserError(f"{what} would take {size / 2**30:.2f} GiB, above the memory budget "
+                        f"(--cache-memory {CACHE.budget / 2**30:.2f}G); raise --cache-memory"
+                        + (f" or {advice}" if advice else ""))

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 import faiss
 import numpy as np
 
+from core.memory import check_fits
+
 from ..space import Hits, MetricSpace
 from .expansion import ExpansionParams, weighted_sum
 from .neighbours import neighbour_lists, reverse_index
@@ -48,6 +50,7 @@ def _augment(space: MetricSpace, own: np.ndarray, nb: np.ndarray, s: np.ndarray,
 
 def augmented(space: MetricSpace, p: DBAParams) -> dict[str, np.ndarray]:
     """The cached augmented keys ("keys", n × d) and the neighbours each used ("nb", n × nDBA)."""
+    check_fits(f"dba: the augmented gallery ({space.n:,} items × {space.dim})", space.n * (space.dim + p.n) * 4)
     lists = neighbour_lists(space, p.n + 2)
 
     def compute():

@@ -14,6 +14,7 @@ from typing import Literal
 import numpy as np
 from scipy import sparse
 
+from core.memory import check_fits
 from core.params import param
 
 from ..space import Hits, MetricSpace
@@ -168,6 +169,9 @@ def whole_graph(space: MetricSpace, p: DiffusionParams) -> dict[str, np.ndarray]
         A = affinity(np.arange(space.n), lists.rows[:, : p.k], lists.sims[:, : p.k], p.gamma,
                      np.full(space.n, -1, dtype=np.int64))
         return {"indptr": A.indptr, "indices": A.indices, "data": A.data, "deg": np.asarray(A.sum(1)).ravel()}
+    # the graph's lower bound: a mutual k-NN graph keeps at most k entries per row, each a column and a weight
+    check_fits(f"diffusion: the gallery's k-NN graph ({space.n:,} items, k = {p.k})", space.n * (p.k * 12 + 16),
+               "give diffusion a truncation")
     # the lists the leave-one-out corrections read too (k + 1: a left-out row may drop out)
     lists = neighbour_lists(space, p.k + 1)
     return space.artefact("diffusion-graph", {"k": p.k, "gamma": p.gamma}, compute, inputs=(lists.digest,))

@@ -18,8 +18,9 @@ import faiss
 import numpy as np
 
 from core.errors import UserError
+from core.memory import check_fits
 
-from ..space import SCAN_CELLS, MetricSpace, memory_budget
+from ..space import SCAN_CELLS, MetricSpace
 from ..threads import in_threads
 
 BLOCK = 2048        # rows per search call in the list pass
@@ -81,10 +82,8 @@ def neighbour_lists(space: MetricSpace, L: int, *, progress: bool = False) -> Li
     the memory budget."""
     L = min(int(L), space.n)
     params, Ls, F, widen = _lists_spec(space, L)
-    if space.n * Ls * 8 > memory_budget():
-        raise UserError(f"re-ranking would keep every item's top {Ls} neighbours: "
-                        f"{space.n * Ls * 8 / 2**30:.1f} GiB for {space.n:,} items, above the memory budget "
-                        f"(--cache-memory {memory_budget() / 2**30:.1f}G); ask for fewer neighbours")
+    check_fits(f"re-ranking: every item's top {Ls} neighbours ({space.n:,} items)", space.n * Ls * 8,
+               "ask for fewer neighbours")
     if F is None:
         refuse_exact_scan(space, "neighbour lists")
         got = space.artefact_in_blocks("knn", params, {"rows": (Ls, "int32"), "sims": (Ls, "float32")},
@@ -266,6 +265,7 @@ def row_extremes(space: MetricSpace) -> dict[str, np.ndarray]:
     s(x, y), its row, and the second smallest (the smallest once a leave-one-out query removes
     the first).  Above APPROXIMATE_ABOVE items (PSD M′) from the HNSW index (`approximate_extremes`)."""
     params, F, widen = _extremes_spec(space)
+    check_fits(f"re-ranking: every item's row extremes ({space.n:,} items)", space.n * 20)
     if F is not None:
         def from_graph():
             return approximate_extremes(space, graph_basis(space, F), widen=widen)

@@ -10,6 +10,7 @@ import faiss
 import numpy as np
 import pytest
 
+from core.errors import UserError
 from index.backends.search import Searcher
 from index.backends.store import Items, read_index, write_index
 from index.rerankers import SearcherSpace, rerank
@@ -204,3 +205,28 @@ def test_the_graph_command_builds_what_searches_read(tmp_path, monkeypatch):
     assert len(stored) == 1
     r = run_command("index", "graph", "--index", tmp_path / "idx", "--length", "0", cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("error: --length must be ≥ 1")
+
+
+@pytest.mark.parametrize("rerank,params,dim,need,what", [
+    ("dba", {"n": 2}, 256, 400 * (256 + 2) * 4, "dba: the augmented gallery"),
+    ("diffusion", {"k": 50}, 8, 400 * (50 * 12 + 16), "diffusion: the gallery's k-NN graph"),
+    ("kreciprocal", {"k1": 60, "k2": 6}, 8, 400 * 61 * 12, "kreciprocal: the gallery's k-reciprocal sets"),
+])
+def test_the_budget_refuses_an_artefact_it_cannot_hold_before_building_it(tmp_path, monkeypatch, rerank, params,
+                                                                          dim, need, what):
+    """An offline artefact larger than the whole memory budget is refused in one line, naming it
+    and the budget, before it is built (never built, used once and dropped)."""
+    from index.rerankers import rerank as run
+
+    x, lab = clustered(400, dim)
+    searcher = build(tmp_path / "idx", x, lab)
+    space = SearcherSpace(searcher, "trained", {}, "cosine", cache_dir=tmp_path / "cache")
+    lists = 400 * 64 * 8 + 400 * 20  # the lists and row extremes every re-ranker here reads: they fit
+    assert need > lists
+    monkeypatch.setattr(CACHE, "budget", (lists + need) // 2)
+    with pytest.raises(UserError, match=rf"^{what} \(400 items.* would take .* GiB, above the memory budget "
+                                        r"\(--cache-memory [0-9.]+G\); raise --cache-memory") as e:
+        run(rerank, space, x[:2], 5, params=params)
+    assert "\n" not in str(e.value)
+    built = sorted(p.name.split("-")[0] for p in space.store.dir.glob("*.npz")) if space.store.dir.is_dir() else []
+    assert set(built) <= {"knn", "extremes"}  # nothing of the refused artefact was written

@@ -922,11 +922,14 @@ def test_a_size_above_the_gallery_is_the_whole_gallery(tmp_path, name, param):
 
 
 def test_neighbour_lists_beyond_the_memory_budget_are_refused(gallery, monkeypatch):
+    import index.rerankers.neighbours as nb
+
     searcher, x, _ = gallery
     monkeypatch.setattr(CACHE, "budget", 100 * 40 * 8)
-    with pytest.raises(UserError, match=r"^re-ranking would keep every item's top 64 neighbours: .* for 150 items, "
-                                        r"above the memory budget \(--cache-memory"):
-        rerank("dba", space_for(searcher, "trained", {}, "cosine"), x[:1], 5, params={"n": 40})
+    rerank("aqe", space_for(searcher, "trained", {}, "cosine"), x[:1], 5, params={"n": 40})  # fits
+    with pytest.raises(UserError, match=r"^re-ranking: every item's top 64 neighbours \(150 items\) would take "
+                                        r".* GiB, above the memory budget \(--cache-memory .*ask for fewer"):
+        nb.neighbour_lists(space_for(searcher, "trained", {}, "cosine"), 42)
 
 
 # ---------------------------------------------------------------- approximate neighbour lists

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from core.memory import check_fits
+
 from ...space import MetricSpace
 from ...threads import in_threads
 from ..neighbours import Lists, extremes_digest, reverse_index, without
@@ -309,6 +311,10 @@ def gallery_sets(space: MetricSpace, lists: Lists, extremes: dict[str, np.ndarra
     """Offline: over the gallery alone, every item's R(x, k1) and R(x, ½k1) (its list entries,
     −1 where not reciprocal: "r1", "rh") and R*(x, k1) with s(x, ·) of its members (CSR:
     rows[ptr[x]:ptr[x+1]], sims alike)."""
+    # at least R(x, k1) and R(x, ½k1) as lists, and each R*(x, k1) member with its similarity
+    check_fits(f"kreciprocal: the gallery's k-reciprocal sets ({space.n:,} items, k1 = {k1})",
+               space.n * (k1 + 1) * 12, "give kreciprocal a smaller k1")
+
     def compute():
         # a batch whose probe enters no list: the gallery alone
         none = ProbeBatch(space, lists, extremes, ProbeScan.none(space), np.zeros(1), np.full(1, -1), k1)
