@@ -62,7 +62,7 @@ def test_an_answer_does_not_depend_on_the_requests_before_it(tmp_path, monkeypat
     monkeypatch.setattr(nb, "APPROXIMATE_ABOVE", 0)
     monkeypatch.setitem(nb.HNSW, "M", 4)
     monkeypatch.setitem(nb.HNSW, "ef_construction", 10)
-    x, lab = clustered(1500, 16)
+    x, lab = clustered(1000, 16)
     searcher = build(tmp_path / "idx", x, lab)
     q = x[:30]
     own = np.arange(30)
