@@ -27,7 +27,10 @@ def parse_bytes(text: str | int, what: str = "--cache-memory") -> int:
 
 
 def nbytes(value: Any) -> int:
-    """The memory an artefact holds: its arrays (in dicts, tuples, lists) and FAISS flat indexes."""
+    """The memory an artefact holds: its arrays (in dicts, tuples, lists) and FAISS flat indexes;
+    none for a memory-mapped file (its pages are the kernel's page cache, dropped under pressure)."""
+    if isinstance(value, np.memmap):
+        return 0
     if isinstance(value, np.ndarray):
         return int(value.nbytes)
     if isinstance(value, dict):

@@ -76,29 +76,31 @@ def neighbour_lists(space: MetricSpace, L: int, *, progress: bool = False) -> Li
     """Every item's top-L items.  Lists of each stored length are an artefact of their own: a
     request for longer lists never replaces shorter ones, so what a caller reads does not depend
     on what was asked before (an approximate search, or a deeper one, may order the first
-    entries differently).  The exact pass runs through the space's own search, BLOCK items at a
-    time, and resumes after the last block written where a build was cut short
-    (`artefact_in_blocks`; `progress`: a bar with an ETA).  Refused when the lists would not fit
-    the memory budget."""
+    entries differently).  The pass runs BLOCK items at a time (through the space's own search,
+    or the HNSW graph's, built first), into memory-mapped files that a build cut short resumes
+    from the last block written, and are read memory-mapped: the page cache holds the lists, not
+    the process (`artefact_in_blocks`; `progress`: a bar with an ETA)."""
     L = min(int(L), space.n)
     params, Ls, F, widen = _lists_spec(space, L)
-    check_fits(f"re-ranking: every item's top {Ls} neighbours ({space.n:,} items)", space.n * Ls * 8,
-               "ask for fewer neighbours")
+    columns = {"rows": (Ls, "int32"), "sims": (Ls, "float32")}
     if F is None:
         refuse_exact_scan(space, "neighbour lists")
-        got = space.artefact_in_blocks("knn", params, {"rows": (Ls, "int32"), "sims": (Ls, "float32")},
-                                       lambda a, b: exact_lists(space, np.arange(a, b), Ls), block=BLOCK,
-                                       progress=progress)
+        got = space.artefact_in_blocks("knn", params, columns, lambda a, b: exact_lists(space, np.arange(a, b), Ls),
+                                       block=BLOCK, progress=progress)
     else:
-        def from_graph():
+        graph: dict = {}  # built at the first block this call writes (a resumed build builds it again)
+
+        def from_graph(a: int, b: int) -> dict[str, np.ndarray]:
             assert F is not None
-            G = graph_basis(space, F)
-            index = hnsw_index(space, G)
-            # the extremes from the same graph while it is at hand (row_extremes reads them)
-            graph = graph_params(F)[0]
-            space.artefact("extremes", extremes_params(graph), lambda: approximate_extremes(space, G, index, widen))
-            return approximate_lists(space, G, Ls, index, widen)
-        got = space.artefact("knn", params, from_graph)
+            if not graph:
+                G = graph_basis(space, F)
+                index = hnsw_index(space, G)
+                # the extremes from the same graph while it is at hand (row_extremes reads them)
+                space.artefact("extremes", extremes_params(graph_params(F)[0]),
+                               lambda: approximate_extremes(space, G, index, widen))
+                graph.update(G=G, index=index)
+            return approximate_block(space, graph["G"], Ls, graph["index"], widen, np.arange(a, b))
+        got = space.artefact_in_blocks("knn", params, columns, from_graph, block=BLOCK, progress=progress)
     return Lists(got["rows"][:, :L], got["sims"][:, :L], space.digest("knn", params))
 
 
@@ -162,21 +164,32 @@ def approximate_lists(space: MetricSpace, F: np.ndarray, Ls: int,
     top widen × Ls found, re-scored exactly, the best Ls kept best first; an item whose search
     came back short is searched exactly."""
     index = hnsw_index(space, F) if index is None else index
-    C = min(space.n, widen * Ls)
-    index.hnsw.efSearch = max(HNSW["ef_search"], 2 * Ls, C)
     rows = np.empty((space.n, Ls), dtype=np.int32)
     sims = np.empty((space.n, Ls), dtype=np.float32)
     for s in range(0, space.n, BLOCK):
         idx = np.arange(s, min(s + BLOCK, space.n))
-        keys = space.gallery_vectors(idx)
-        _, cand = index.search(np.ascontiguousarray(keys @ F), C)
-        cand = cand.astype(np.int64)
-        exact = space.score(keys, cand)  # −inf where the search returned no row
-        order = np.argsort(-exact, axis=1, kind="stable")[:, :Ls]
-        rows[idx], sims[idx] = np.take_along_axis(cand, order, 1), np.take_along_axis(exact, order, 1)
+        got = approximate_block(space, F, Ls, index, widen, idx)
+        rows[idx], sims[idx] = got["rows"], got["sims"]
+    return {"rows": rows, "sims": sims}
+
+
+def approximate_block(space: MetricSpace, F: np.ndarray, Ls: int, index: faiss.IndexHNSWFlat, widen: int,
+                      idx: np.ndarray) -> dict[str, np.ndarray]:
+    """The top Ls of the items `idx` from the HNSW index over Fᵀ key(x): the top widen × Ls
+    found, re-scored exactly, the best Ls kept best first; an item whose search came back short
+    is searched exactly."""
+    C = min(space.n, widen * Ls)
+    index.hnsw.efSearch = max(HNSW["ef_search"], 2 * Ls, C)
+    keys = space.gallery_vectors(idx)
+    _, cand = index.search(np.ascontiguousarray(keys @ F), C)
+    cand = cand.astype(np.int64)
+    exact = space.score(keys, cand)  # −inf where the search returned no row
+    order = np.argsort(-exact, axis=1, kind="stable")[:, :Ls]
+    rows = np.take_along_axis(cand, order, 1).astype(np.int32)
+    sims = np.take_along_axis(exact, order, 1).astype(np.float32)
     short = np.flatnonzero((rows < 0).any(1))
     if len(short):
-        again = exact_lists(space, short, Ls)
+        again = exact_lists(space, idx[short], Ls)
         rows[short], sims[short] = again["rows"], again["sims"]
     return {"rows": rows, "sims": sims}
 

@@ -61,8 +61,9 @@ class MetricSpace(Protocol):
                            block: int = 2048, progress: bool = False) -> dict[str, np.ndarray]:
         """An artefact of one row per gallery item, `columns` {array: (width, dtype)}, built a
         block of rows at a time by `fill(start, stop)` into memory-mapped files that a build cut
-        short (a crash, Ctrl-C) resumes from the last block written; then kept as `artefact`
-        keeps one (disk and memory), under the same digest.  `progress`: a bar with an ETA."""
+        short (a crash, Ctrl-C) resumes from the last block written, and read memory-mapped (the
+        page cache holds it, not the process: it takes none of the memory budget), under its
+        digest as `artefact` names one.  `progress`: a bar with an ETA."""
 
     def held(self, name: str, params: dict | None = None) -> bool:
         """Whether the artefact (without inputs) is in the memory cache now (nothing is built)."""

@@ -17,7 +17,7 @@ from ..refinements import strategy_key
 from .hits import Hits
 from .pages import SCAN_CELLS, read_rows
 from .protocol import as_rows, drop_rows
-from .store import OfflineStore, build_in_blocks, cache_root, check_outside, fingerprint, key_hash
+from .store import OfflineStore, build_in_blocks, cache_root, check_outside, fingerprint, key_hash, prune, read_blocks
 
 GATHER_CELLS = 1 << 24  # keys gathered at once, by a score or a weighted sum (queries × rows × d float32: 64 MB)
 KEYS_SHARE = 2          # every key is kept in RAM only while the keys take at most 1/2 of the memory budget
@@ -161,10 +161,18 @@ class SearcherSpace:
     def artefact_in_blocks(self, name: str, params: dict | None, columns: dict[str, tuple[int, str]],
                            fill: Callable[[int, int], dict[str, np.ndarray]], *, inputs: tuple[str, ...] = (),
                            block: int = 2048, progress: bool = False) -> dict[str, np.ndarray]:
-        def build():
-            return build_in_blocks(self.store.part(name, self.digest(name, params, inputs)), self.n, columns,
-                                   fill, block=block, progress=f"{name} ({self.n:,} items)" if progress else None)
-        return self.artefact(name, params, build, inputs=inputs)
+        digest = self.digest(name, params, inputs)
+
+        def make():
+            store = self.store
+            final = store.blocks(name, digest)
+            got = read_blocks(final, self.n, columns)
+            if got is None:
+                got = build_in_blocks(store.part(name, digest), final, self.n, columns, fill, block=block,
+                                      progress=f"{name} ({self.n:,} items)" if progress else None)
+                prune(final.parent.parent, keep=final)
+            return got
+        return CACHE.get_or_build(self._memory_key(digest), make)
 
     def _held(self, name: str, params: dict | None) -> Any:
         return CACHE.peek(self._memory_key(self.digest(name, params)))

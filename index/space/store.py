@@ -13,7 +13,8 @@ read with `allow_pickle=False`.
 Pruning: the folder is kept within a disk budget ($DML_CACHE_DISK, default DISK_DEFAULT).  After
 each write, the least recently used files (a read touches its file) are deleted until the rest
 fit; the file just written is kept.  Only the cache's own files are counted and deleted: the
-artefacts (`*.npz`) and the Milvus backend's copied vectors (`milvus-*/features.npy`).
+artefacts (`*.npz`, and the `*.blocks/` folders of those built in blocks) and the Milvus backend's
+copied vectors (`milvus-*/features.npy`).
 """
 from __future__ import annotations
 
@@ -100,6 +101,10 @@ class OfflineStore:
         """The folder an artefact built in blocks is written to until it is whole."""
         return self.dir / f"{name}-{digest}.part"
 
+    def blocks(self, name: str, digest: str) -> Path:
+        """The folder of a whole artefact built in blocks: one memory-mapped `.npy` per array."""
+        return self.dir / f"{name}-{digest}.blocks"
+
     def save(self, name: str, digest: str, arrays: dict[str, np.ndarray]) -> None:
         p = self.path(name, digest)
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -114,30 +119,49 @@ class OfflineStore:
         prune(self.dir.parent, keep=p)
 
 
-def build_in_blocks(folder: Path, n: int, columns: dict[str, tuple[int, str]],
+def read_blocks(folder: Path, n: int, columns: dict[str, tuple[int, str]]) -> dict[str, np.ndarray] | None:
+    """The arrays of a finished `build_in_blocks`, memory-mapped read-only (their pages are the
+    kernel's page cache, not the process's own memory); None where the folder is absent,
+    unreadable or of another layout."""
+    try:
+        out = {k: np.load(folder / f"{k}.npy", mmap_mode="r", allow_pickle=False) for k in columns}
+    except (OSError, ValueError):
+        return None
+    if any(out[k].shape != (n, w) or out[k].dtype != np.dtype(t) for k, (w, t) in columns.items()):
+        return None
+    os.utime(folder)  # used: the pruning deletes the least recently used first
+    return out
+
+
+def build_in_blocks(part: Path, final: Path, n: int, columns: dict[str, tuple[int, str]],
                     fill: Callable[[int, int], dict[str, np.ndarray]], *, block: int,
                     progress: str | None = None) -> dict[str, np.ndarray]:
     """Arrays of n rows ({name: (width, dtype)}), rows start:stop filled by `fill(start, stop)`
-    a block at a time into memory-mapped `.npy` files in `folder`.  `done.json` records the
-    blocks written (after their rows are flushed), so a build cut short resumes after the last
-    of them; a folder left by another layout (sizes, block) starts over.  One process builds a
-    folder at a time (the others wait for its lock and then resume from where it stopped).
-    Returns the arrays in memory."""
+    a block at a time into memory-mapped `.npy` files in the folder `part`.  `done.json` records
+    the blocks written (after their rows are flushed), so a build cut short resumes after the
+    last of them; a folder left by another layout (sizes, block) starts over.  Whole, the folder
+    is renamed `final` (atomically: a reader sees no folder or a whole one).  One process builds
+    at a time (the others wait for its lock, then read what it built).  Returns `read_blocks`."""
     layout = {"n": int(n), "block": int(block), "columns": {k: [int(w), str(np.dtype(t))] for k, (w, t) in
                                                           sorted(columns.items())}}
-    folder.mkdir(parents=True, exist_ok=True)
-    with exclusive_lock(folder, "the neighbour-graph build", wait=True):
-        state = folder / "done.json"
+    part.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(part, "the neighbour-graph build", wait=True):
+        got = read_blocks(final, n, columns)
+        if got is not None:  # another process finished it while this one waited
+            shutil.rmtree(part, ignore_errors=True)
+            return got
+        part.mkdir(parents=True, exist_ok=True)
+        state = part / "done.json"
         done = 0
         try:
-            got = json.loads(state.read_text())
-            if got.get("layout") == layout:
-                done = int(got["blocks"])
+            saved = json.loads(state.read_text())
+            if saved.get("layout") == layout:
+                done = int(saved["blocks"])
         except (OSError, ValueError, KeyError, TypeError):
             pass  # none yet, or unreadable: from the start
         arrays = {}
         for k, (w, t) in columns.items():
-            path = folder / f"{k}.npy"
+            path = part / f"{k}.npy"
             mode = "r+" if done and path.is_file() else "w+"
             arrays[k] = np.lib.format.open_memmap(path, mode=mode, dtype=np.dtype(t), shape=(n, w))
         starts = range(0, n, block)
@@ -145,13 +169,19 @@ def build_in_blocks(folder: Path, n: int, columns: dict[str, tuple[int, str]],
                   disable=progress is None) as bar:
             for i in range(done, len(starts)):
                 a, b = starts[i], min(starts[i] + block, n)
-                part = fill(a, b)
+                values = fill(a, b)
                 for k, arr in arrays.items():
-                    arr[a:b] = part[k]
+                    arr[a:b] = values[k]
                     arr.flush()
                 write_text(state, json.dumps({"layout": layout, "blocks": i + 1}))
                 bar.update(1)
-        return {k: np.array(arr) for k, arr in arrays.items()}
+        del arrays
+        shutil.rmtree(final, ignore_errors=True)  # an unreadable leftover of another layout
+        os.replace(part, final)
+    got = read_blocks(final, n, columns)
+    if got is None:
+        raise UserError(f"cannot read the arrays just written to {final}")
+    return got
 
 
 def disk_budget() -> int:
@@ -163,8 +193,16 @@ def disk_budget() -> int:
         raise UserError(str(e)) from None
 
 
-def _own_files(root: Path) -> list[Path]:
-    return [*root.glob("*/*.npz"), *root.glob("milvus-*/features.npy")]
+def _own_entries(root: Path) -> list[tuple[float, int, Path]]:
+    """(last use, bytes, path) of the cache's own files and block folders under `root`."""
+    out = []
+    for p in [*root.glob("*/*.npz"), *root.glob("milvus-*/features.npy"), *root.glob("*/*.blocks")]:
+        try:
+            files = [p] if p.is_file() else [f for f in p.iterdir() if f.is_file()]
+            out.append((p.stat().st_mtime, sum(f.stat().st_size for f in files), p))
+        except OSError:
+            continue  # deleted meanwhile by another process's pruning
+    return out
 
 
 def prune(root: Path | None = None, budget: int | None = None, keep: Path | None = None) -> list[Path]:
@@ -175,13 +213,7 @@ def prune(root: Path | None = None, budget: int | None = None, keep: Path | None
     if not root.is_dir():
         return []
     budget = disk_budget() if budget is None else int(budget)
-    files = []
-    for f in _own_files(root):
-        try:
-            st = f.stat()
-        except OSError:
-            continue  # deleted meanwhile by another process's pruning
-        files.append((st.st_mtime, st.st_size, f))
+    files = _own_entries(root)
     total = sum(size for _, size, _ in files)
     gone = []
     for _, size, f in sorted(files, key=lambda t: t[0]):
@@ -189,10 +221,13 @@ def prune(root: Path | None = None, budget: int | None = None, keep: Path | None
             break
         if keep is not None and f == keep:
             continue
-        f.unlink(missing_ok=True)  # a process that has it memory-mapped keeps reading it
+        if f.is_dir():
+            shutil.rmtree(f, ignore_errors=True)  # a process that has it memory-mapped keeps reading it
+        else:
+            f.unlink(missing_ok=True)
         total -= size
         gone.append(f)
     for folder in {f.parent for f in gone}:  # the folders left with no artefact and no build under way
-        if not any(p.suffix in (".npz", ".npy", ".part") for p in folder.iterdir()):
+        if not any(p.suffix in (".npz", ".npy", ".part", ".blocks") for p in folder.iterdir()):
             shutil.rmtree(folder, ignore_errors=True)
     return gone

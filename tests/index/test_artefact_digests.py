@@ -201,7 +201,7 @@ def test_the_graph_command_builds_what_searches_read(tmp_path, monkeypatch):
                     cwd=tmp_path, env={"XDG_CACHE_HOME": str(tmp_path / "xdg")})
     assert r.returncode == 0, r.stderr
     assert "neighbour lists: 300 items × 40" in r.stdout and "row extremes: 300 items" in r.stdout
-    stored = list((tmp_path / "xdg" / "dml-retrieval" / "rerank").glob("*/knn-*.npz"))
+    stored = list((tmp_path / "xdg" / "dml-retrieval" / "rerank").glob("*/knn-*.blocks"))
     assert len(stored) == 1
     r = run_command("index", "graph", "--index", tmp_path / "idx", "--length", "0", cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("error: --length must be ≥ 1")

@@ -700,10 +700,12 @@ def test_offline_caches_live_outside_the_index_and_leave_it_verifiable(tmp_path,
     root = cache_root()
     assert root == cache_home / "dml-retrieval" / "rerank"
     files = sorted(p for p in root.rglob("*") if p.is_file())
-    assert files and all(p.suffix in (".npz", ".json") for p in files)
+    assert files and all(p.suffix in (".npz", ".npy", ".json") for p in files)
     assert all(space.cache_key in p.parts for p in files)
     npz = [p for p in files if p.suffix == ".npz"]
     assert npz and all(len(np.load(p, allow_pickle=False).files) for p in npz)  # readable without pickle
+    npy = [p for p in files if p.suffix == ".npy"]  # the neighbour lists: memory-mapped arrays
+    assert npy and all(np.load(p, allow_pickle=False).size for p in npy)
 
 
 def test_a_cache_inside_the_index_folder_is_refused(tmp_path):
@@ -921,15 +923,18 @@ def test_a_size_above_the_gallery_is_the_whole_gallery(tmp_path, name, param):
     np.testing.assert_array_equal(huge.scores, at_n.scores)
 
 
-def test_neighbour_lists_beyond_the_memory_budget_are_refused(gallery, monkeypatch):
+def test_neighbour_lists_are_memory_mapped_outside_the_memory_budget(gallery, monkeypatch):
+    """The lists are files the process maps (the page cache holds them): a budget smaller than
+    they are keeps them, and they count for none of it."""
     import index.rerankers.neighbours as nb
 
     searcher, x, _ = gallery
-    monkeypatch.setattr(CACHE, "budget", 100 * 40 * 8)
-    rerank("aqe", space_for(searcher, "trained", {}, "cosine"), x[:1], 5, params={"n": 40})  # fits
-    with pytest.raises(UserError, match=r"^re-ranking: every item's top 64 neighbours \(150 items\) would take "
-                                        r".* GiB, above the memory budget \(--cache-memory .*ask for fewer"):
-        nb.neighbour_lists(space_for(searcher, "trained", {}, "cosine"), 42)
+    monkeypatch.setattr(CACHE, "budget", 100 * 40 * 8)  # below 150 × 64 × 8 bytes of lists
+    space = space_for(searcher, "trained", {}, "cosine")
+    lists = nb.neighbour_lists(space, 42)
+    assert isinstance(lists.rows, np.memmap) and isinstance(lists.sims, np.memmap)
+    assert space.held("knn", {"length": 64}) and CACHE.used < 150 * 64 * 8  # not counted: the rest is M′'s
+    np.testing.assert_array_equal(lists.rows, nb.exact_lists(space, np.arange(150), 64)["rows"][:, :42])
 
 
 # ---------------------------------------------------------------- approximate neighbour lists
