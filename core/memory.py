@@ -107,35 +107,46 @@ class MemoryCache:
         with self._lock:
             mine.done, mine.value = True, value
             del self._building[key]
-            self._entries.pop(key, None)
+            dropped = [self._entries.pop(key, None)]
             if size <= (self.budget if max_bytes is None else min(self.budget, max_bytes)):
                 self._entries[key] = (value, size)
-                self._evict(keep=key)
+                dropped += self._evict(keep=key)
             self._changed.notify_all()
+        del dropped  # here, outside the lock (see `_evict`)
         return value
 
-    def _evict(self, keep: Hashable | None) -> None:
+    def _evict(self, keep: Hashable | None) -> list:
+        """Drop least recently used entries until the rest fit; returns them, for the caller to
+        release once it has left the lock: the last reference to a value may run a finalizer
+        that calls this cache (a searcher's `drop_owner`), and the lock is not reentrant."""
         total = sum(s for _, s in self._entries.values())
+        dropped = []
         for k in list(self._entries):
             if total <= self.budget:
                 break
             if k != keep:
-                total -= self._entries.pop(k)[1]
+                entry = self._entries.pop(k)
+                dropped.append(entry)
+                total -= entry[1]
+        return dropped
 
     def set_budget(self, budget: int) -> None:
         with self._lock:
             self.budget = int(budget)
-            self._evict(keep=None)
+            dropped = self._evict(keep=None)
+        del dropped  # outside the lock (see `_evict`)
 
     def drop_owner(self, owner: Hashable) -> None:
         """Forget every entry whose key is a tuple starting with `owner` (a gallery gone)."""
         with self._lock:
-            for k in [k for k in self._entries if isinstance(k, tuple) and k and k[0] is owner]:
-                del self._entries[k]
+            dropped = [self._entries.pop(k) for k in [k for k in self._entries
+                                                      if isinstance(k, tuple) and k and k[0] is owner]]
+        del dropped  # outside the lock (see `_evict`)
 
     def clear(self) -> None:
         with self._lock:
-            self._entries.clear()
+            dropped, self._entries = self._entries, OrderedDict()
+        del dropped  # outside the lock (see `_evict`)
 
 
 def _initial_budget() -> int:

@@ -207,3 +207,32 @@ def cosine_searches_at_once(searcher, q, threads=8):
         return searcher.search(q, "trained", {}, "cosine", k=5).rows
     with ThreadPoolExecutor(threads) as ex:
         return list(ex.map(one, range(threads)))
+
+
+def test_an_evicted_value_whose_finalizer_calls_the_cache_does_not_deadlock():
+    """A value's last reference can go with its eviction, and its finalizer may call the cache
+    (a searcher dropped with it forgets its entries): evictions release values outside the lock."""
+    import weakref
+
+    c = MemoryCache(budget=1000)
+
+    class Owner:
+        pass
+
+    def put_owned(key):
+        value = [np.zeros(100, np.uint8), Owner()]
+        weakref.finalize(value[1], c.drop_owner, ("gone",))
+        c.get_or_build(key, lambda: value)
+
+    def run():
+        put_owned("a")
+        c.get_or_build("b", lambda: np.zeros(950, np.uint8))  # evicts "a": its finalizer calls the cache
+        put_owned("c")
+        c.set_budget(10)  # evicts by the budget
+        put_owned("d")
+        c.clear()
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout=20)
+    assert not t.is_alive(), "the cache deadlocked releasing an evicted value"
+    assert c.used == 0
