@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -61,20 +61,25 @@ class MemoryCache:
         self._changed = threading.Condition(self._lock)
         self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
         self._building: dict[Hashable, _Build] = {}
+        self._gone: deque = deque()  # owners whose entries go at the next call (`drop_owner`)
 
     @property
     def used(self) -> int:
         with self._lock:
-            return sum(s for _, s in self._entries.values())
+            dropped = self._forget_gone()
+            total = sum(s for _, s in self._entries.values())
+        del dropped  # outside the lock (see `_evict`)
+        return total
 
     def peek(self, key: Hashable) -> Any:
         """The entry if held (it becomes the most recently used), else None; never builds."""
         with self._lock:
+            dropped = self._forget_gone()
             hit = self._entries.get(key)
-            if hit is None:
-                return None
-            self._entries.move_to_end(key)
-            return hit[0]
+            if hit is not None:
+                self._entries.move_to_end(key)
+        del dropped  # outside the lock (see `_evict`)
+        return None if hit is None else hit[0]
 
     def get_or_build(self, key: Hashable, build: Callable[[], Any], *, max_bytes: int | None = None) -> Any:
         """The entry under `key`, built by `build()` when absent; kept when its
@@ -107,7 +112,7 @@ class MemoryCache:
         with self._lock:
             mine.done, mine.value = True, value
             del self._building[key]
-            dropped = [self._entries.pop(key, None)]
+            dropped = [self._entries.pop(key, None), *self._forget_gone()]
             if size <= (self.budget if max_bytes is None else min(self.budget, max_bytes)):
                 self._entries[key] = (value, size)
                 dropped += self._evict(keep=key)
@@ -133,18 +138,29 @@ class MemoryCache:
     def set_budget(self, budget: int) -> None:
         with self._lock:
             self.budget = int(budget)
-            dropped = self._evict(keep=None)
+            dropped = self._forget_gone() + self._evict(keep=None)
         del dropped  # outside the lock (see `_evict`)
 
     def drop_owner(self, owner: Hashable) -> None:
-        """Forget every entry whose key is a tuple starting with `owner` (a gallery gone)."""
-        with self._lock:
-            dropped = [self._entries.pop(k) for k in [k for k in self._entries
-                                                      if isinstance(k, tuple) and k and k[0] is owner]]
-        del dropped  # outside the lock (see `_evict`)
+        """Forget every entry whose key is a tuple starting with `owner` (a searcher gone), at the
+        cache's next call: this runs from finalizers, which the garbage collector may start in any
+        thread at any allocation, this cache's own code under its lock included, so it only notes
+        the owner (a deque's append takes no lock)."""
+        self._gone.append(owner)
+
+    def _forget_gone(self) -> list:
+        """Under the lock: drop the entries of the owners `drop_owner` noted; returns them (to be
+        released outside the lock)."""
+        dropped = []
+        while self._gone:
+            owner = self._gone.popleft()
+            for k in [k for k in self._entries if isinstance(k, tuple) and k and k[0] is owner]:
+                dropped.append(self._entries.pop(k))
+        return dropped
 
     def clear(self) -> None:
         with self._lock:
+            self._gone.clear()
             dropped, self._entries = self._entries, OrderedDict()
         del dropped  # outside the lock (see `_evict`)
 

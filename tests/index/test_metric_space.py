@@ -236,3 +236,18 @@ def test_an_evicted_value_whose_finalizer_calls_the_cache_does_not_deadlock():
     t.join(timeout=20)
     assert not t.is_alive(), "the cache deadlocked releasing an evicted value"
     assert c.used == 0
+
+
+def test_drop_owner_takes_no_lock_and_its_entries_go_at_the_next_call():
+    """The garbage collector may run a searcher's finalizer (`drop_owner`) at any allocation,
+    while the cache's own code holds its lock: the call only notes the owner."""
+    c = MemoryCache(budget=1 << 20)
+    owner = object()
+    c.get_or_build((owner, "norms"), lambda: np.zeros(10))
+    c.get_or_build("other", lambda: np.zeros(10))
+    with c._lock:  # as if collected inside the cache's own critical section
+        t = threading.Thread(target=c.drop_owner, args=(owner,), daemon=True)
+        t.start()
+        t.join(timeout=10)
+        assert not t.is_alive(), "drop_owner waited for the cache's lock"
+    assert c.peek((owner, "norms")) is None and c.peek("other") is not None
