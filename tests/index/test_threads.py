@@ -162,25 +162,18 @@ def test_a_serving_process_gives_each_request_thread_its_faiss_setting(monkeypat
 
     from index import threads
 
+    def in_a_new_thread() -> int:
+        seen = []
+
+        def request():
+            faiss.omp_set_num_threads(1)  # what a fresh request thread may run with
+            threads.request_threads()
+            seen.append(faiss.omp_get_max_threads())
+        t = threading.Thread(target=request)
+        t.start()
+        t.join()
+        return seen[0]
     monkeypatch.setattr(threads, "_serving_faiss", 3)
-    seen = []
-
-    def request():
-        faiss.omp_set_num_threads(1)  # what a fresh request thread may run with
-        threads.request_threads()
-        seen.append(faiss.omp_get_max_threads())
-    t = threading.Thread(target=request)
-    t.start()
-    t.join()
-    assert seen == [3]
+    assert in_a_new_thread() == 3
     monkeypatch.setattr(threads, "_serving_faiss", None)  # a batch command: nothing is changed
-    seen.clear()
-
-    def batch():
-        faiss.omp_set_num_threads(1)
-        threads.request_threads()
-        seen.append(faiss.omp_get_max_threads())
-    t = threading.Thread(target=batch)
-    t.start()
-    t.join()
-    assert seen == [1]
+    assert in_a_new_thread() == 1
