@@ -7,9 +7,11 @@
 `Served` is what the app reads besides the searches: the items' metadata (ids, labels, paths,
 class names, the image root), the neck W, the model facts, and the items' trunk features per
 row, read only where needed: the index directory's features.npy memory-mapped (faiss, ondisk),
-or the collection's vectors fetched by row (`MilvusRows`).  Nothing reads the whole gallery's
-features at start-up.  `view` is the same as an `IndexData`, and `metrics` a `Searcher` over it:
-M′ per strategy, and the exact scores the why panel ranks by (faiss: the gallery itself).
+or the collection's vectors fetched by row (`MilvusRows`).  A collection's items' metadata is
+fetched by row too (`MilvusItems`), and its class sizes come from the collection: the app never
+reads every item of a collection.  Nothing reads the whole gallery's features at start-up.
+`view` is the same as an `IndexData`, and `metrics` a `Searcher` over it: M′ per strategy, and
+the exact scores the why panel ranks by (faiss: the gallery itself).
 """
 from __future__ import annotations
 
@@ -60,9 +62,81 @@ class MilvusRows:
         raise UserError("the Milvus backend reads its vectors by row, not the whole collection at once")
 
 
-def milvus_items(gallery) -> Items:
-    """Every item's id, label, path and split, in row order (no vectors)."""
-    return gallery.items
+BY_ROW = "the Milvus backend reads its items by row, not the whole collection at once"
+
+
+class MilvusColumn:
+    """One column of a collection's items (`ids`, `labels`: int64; `paths`, `splits`: str) as a
+    read-only sequence: `col[i]`, `col[a:b]`, `col[int array]` fetch only those rows; a whole
+    read (as an array, iterated, compared) is refused, so that no use of the whole gallery's
+    metadata goes unnoticed."""
+
+    def __init__(self, items: MilvusItems, name: str):
+        self.items, self.name = items, name
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, key):
+        n = len(self)
+        if isinstance(key, slice):
+            return self.items.column(self.name, np.arange(*key.indices(n), dtype=np.int64))
+        if isinstance(key, (int, np.integer)):
+            row = int(key) + (n if int(key) < 0 else 0)
+            if not 0 <= row < n:
+                raise IndexError("row out of range")
+            return self.items.column(self.name, np.array([row]))[0]
+        rows = np.asarray(key)
+        if rows.dtype == bool or not np.issubdtype(rows.dtype, np.integer):
+            raise UserError(BY_ROW)  # a mask names every row
+        if ((rows < 0) | (rows >= n)).any():
+            raise IndexError("row out of range")
+        out = self.items.column(self.name, rows.reshape(-1))
+        return out.reshape(rows.shape) if isinstance(out, np.ndarray) else out
+
+    def __array__(self, dtype=None, copy=None):
+        raise UserError(BY_ROW)
+
+    def __iter__(self):
+        raise UserError(BY_ROW)
+
+    def __eq__(self, other):
+        raise UserError(BY_ROW)
+
+    def __ne__(self, other):
+        raise UserError(BY_ROW)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class MilvusItems:
+    """A collection's items as `Items` read by row (`MilvusGallery.fetch_items`): `len()`, and the
+    columns `ids`, `labels`, `paths`, `splits` (`MilvusColumn`).  `at(rows)`: those rows' `Items`
+    in one read."""
+
+    def __init__(self, gallery, n: int):
+        self.gallery, self.n = gallery, int(n)
+        self.ids, self.labels = MilvusColumn(self, "ids"), MilvusColumn(self, "labels")
+        self.paths, self.splits = MilvusColumn(self, "paths"), MilvusColumn(self, "splits")
+
+    def __len__(self) -> int:
+        return self.n
+
+    def at(self, rows) -> Items:
+        return self.gallery.fetch_items(np.asarray(rows, dtype=np.int64).reshape(-1))
+
+    def column(self, name: str, rows: np.ndarray):
+        return getattr(self.at(rows), name)
+
+
+def items_at(items, rows) -> Items:
+    """The `Items` of the given rows, in that order: one read of a collection (`MilvusItems`),
+    else a selection of the arrays in memory."""
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    if isinstance(items, MilvusItems):
+        return items.at(rows)
+    return Items(items.ids[rows], items.labels[rows], [items.paths[r] for r in rows],
+                 [items.splits[r] for r in rows])
 
 
 @dataclass
@@ -85,6 +159,30 @@ class Served:
             return key_hash("milvus", g.content_key, neck)
         own = g.manifest.get("files") if self.backend == "ondisk" else None
         return key_hash(self.backend, data_digest(self.view), own)
+
+    @property
+    def by_row(self) -> bool:
+        """Whether the items' metadata is read by row (a Milvus collection), never as a whole."""
+        return self.backend == "milvus"
+
+    @cached_property
+    def _classes(self) -> tuple[np.ndarray, np.ndarray]:
+        """(sorted labels, item counts) of an in-memory gallery's items, counted once."""
+        return np.unique(np.asarray(self.view.items.labels, dtype=np.int64), return_counts=True)
+
+    def class_sizes(self, labels) -> np.ndarray:
+        """How many gallery items have each of `labels` (0 for a label none has): a collection's
+        from the collection (`MilvusGallery.class_sizes`), else counted in the labels in memory."""
+        labels = np.asarray(labels, dtype=np.int64)
+        if self.by_row:
+            g: Any = self.gallery
+            return g.class_sizes(labels)
+        classes, counts = self._classes
+        at = np.searchsorted(classes, labels)
+        out = np.zeros(labels.shape, dtype=np.int64)
+        known = at < len(classes)
+        out[known] = np.where(classes[at[known]] == labels[known], counts[at[known]], 0)
+        return out
 
     @property
     def digest(self) -> str:
@@ -133,7 +231,7 @@ def open_served(backend: str = "faiss", index=None, *, ivf=None, nprobe: int | N
         man = dict(m.info) | {"factory": f"milvus {m.info.get('index_type', '')}".strip(), "count": len(m),
                               "trunk_dim": m.dim}
         # no FAISS index: the metric view's searches are never run (the gallery searches)
-        data = IndexData(None, man, MilvusRows(m, len(m), m.dim), milvus_items(m),  # type: ignore[arg-type]
+        data = IndexData(None, man, MilvusRows(m, len(m), m.dim), MilvusItems(m, len(m)),  # type: ignore[arg-type]
                          np.asarray(m.W, dtype=np.float32), None, dict(m.class_names), "")  # type: ignore[arg-type]
         served = Served("milvus", m, data, Searcher(data, rerank_factor=rerank_factor), f"{uri} · {collection}")
     if image_root is not None:

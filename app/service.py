@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -28,13 +29,14 @@ from index.analysis.compare import Comparer, Comparison, jaccard_at_k
 from index.analysis.explain import Explainer, Why
 from index.analysis.sweep import MAX_N as SWEEP_MAX_N
 from index.backends.gallery import HIT_FIELDS
+from index.backends.store import Items
 from index.embedder import ImageEmbedder
 from index.refinements import REFINEMENTS, file_params, strategy_key
 from index.rerankers import check_size_limit
 from index.search_config import NO_RERANK, SearchConfig
 
 from . import render
-from .backend import Served, open_served
+from .backend import Served, items_at, open_served
 from .cache import keep, keep_image, pixels
 from .compare_view import ap_scatter, class_colours, metric_features, project_2d, subsample, svg_scatter
 from .limits import COMPARE_ALL_UP_TO, COMPARE_SAMPLE, DEFAULT_MAX_RERANK_SIZE
@@ -42,6 +44,9 @@ from .params import api_params, config_dict, rerank_params_from, spec_from, whol
 from .sampled import GalleryComparer
 
 __all__ = ["Panel", "Query", "RetrievalService", "SearchConfig"]
+
+# a collection's example queries are drawn from this many of its rows (read by row), seeded
+EXAMPLE_POOL = 4096
 
 
 @dataclass
@@ -84,9 +89,12 @@ class RetrievalService:
         self.analysis_dir = Path(analysis_dir) if analysis_dir else None
         self.root = Path(self.data.root) if self.data.root else None
         # id → row by binary search over the sorted ids: 16 bytes an item (a dict: ~100 at 10⁶),
-        # made once here and never changed (the gallery's own index, not a cache)
-        self._by_id = np.argsort(self.data.items.ids, kind="stable")
-        self._sorted_ids = self.data.items.ids[self._by_id]
+        # made once here and never changed (the gallery's own index, not a cache); a collection
+        # is asked by id instead (its items are read by row, never all at once)
+        self._by_id = self._sorted_ids = None
+        if not self.served.by_row:
+            self._by_id = np.argsort(self.data.items.ids, kind="stable")
+            self._sorted_ids = self.data.items.ids[self._by_id]
         # neither keeps results itself: both keep them in the process's memory cache
         self.comparer = Comparer(self.data, self.searcher) if self.backend == "faiss" else None
         self.sampler = GalleryComparer(self.served)
@@ -135,10 +143,17 @@ class RetrievalService:
         return Query(feats, int(self.data.items.labels[row]), int(item_id), self.thumbnail(item_id))
 
     def _row(self, item_id: int) -> int:
+        if self._sorted_ids is None or self._by_id is None:
+            g: Any = self.gallery  # a MilvusGallery
+            return int(g.rows_of_ids([int(item_id)])[0])
         at = int(np.searchsorted(self._sorted_ids, int(item_id)))
         if at >= len(self._sorted_ids) or self._sorted_ids[at] != int(item_id):
             raise UserError(f"no item with id {item_id} in this index")
         return int(self._by_id[at])
+
+    def items_at(self, rows) -> Items:
+        """The ids, labels, paths and splits of the given gallery rows (one read on a collection)."""
+        return items_at(self.data.items, rows)
 
     # ------------------------------------------------------------ search
     def check(self, spec: SearchConfig) -> None:
@@ -233,13 +248,13 @@ class RetrievalService:
     def query_ap(self, q: Query, cfg: SearchConfig) -> float | None:
         """MAP@R of this query against the whole gallery (its own item left out), under `cfg` (its
         mode as given) and its re-ranker."""
-        labels = self.data.items.labels
-        R = int((labels == q.label).sum()) - (1 if q.self_id is not None else 0)
+        R = int(self.served.class_sizes([q.label])[0]) - (1 if q.self_id is not None else 0)
         if R <= 0:
             return None
         res = self._search(q, cfg, R)
         rows = res.rows[0][res.rows[0] >= 0][:R]
-        m = per_query_metrics(labels[rows][None, :], np.array([q.label]), np.array([R]), ks=(1,))
+        labels = np.asarray(self.data.items.labels[rows], dtype=np.int64)
+        m = per_query_metrics(labels[None, :], np.array([q.label]), np.array([R]), ks=(1,))
         return float(m["map@r"][0])
 
     def compare(self, q: Query, right: SearchConfig, k: int = 12,
@@ -348,7 +363,8 @@ class RetrievalService:
         """The gallery in 2-D under `spec`, coloured by class, the query (an item) starred."""
         mode, _ = self.searcher.resolve_mode(spec.strategy, spec.params, spec.mode)
         rows, xy, note = self.map_coords(spec.strategy, spec.params, mode, method)
-        ids, labels = self.data.items.ids[rows], self.data.items.labels[rows]
+        shown = self.items_at(rows)
+        ids, labels = shown.ids, shown.labels
         mark = np.nonzero(ids == q_id)[0]
         tips = [f"{self.class_name(lab)} · id {i}" for i, lab in zip(ids, labels, strict=True)]
         return svg_scatter(xy[:, 0], xy[:, 1], ids, class_colours(labels), tips, title=f"{title} ({method})",
@@ -380,19 +396,35 @@ class RetrievalService:
 
     def examples(self, n: int = 24, seed: int = 0) -> list[int]:
         """Example query ids, one per class, spread over the index (deterministic); items with an
-        image where there are any."""
-        paths = self.data.items.paths
+        image where there are any.  A collection's come from EXAMPLE_POOL of its rows drawn with
+        `seed` (its items are read by row, never all at once)."""
+        items = self.data.items
+        if self.served.by_row:
+            size = len(items)
+            drawn = np.sort(np.random.default_rng(seed).choice(size, min(size, EXAMPLE_POOL), replace=False))
+            items = self.items_at(drawn)
+        paths = items.paths
         pictured = np.array([bool(p) for p in paths], dtype=bool)
         pool = np.nonzero(pictured)[0] if pictured.any() else np.arange(len(paths))
-        y = self.data.items.labels[pool]
+        y = items.labels[pool]
         classes = np.unique(y)
         rng = np.random.default_rng(seed)
         chosen = rng.choice(classes, size=min(n, len(classes)), replace=False)
         ids = []
         for c in chosen:
             rows = pool[np.nonzero(y == c)[0]]
-            ids.append(int(self.data.items.ids[rows[rng.integers(len(rows))]]))
+            ids.append(int(items.ids[rows[rng.integers(len(rows))]]))
         return ids
+
+    def class_count(self) -> int | None:
+        """How many classes the gallery has: the manifest's count, else a collection's class
+        names (None where it names none), else counted in the labels in memory."""
+        man = self.data.manifest
+        if man.get("classes"):
+            return int(man["classes"])
+        if self.served.by_row:
+            return len(self.data.class_names) or None
+        return len(np.unique(self.data.items.labels))
 
     def metric_report(self, spec: SearchConfig) -> dict:
         return self.searcher.metric(spec.strategy, spec.params).report
@@ -412,7 +444,7 @@ class RetrievalService:
             rows = subsample(len(self.data.items))
             X = self.searcher.prepare_queries(np.asarray(self.data.features[rows], dtype=np.float32))
             xy, proj, used = project_2d(X, "UMAP")
-            img, to_pixel = render.plot_map(xy, self.data.items.labels[rows],
+            img, to_pixel = render.plot_map(xy, np.asarray(self.data.items.labels[rows], dtype=np.int64),
                                             f"gallery, {used} of trunk features (colour = class; ★ = the query)")
             # UMAP's `transform` keeps the rows it was fitted on: held here too, so the cache counts them
             return {"proj": proj, "pixels": pixels(img), "to_pixel": to_pixel,

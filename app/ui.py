@@ -69,9 +69,9 @@ BACKEND_NAMES = {"faiss": "the index directory's FAISS index, in RAM", "ondisk":
 def header_md(svc: RetrievalService, name: str | None, others) -> str:
     man = svc.data.manifest
     trace = float(np.square(svc.data.W.astype(np.float64)).sum())  # tr(WᵀW) = ‖W‖²_F: how far the neck moved
-    classes = man.get("classes") or len(np.unique(svc.data.items.labels))
+    classes = svc.class_count()
     text = (f"## Metric refinement explorer{f': {name}' if name else ''}\n"
-            f"Gallery: **{len(svc.data.items):,}** items of **{classes:,}** "
+            f"Gallery: **{len(svc.data.items):,}** items of **{'?' if classes is None else f'{classes:,}'}** "
             f"classes ({man.get('dataset', '?')} {man.get('split', '')}), backbone "
             f"`{man.get('backbone')}`, trunk d = {svc.data.W.shape[1]}, embedding k = {svc.data.W.shape[0]}, "
             f"searched in {BACKEND_NAMES[svc.backend]}, "

@@ -67,7 +67,7 @@ def bars_svg(rows: list[tuple[str, float, str]], width: int = 640, row_h: int = 
 def why_html(svc, why: Why) -> str:
     """The panel for one result: placement under both configurations, the decomposition of the
     score difference as bars, and per shown direction the gallery images that project most on it."""
-    ids, labels = svc.data.items.ids, svc.data.items.labels
+    ids, labels = _shown(svc, [why.item_row, *(r for strip in why.strips for r, _ in strip)])
     item_id = int(ids[why.item_row])
     head = (f'<div style="display:flex;gap:14px;align-items:center">'
             f'<img src="{svc.thumbnail_uri(item_id, 96)}" width="72" alt="result">'
@@ -115,8 +115,16 @@ def why_html(svc, why: Why) -> str:
             f"{bars_svg(rows)}{''.join(strips)}</div>")
 
 
-def _thumbs(svc, links: list[Link], k: int, title) -> str:
-    ids, labels = svc.data.items.ids, svc.data.items.labels
+def _shown(svc, rows) -> tuple[dict[int, int], dict[int, int]]:
+    """(row → id, row → label) of the gallery rows shown, read together (by row on a collection)."""
+    rows = sorted({int(r) for r in rows})
+    items = svc.items_at(rows)
+    return ({r: int(i) for r, i in zip(rows, items.ids, strict=True)},
+            {r: int(lab) for r, lab in zip(rows, items.labels, strict=True)})
+
+
+def _thumbs(svc, links: list[Link], k: int, title, shown) -> str:
+    ids, labels = shown
     return "".join(
         f'<img src="{svc.thumbnail_uri(int(ids[n.row]), 64)}" width="48" title="{html.escape(title(n, labels))}" '
         f'style="display:inline-block;margin:1px;border:2px solid {UP if n.far_rank <= k else "#bbb"}">'
@@ -127,16 +135,17 @@ def support_html(svc, s: Support, k: int) -> str:
     """One re-ranked side: the query's nearest items and x's rank in each one's list; x's nearest
     items and each one's rank in the query's list (green border: within the top k)."""
     by_q, by_x = s.shared(k)
+    shown = _shown(svc, [n.row for n in (*s.of_query, *s.of_item)])
 
     def cls(labels, n):
         return svc.class_name(int(labels[n.row]))
 
     q_strip = _thumbs(svc, s.of_query, k, lambda n, lab: (
         f"{cls(lab, n)} · the query's #{n.near_rank} (s = {n.near_score:.3f}) · ranks this result "
-        f"#{n.far_rank} (s = {n.far_score:.3f})"))
+        f"#{n.far_rank} (s = {n.far_score:.3f})"), shown)
     x_strip = _thumbs(svc, s.of_item, k, lambda n, lab: (
         f"{cls(lab, n)} · this result's #{n.near_rank} (s = {n.near_score:.3f}) · the query's "
-        f"#{n.far_rank} (s = {n.far_score:.3f})"))
+        f"#{n.far_rank} (s = {n.far_score:.3f})"), shown)
     return (f'<div class="why-support"><p style="font-size:13px"><b>{html.escape(s.side)}: '
             f'{html.escape(s.label)}</b> — {html.escape(s.rerank_doc)}</p>'
             f'<small>the query\'s {len(s.of_query)} nearest items (this result left out): <b>{by_q}</b> rank this '

@@ -38,6 +38,11 @@ MAX_TOPK = 16384         # Milvus's limit on one search's top-k
 PATH_MAX, SPLIT_MAX = 4096, 256
 OUTPUT = ["row", "label", "path", "split"]
 FETCH = 16384            # rows per query by row (Milvus's largest result window)
+ITEM_FIELDS = ["id", "row", "label", "path", "split"]
+# per-class counts are stored with the collection up to this many classes: its properties live in
+# Milvus's metadata store, whose requests are bounded (etcd: 1.5 MiB by default); above, a class's
+# size is counted in the collection when first asked
+CLASS_COUNTS_MAX = 50_000
 SCAN_ROWS = 65536        # rows of a FLAT collection's vectors scored at once for re-rankers' candidates
 SAMPLE_ROWS = 64         # rows of a source feature store compared with the collection before it is used
 INSTALL = "pip install -r requirements-milvus.txt"
@@ -122,13 +127,17 @@ def export_features(uri: str, collection: str, features: np.ndarray, items, W: n
                 {"id": int(items.ids[i]), "row": i, "vector": x[i - s].tolist(), "label": int(items.labels[i]),
                  "path": items.paths[i], "split": items.splits[i]} for i in range(s, s + len(x))])
         client.flush(collection)
+        classes, counts = np.unique(np.asarray(items.labels, dtype=np.int64), return_counts=True)
         # written last: a collection whose export was interrupted has no dml.info and is refused
         meta = {"dim": int(d), "count": int(n), "embed_dim": int(W.shape[0]), "normalize": bool(normalize),
-                "index_type": index_type, "content_sha256": content.hexdigest(), **(info or {})}
-        client.alter_collection_properties(collection, properties={
-            "dml.info": json.dumps(meta),
-            "dml.neck": base64.b64encode(np.ascontiguousarray(W, dtype="<f4").tobytes()).decode(),
-            "dml.classes": json.dumps({str(k): v for k, v in (class_names or {}).items()})})
+                "index_type": index_type, "content_sha256": content.hexdigest(), "classes": int(len(classes)),
+                **(info or {})}
+        props = {"dml.info": json.dumps(meta),
+                 "dml.neck": base64.b64encode(np.ascontiguousarray(W, dtype="<f4").tobytes()).decode(),
+                 "dml.classes": json.dumps({str(k): v for k, v in (class_names or {}).items()})}
+        if len(classes) <= CLASS_COUNTS_MAX:   # the app's AP and samples read class sizes without a scan
+            props["dml.class_counts"] = json.dumps({"labels": classes.tolist(), "counts": counts.tolist()})
+        client.alter_collection_properties(collection, properties=props)
         return n
     except pm.exceptions.MilvusException as e:
         raise UserError(f"Milvus export to {collection!r} at {uri} failed: {e.message}") from None
@@ -148,6 +157,15 @@ def export_index(index_dir, uri: str, collection: str, **kw) -> int:
                             "features_sha256": m["files"]["features.npy"]["sha256"]}
     return export_features(uri, collection, data.features, data.items, data.W, normalize=bool(m["normalize"]),
                            info=info, class_names=data.class_names, **kw)
+
+
+def _class_counts(text: str | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """(sorted labels, their item counts) from the `dml.class_counts` property; None without one
+    (a collection exported before it was written, or with more than CLASS_COUNTS_MAX classes)."""
+    if not text:
+        return None
+    d = json.loads(text)
+    return np.asarray(d["labels"], dtype=np.int64), np.asarray(d["counts"], dtype=np.int64)
 
 
 class _Candidates:
@@ -214,6 +232,7 @@ class MilvusGallery(NeckGallery):
                 self.info["embed_dim"], self.info["dim"])
             self.neck = neck_digest(self.W)   # the key of every M′ this gallery reads (gallery.refined_metric)
             self.class_names = {int(k): v for k, v in json.loads(props.get("dml.classes", "{}")).items()}
+            self.class_counts = _class_counts(props.get("dml.class_counts"))
             metric = self.client.describe_index(collection, "vector").get("metric_type")
             if metric != METRIC:
                 raise UserError(f"Milvus collection {collection!r} indexes with metric {metric}; "
@@ -244,11 +263,9 @@ class MilvusGallery(NeckGallery):
             self._searcher = None   # its caches are keyed by the candidate settings
 
     # ------------------------------------------------------------ rows, items, vectors
-    def fetch_rows(self, rows: np.ndarray) -> np.ndarray:
-        """The vectors of the given rows (any order, repeats allowed), float32, by the `row` field."""
-        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-        uniq, back = np.unique(rows, return_inverse=True)
-        got: dict[int, list] = {}
+    def _query_rows(self, uniq: np.ndarray, fields: list[str]) -> dict[int, dict]:
+        """The entities of the sorted distinct rows `uniq`, by row, FETCH at a time."""
+        got: dict[int, dict] = {}
         for s in range(0, len(uniq), FETCH):
             part = uniq[s: s + FETCH]
             if len(part) and part[-1] - part[0] + 1 == len(part):
@@ -256,21 +273,85 @@ class MilvusGallery(NeckGallery):
             else:
                 expr = f"row in [{','.join(str(int(r)) for r in part)}]"
             try:
-                res = self.client.query(self.collection, filter=expr, output_fields=["row", "vector"],
-                                        limit=len(part))
+                res = self.client.query(self.collection, filter=expr, output_fields=fields, limit=len(part))
             except self.pm.exceptions.MilvusException as e:
                 raise UserError(f"Milvus query in {self.collection!r} failed: {e.message}") from None
-            got.update({int(h["row"]): h["vector"] for h in res})
+            got.update({int(h["row"]): h for h in res})
         missing = [int(r) for r in uniq if int(r) not in got]
         if missing:
             raise UserError(f"Milvus collection {self.collection!r} has no row {missing[0]}")
-        vecs = np.asarray([got[int(r)] for r in uniq], dtype=np.float32).reshape(len(uniq), self.dim)
+        return got
+
+    def fetch_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The vectors of the given rows (any order, repeats allowed), float32, by the `row` field."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        uniq, back = np.unique(rows, return_inverse=True)
+        got = self._query_rows(uniq, ["row", "vector"])
+        vecs = np.asarray([got[int(r)]["vector"] for r in uniq], dtype=np.float32).reshape(len(uniq), self.dim)
         return vecs[back.reshape(-1)]
+
+    def fetch_items(self, rows: np.ndarray) -> Items:
+        """The id, label, path and split of the given rows (any order, repeats allowed), by the
+        `row` field: what the app shows of the items it shows, never the whole collection's."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        uniq, back = np.unique(rows, return_inverse=True)
+        got = self._query_rows(uniq, ITEM_FIELDS)
+        hits = [got[int(r)] for r in uniq]
+        back = back.reshape(-1)
+        ids = np.array([h["id"] for h in hits], dtype=np.int64)[back]
+        labels = np.array([h["label"] for h in hits], dtype=np.int64)[back]
+        return Items(ids, labels, [hits[i]["path"] for i in back], [hits[i]["split"] for i in back])
+
+    def rows_of_ids(self, ids) -> np.ndarray:
+        """The row of each item id (any order, repeats allowed); an id not in the collection is refused."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        uniq, back = np.unique(ids, return_inverse=True)
+        got: dict[int, int] = {}
+        for s in range(0, len(uniq), FETCH):
+            part = uniq[s: s + FETCH]
+            try:
+                res = self.client.query(self.collection, filter=f"id in [{','.join(str(int(i)) for i in part)}]",
+                                        output_fields=["id", "row"], limit=len(part))
+            except self.pm.exceptions.MilvusException as e:
+                raise UserError(f"Milvus query in {self.collection!r} failed: {e.message}") from None
+            got.update({int(h["id"]): int(h["row"]) for h in res})
+        missing = next((int(i) for i in uniq if int(i) not in got), None)
+        if missing is not None:
+            raise UserError(f"no item with id {missing} in this index")
+        return np.array([got[int(i)] for i in uniq], dtype=np.int64)[back.reshape(-1)]
+
+    def class_sizes(self, labels) -> np.ndarray:
+        """How many items have each of `labels` (0 for a label no item has): from the counts stored
+        at export, else counted in the collection, once per class (kept in the memory cache)."""
+        labels = np.asarray(labels, dtype=np.int64)
+        if self.class_counts is not None:
+            classes, counts = self.class_counts
+            at = np.searchsorted(classes, labels)
+            out = np.zeros(labels.shape, dtype=np.int64)
+            known = at < len(classes)
+            out[known] = np.where(classes[at[known]] == labels[known], counts[at[known]], 0)
+            return out
+        key = key_hash(self.uri, self.collection, self.content_key)
+        sizes = {int(c): int(self._count(key, int(c))[0]) for c in np.unique(labels)}
+        return np.array([sizes[int(c)] for c in labels.reshape(-1)], dtype=np.int64).reshape(labels.shape)
+
+    def _count(self, key: str, label: int) -> np.ndarray:
+        """The number of items of class `label`, counted in the collection once (an array: what
+        the memory cache measures)."""
+        return CACHE.get_or_build(("milvus-class-size", key, label), lambda: self._query_count(label))
+
+    def _query_count(self, label: int) -> np.ndarray:
+        try:
+            res = self.client.query(self.collection, filter=f"label == {int(label)}", output_fields=["count(*)"])
+        except self.pm.exceptions.MilvusException as e:
+            raise UserError(f"Milvus query in {self.collection!r} failed: {e.message}") from None
+        return np.array([int(res[0]["count(*)"]) if res else 0], dtype=np.int64)
 
     @property
     def items(self) -> Items:
         """Every item's id, label, path and split, in row order (no vectors); read once per
-        collection content (kept in the memory cache)."""
+        collection content (kept in the memory cache).  Re-rankers' metric space reads it; the
+        app reads items by row (`fetch_items`)."""
         key = key_hash(self.uri, self.collection, self.content_key)
         return CACHE.get_or_build(("milvus-items", key), self._read_items)[0]
 
