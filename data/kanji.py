@@ -28,6 +28,7 @@ from tqdm import tqdm
 from core.atomic import atomic_dir, write_json
 from core.errors import UserError
 from core.hashing import sha256_file
+from core.memory import CACHE
 
 from .registry import DATASETS
 from .splits import DatasetSplits, Subset, carve_validation
@@ -105,13 +106,19 @@ def find_fonts(ids: tuple[str, ...] = ()) -> list[tuple[str, str, Path, str]]:
 
 
 def covered_codepoints(path: Path) -> set[int]:
-    from fontTools.ttLib import TTFont
+    """The CJK code points a font maps.  Decoding a font's cmap takes a quarter of a second, and every
+    data set rendered in a process asks again: kept in the memory cache under the file's digest."""
 
-    font = TTFont(str(path), fontNumber=0, lazy=True)
-    try:
-        return {c for c in font.getBestCmap() if c in CJK_RANGE}
-    finally:
-        font.close()
+    def read() -> np.ndarray:  # every code point the font maps: the range is applied below
+        from fontTools.ttLib import TTFont
+
+        font = TTFont(str(path), fontNumber=0, lazy=True)
+        try:
+            return np.array(sorted(font.getBestCmap()), dtype=np.int64)
+        finally:
+            font.close()
+    cmap = CACHE.get_or_build(("font-cmap", sha256_file(path)), read)
+    return {c for c in cmap.tolist() if c in CJK_RANGE}
 
 
 def render_glyph(font: ImageFont.FreeTypeFont, ch: str, size: int, canvas: int) -> np.ndarray | None:

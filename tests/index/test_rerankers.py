@@ -245,7 +245,14 @@ def universe_distances(ref, q):
     return np.diag(S)[:, None] - S
 
 
-@pytest.fixture(params=["candidates", "inverted-index", "inverted-index-pairs-computed"])
+KR_PATHS = ["candidates", "inverted-index", "inverted-index-pairs-computed"]
+KR_PARAMS = [(20, 6, 0.3), (9, 3, 0.5), (10, 1, 0.0)]  # ½·9 rounds to 4 (half to even)
+# a Latin square over (path, parameters, case): each pair of the three meets once, in 9 runs, not 27
+KR_SQUARE = [(path, *KR_PARAMS[j], *CASES[(i + j) % len(CASES)])
+             for i, path in enumerate(KR_PATHS) for j in range(len(KR_PARAMS))]
+
+
+@pytest.fixture(params=KR_PATHS)
 def kr_path(request, monkeypatch):
     """The two ways k-reciprocal ranks a pool: d* candidate by candidate, or (pools above
     BRUTE_POOL, here every pool) the inverted index over the gallery's V vectors; the latter also
@@ -257,8 +264,8 @@ def kr_path(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("strategy,params,mode", CASES, ids=CASE_IDS)
-@pytest.mark.parametrize("k1,k2,lam", [(20, 6, 0.3), (9, 3, 0.5), (10, 1, 0.0)])  # ½·9 rounds to 4 (half to even)
+@pytest.mark.parametrize("kr_path,k1,k2,lam,strategy,params,mode", KR_SQUARE, indirect=["kr_path"],
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}-{CASE_IDS[CASES.index(c[4:])]}" for c in KR_SQUARE])
 def test_kreciprocal_is_the_official_algorithm_with_the_full_pool(gallery, kr_path, strategy, params, mode, k1, k2,
                                                                   lam):
     searcher, x, _ = gallery

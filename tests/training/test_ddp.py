@@ -94,7 +94,7 @@ def train_steps(spec: dict, rank: int = 0, world: int = 1) -> dict:
 
 def _worker(rank: int, world: int, port: int, specs: dict, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))  # as torchrun sets them
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     try:  # every case in one process group: one spawn for the whole module

@@ -17,7 +17,7 @@ def _worker(rank, world, port, cfg, out):
     from training.trainer import Run
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))  # as torchrun sets them
     torch.set_num_threads(1)
     snaps, wrapped = [], []
 
