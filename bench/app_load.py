@@ -2,7 +2,7 @@
 
   python bench/app_load.py [--index artifacts/demo/index] [--clients 4] [--queries 50]
                            [--client gradio|gradio-rest|http] [--strategies spectral:cosine]
-                           [--backend faiss|ondisk] [--ivf DIR] [--nprobe N]
+                           [--backend faiss|ondisk] [--ivf DIR] [--nprobe N] [--cache-memory SIZE]
 
 Starts the app (`python -m app`) on a free loopback port in its own process, waits until it
 answers and has warmed its default strategies (--settle seconds), runs each client in its own
@@ -139,6 +139,8 @@ def main():
                     "(default: %(default)s)")
     ap.add_argument("--ivf", default=None, help="the app's --ivf (ondisk; default: INDEX/ivf_ondisk)")
     ap.add_argument("--nprobe", type=int, default=0, help="the app's --nprobe (default: %(default)s, the app's own)")
+    ap.add_argument("--cache-memory", default=None,
+                    help="the app's --cache-memory (default: the app's own, $DML_CACHE_MEMORY else 4G)")
     ap.add_argument("--out", default="bench/results/app_load.json")
     args = ap.parse_args()
     strats = [tuple(x.split(":")) for x in args.strategies.split(",")]
@@ -150,7 +152,8 @@ def main():
     started = time.perf_counter()
     server = subprocess.Popen([sys.executable, "-m", "app", "--index", args.index, "--port", str(port),
                                "--concurrency", str(args.concurrency), *backend,
-                               *([] if args.app_threads is None else ["--threads", str(args.app_threads)])], cwd=ROOT,
+                               *([] if args.app_threads is None else ["--threads", str(args.app_threads)]),
+                               *([] if args.cache_memory is None else ["--cache-memory", args.cache_memory])], cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}/"
     deadline = time.time() + 300
@@ -203,6 +206,7 @@ def main():
            "gallery": len(paths), "concurrency": args.concurrency,
            "client": args.client, "new_seeds": args.new_seeds,
            "app_threads": args.app_threads, "backend": args.backend, "strategies": args.strategies,
+           "cache_memory": args.cache_memory,
            "startup_s": round(startup_s, 2), "memory_mb_started": memory_started,
            "memory_mb_after_load": memory_loaded, "loadavg_1_5_15": list(os.getloadavg())}
     write_json(args.out, res)
