@@ -1,8 +1,9 @@
 """The app on a Milvus collection reads the metadata of the items it shows by id or by row, never
 the whole collection's: with every whole read of the items refused, it starts (the Gradio page
 included), searches, scores AP, picks examples, draws its maps, explains a result and compares a
-seeded sample of the queries, each as the index directory in RAM does.  Twice: on a collection
-that holds its per-class counts, and on one exported without them (class sizes counted in it)."""
+seeded sample of the queries, each as the index directory in RAM does.  On Milvus Lite and on a
+real server, each twice: on a collection that holds its per-class counts, and on one exported
+without them (class sizes counted in it)."""
 import numpy as np
 import pytest
 from support import panels
@@ -28,16 +29,19 @@ def ram(tiny_index):
     return RetrievalService(tiny_index, compare_all_up_to=10, compare_sample=8)
 
 
-@pytest.fixture(scope="module")
-def uri(tiny_index, tmp_path_factory):
-    """A Milvus Lite database with the tiny index twice: "counted" (its per-class counts stored)
-    and "uncounted" (exported without them)."""
-    uri = str(tmp_path_factory.mktemp("by-row") / "g.db")
+@pytest.fixture(scope="module", params=["lite", "server"])
+def uri(request, tiny_index, tmp_path_factory):
+    """A Milvus Lite database, or a new database on a real Milvus server, with the tiny index
+    twice: "counted" (its per-class counts stored) and "uncounted" (exported without them)."""
+    server = request.getfixturevalue("milvus_server") if request.param == "server" else None
+    uri = server.database("by_row") if server else str(tmp_path_factory.mktemp("by-row") / "g.db")
     export_index(tiny_index, uri, "counted")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(milvus_store, "CLASS_COUNTS_MAX", 0)
         export_index(tiny_index, uri, "uncounted")
-    return uri
+    yield uri
+    if server:
+        server.drop_database(uri)
 
 
 @pytest.fixture(params=["counted", "uncounted"])
