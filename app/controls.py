@@ -11,10 +11,10 @@ from pathlib import Path
 import gradio as gr
 
 from index.refinements import MODES, SharedParam, shared_params
-from index.rerankers import RERANKERS, WHOLE_GALLERY
+from index.rerankers import AUTO, RERANKERS, WHOLE_GALLERY
 from index.search_config import NO_RERANK, SearchConfig
 
-from .params import ALL, api_params
+from .params import ALL, AUTO_WORD, api_params, shown
 from .service import RetrievalService
 
 
@@ -65,7 +65,8 @@ def param_control(sp: SharedParam, api: bool = False, visible: bool = True):
     """The control for one strategy parameter, from its registry metadata: a file upload,
     a slider over its bounds (where both ends are finite; the bounds validation enforces), else a
     number or text box.  `api`: a plain value."""
-    label = sp.name if api else f"{sp.name}: {sp.describe()}".replace(str(WHOLE_GALLERY), ALL)
+    label = sp.name if api else f"{sp.name}: {sp.describe()}".replace(str(AUTO), AUTO_WORD).replace(
+        str(WHOLE_GALLERY), ALL)
     bounds = sp.metadata.get("bounds")
     if sp.metadata.get("file"):
         return gr.File(label=label, file_types=list(sp.metadata["file"]), type="filepath", visible=visible)
@@ -76,8 +77,9 @@ def param_control(sp: SharedParam, api: bool = False, visible: bool = True):
     if typing.get_origin(sp.type) is typing.Literal:  # a fixed set of values: choose, don't type
         return gr.Dropdown(list(typing.get_args(sp.type)), value=sp.default, label=label, visible=visible)
     if sp.type is int and isinstance(sp.default, int) and sp.default >= WHOLE_GALLERY:
-        # the whole gallery: "all" (app.params.spec_from reads it back), or a number
-        return gr.Textbox(ALL, label=f"{label} ('{ALL}' or a number)", visible=visible)
+        # the whole gallery "all", or "auto" (app.params.spec_from reads both back), or a number
+        words = f"'{ALL}', '{AUTO_WORD}'" if sp.default == AUTO else f"'{ALL}'"
+        return gr.Textbox(shown(sp.default), label=f"{label} ({words} or a number)", visible=visible)
     if sp.type in (int, float):  # out-of-bounds values reach validation, which names the bounds
         return gr.Number(sp.default, precision=0 if sp.type is int else None, label=label, visible=visible)
     return gr.Textbox(sp.default, label=label, visible=visible)

@@ -1,8 +1,8 @@
 """The app's search parameters: a configuration from the controls' or an API call's values
 (`spec_from`), the search API's parameter names in their stable order (`api_params`), and how
 the APIs read a re-ranker's parameters and an integer field.  A size that means "the whole
-gallery" (the re-rankers' `WHOLE_GALLERY`) is shown as "all" (`shown`; a label shows it through the
-parameter's named value)."""
+gallery" (the re-rankers' `WHOLE_GALLERY`) is shown as "all", and one that depends on the gallery's
+size (`AUTO`) as "auto" (`shown`; a label shows them through the parameter's named values)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +12,7 @@ import re
 from core.errors import UserError
 from core.params import parse_items
 from index.refinements import REFINEMENTS, file_params, shared_params, strategy_params
-from index.rerankers import WHOLE_GALLERY, reranker_params
+from index.rerankers import AUTO, WHOLE_GALLERY, reranker_params
 from index.search_config import NO_RERANK, SearchConfig
 
 DEFAULT_RIGHT = SearchConfig("identity")  # the right panel's first configuration (the left's: SearchConfig())
@@ -22,6 +22,7 @@ DEFAULT_RIGHT = SearchConfig("identity")  # the right panel's first configuratio
 API_ORDER = ("image", "strategy", "r", "seed", "alpha", "p", "mode", "k", "psd", "rerank", "rerank_params")
 API_FIXED = ("image", "strategy", "mode", "k", "rerank", "rerank_params")  # the rest: strategy parameters
 ALL = "all"  # how a whole-gallery size is shown
+AUTO_WORD = "auto"  # how a size that depends on the gallery's is shown
 
 
 def api_params() -> list[str]:
@@ -47,8 +48,10 @@ def spec_from(strategy, mode, values: dict, rerank: str = NO_RERANK, rerank_para
 
 
 def shown(value):
-    """A parameter value as the user sees it: the whole-gallery size is "all"."""
-    return ALL if isinstance(value, int) and not isinstance(value, bool) and value >= WHOLE_GALLERY else value
+    """A parameter value as the user sees it: the whole-gallery size is "all", the size-dependent one "auto"."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < WHOLE_GALLERY:
+        return value
+    return AUTO_WORD if value == AUTO else ALL
 
 
 def shown_params(params: dict) -> dict:

@@ -318,7 +318,7 @@ class Comparer:
         ap = np.full(n, np.nan)
         top = np.full((n, NEIGHBOURS), -1, dtype=np.int64)
         missing = int(y.min(initial=0)) - 1  # the label of "no item": never a query's
-        pool = ranked_pool(cfg.rerank, cfg.rerank_params, 1)
+        pool = ranked_pool(cfg.rerank, cfg.rerank_params, 1, n)
         deepest = max(1, n - 1)
         want_top = min(NEIGHBOURS, deepest)
         K = min(max(int(R.max(initial=0)), want_top), deepest if pool is None else min(pool, deepest))

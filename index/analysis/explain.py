@@ -309,7 +309,7 @@ class Explainer:
         if cfg.rerank == NO_RERANK:
             r = self.rank(q, row, plain, self_row)
             return Placement(cfg.label(), float(self.scores(q, plain)[row]), r, r <= k)
-        pool = ranked_pool(cfg.rerank, cfg.rerank_params, k)
+        pool = ranked_pool(cfg.rerank, cfg.rerank_params, k, len(self.data.items))
         avail = len(self.data.items) - int(loo)
         depth = min(avail, pool if pool is not None else max(k, FULL_DEPTH))
         hits = cfg.search(self.searcher, q_feats, depth, self_ids=[self_row] if loo else None)

@@ -3,6 +3,7 @@
 from ..space import MetricSpace, SearcherSpace
 from . import aqe, dba, diffusion, kreciprocal, none  # noqa: F401  (registration: one line per re-ranker)
 from .registry import (
+    AUTO,
     DEFAULT,
     RERANKERS,
     SIZE_LIMIT,
@@ -16,9 +17,10 @@ from .registry import (
     ranked_pool,
     rerank,
     reranker_params,
+    resolved,
     size_params,
 )
 
-__all__ = ["DEFAULT", "RERANKERS", "SIZE_LIMIT", "WHOLE_GALLERY", "MetricSpace", "RerankerSpec", "SearcherSpace",
-           "candidates", "check_size_limit", "clipped", "first_depth", "gallery_counts", "ranked_pool", "rerank",
-           "reranker_params", "size_params"]
+__all__ = ["AUTO", "DEFAULT", "RERANKERS", "SIZE_LIMIT", "WHOLE_GALLERY", "MetricSpace", "RerankerSpec",
+           "SearcherSpace", "candidates", "check_size_limit", "clipped", "first_depth", "gallery_counts",
+           "ranked_pool", "rerank", "reranker_params", "resolved", "size_params"]

@@ -2,8 +2,9 @@
 Diffusion on Region Manifolds", CVPR 2017, as its official code (ahmetius/diffusion-retrieval:
 knngraph.m, transition_matrix.m, ymake.m, dfs.m, run_test.m) runs global descriptors: the whole
 gallery's graph built offline, f = (I − αS)⁻¹ y solved per query by MATLAB pcg's conjugate
-gradients, items ranked by f (equal f by index).  Variants: `truncation` below the gallery size
-(findtrunc.m + trunclap.m's cut graph) and `ties=score`.  The equations, the leave-one-out graph
+gradients, items ranked by f (equal f by index).  Above WHOLE_UP_TO items the default cuts each
+query's graph to its top TOPN (findtrunc.m + trunclap.m, run_test.m's topn for its large sets).
+Variants: `truncation` set to a number (that cut at any size) and `ties=score`.  The equations, the leave-one-out graph
 and the measurements: docs/reranking.md ("Diffusion on the whole gallery"); docs/fidelity.md.
 """
 from __future__ import annotations
@@ -20,12 +21,17 @@ from core.params import param
 from ..space import Hits, MetricSpace
 from ..threads import in_threads
 from .neighbours import neighbour_lists, reverse_index, without
-from .registry import RERANKERS, WHOLE_GALLERY, candidates
+from .registry import AUTO, RERANKERS, WHOLE_GALLERY, candidates
 
 BATCH_CELLS = 1 << 22  # queries × items diffused together on the whole graph (one sparse product per CG
 # step; the solver holds about eight such float64 blocks: 256 MB)
 EPS = float(np.finfo(np.float64).eps)
 MAX_STAG = 3  # pcg's maxstagsteps: steps too small to move x before it stops
+# `truncation=auto`: the whole graph costs about 1.3-1.5 CPU-µs per gallery item per query (147 ms at
+# 10⁵, 1.29 s at 10⁶ on the distractor benchmark: docs/scale-out.md), past the 1 s a re-ranked search
+# may take above about 7 × 10⁵ items; above WHOLE_UP_TO each query's graph is cut to its top TOPN, the
+# value run_test.m takes for its 100k-image sets
+WHOLE_UP_TO, TOPN = 500_000, 10_000
 
 
 @dataclass
@@ -36,11 +42,11 @@ class DiffusionParams:
                     bounds="[1, inf)", size=True)
     alpha: float = param(0.99, "α of (I − αS) f = y", bounds="(0, 1)")
     gamma: float = param(3.0, "power γ of the similarities in the graph and the seed", bounds="(0, inf)")
-    truncation: int = param(WHOLE_GALLERY, "the query's first-search candidates the graph is cut to, clipped to the "
-                                           "gallery: the default diffuses on the whole gallery, as run_test.m does "
-                                           "for global descriptors (dotrunc = 0); a smaller value is findtrunc.m's "
-                                           "truncation (a variant)", bounds="[1, inf)",
-                            named={"all": WHOLE_GALLERY})
+    truncation: int = param(AUTO, "the query's first-search candidates the graph is cut to, clipped to the gallery: "
+                                  "all diffuses on the whole gallery, as run_test.m does for global descriptors "
+                                  "(dotrunc = 0); a number is findtrunc.m's truncation (a variant); auto: all up to "
+                                  f"{WHOLE_UP_TO:,} items, {TOPN:,} (run_test.m's topn) above",
+                            bounds="[1, inf)", named={"all": WHOLE_GALLERY, "auto": AUTO})
     iterations: int = param(20, "conjugate-gradient iterations at most (run_test.m: 20)", bounds="[1, 1000]")
     tol: float = param(1e-6, "conjugate-gradient tolerance on the relative residual (run_test.m: 1e-6)",
                        bounds="(0, inf)")
@@ -129,29 +135,27 @@ def conjugate_gradient(A, b: np.ndarray, tol: float, iterations: int) -> np.ndar
     return x[:, 0] if one else x
 
 
-def mutual(r: np.ndarray, c: np.ndarray, n: int) -> np.ndarray:
-    """Which of the directed edges r → c (c in r's list) are mutual (r in c's list as well)."""
-    key = np.sort(r * n + c)
-    back = c * n + r
-    at = np.minimum(np.searchsorted(key, back), max(len(key) - 1, 0))
-    return (key[at] == back) if len(key) else np.zeros(len(r), dtype=bool)
-
-
 def affinity(sub: np.ndarray, rows: np.ndarray, sims: np.ndarray, gamma: float, place: np.ndarray) -> sparse.csr_matrix:
     """The mutual-kNN affinity A restricted to `sub` (knngraph.m, then A(sub, sub)): `rows`,
-    `sims` are the k-NN lists of the items in `sub`, in its order.  `place`: a gallery-sized
-    array of −1, left as it was found."""
+    `sims` are the k-NN lists of the items in `sub`, in its order, each of distinct items (−1: a
+    list that ran out).  `place`: a gallery-sized array of −1, left as it was found."""
     T, k = rows.shape
     place[sub] = np.arange(T)
-    local = place[rows]  # each neighbour's place in sub, −1 outside
+    local = np.where(rows >= 0, place[rows], -1)  # each neighbour's place in sub, −1 outside (or none)
     place[sub] = -1
     r = np.repeat(np.arange(T), k)
     c = local.ravel()
-    keep = np.flatnonzero((c >= 0) & (c != r))
-    r, c = r[keep], c[keep]
-    m = mutual(r, c, T)  # i is in the k-NN of its neighbour j as well
-    w = np.maximum(sims.ravel()[keep[m]].astype(np.float64), 0.0) ** gamma
-    return sparse.csr_matrix((w, (r[m], c[m])), shape=(T, T))
+    keep = (c >= 0) & (c != r)
+    # the edges i → j by row (r is sorted): CSR directly, duplicates summed and columns sorted
+    indptr = np.concatenate([[0], np.cumsum(keep.reshape(T, k).sum(1))])
+    E = sparse.csr_matrix((np.maximum(sims.ravel()[keep].astype(np.float64), 0.0), c[keep], indptr), shape=(T, T))
+    E.sum_duplicates()
+    # an edge i → j is kept where j → i is one too (i is in the k-NN of its neighbour j as well):
+    # the edges times the transposed pattern, two linear passes over the sparse entries
+    pattern = sparse.csr_matrix((np.ones(E.nnz), E.indices, E.indptr), shape=(T, T))
+    A = sparse.csr_matrix(E.multiply(pattern.T))
+    A.data **= gamma  # the similarities' power, on the mutual edges only
+    return A
 
 
 def normalised(A: sparse.csr_matrix) -> sparse.csr_matrix:
@@ -261,7 +265,8 @@ def _ranked(f: np.ndarray, rows: np.ndarray, k: int, s: np.ndarray | None = None
 
 
 @RERANKERS.register("diffusion", DiffusionParams, offline=True, depth="kq", pool="truncation",
-                    grid={"k": (5, 10, 30, 50), "alpha": (0.9, 0.99), "gamma": (1.0, 3.0)})
+                    grid={"k": (5, 10, 30, 50), "alpha": (0.9, 0.99), "gamma": (1.0, 3.0)},
+                    whole_up_to=WHOLE_UP_TO, pool_above=TOPN)
 def diffusion(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: int, *, self_ids: np.ndarray,
               params: DiffusionParams) -> Hits:
     """Diffusion on the mutual kNN graph (Iscen et al. CVPR 2017): rank items by f = (I − αS)⁻¹y."""

@@ -43,12 +43,17 @@ class RerankerSpec(Spec):
         new search: query expansion, database-side augmentation).  A top-k answer with k above
         the pool reads k candidates instead (`ranked_pool`).
     grid: {param: values} a sweep tries (every combination); empty: the defaults only.
+    whole_up_to, pool_above: what the pool's `auto` (AUTO) means at a gallery's size: the whole
+        gallery up to `whole_up_to` items, the plain search's top `pool_above` candidates in a
+        larger one (0, 0: a re-ranker whose pool takes no `auto`).
     """
     offline: bool = False
     depth: str = ""
     reads_first: bool = True
     pool: str = ""
     grid: Mapping[str, tuple] = field(default_factory=dict)
+    whole_up_to: int = 0
+    pool_above: int = 0
 
     def check(self, entry) -> None:
         super().check(entry)
@@ -60,9 +65,14 @@ class RerankerSpec(Spec):
             value = getattr(self, what)
             if value and value not in names:
                 raise ValueError(f"{entry.what}: {what}={value!r} is not one of its parameters {sorted(names)}")
+        if (self.whole_up_to > 0) != (self.pool_above > 0) or (self.pool_above and not self.pool):
+            raise ValueError(f"{entry.what}: whole_up_to and pool_above go together, with a pool parameter")
 
     def listing_lines(self) -> list[str]:
         lines = ["offline part: computed once per index, strategy and mode, cached"] if self.offline else []
+        if self.pool_above:
+            lines.append(f"{self.pool} = auto: every item up to {self.whole_up_to:,} items, the plain search's top "
+                         f"{self.pool_above:,} above")
         if self.grid:
             lines.append("grid (`index evaluate --rerankers` chooses on validation): " + ", ".join(
                 f"{k} ∈ {{{', '.join(f'{v:g}' if isinstance(v, float) else str(v) for v in vs)}}}"
@@ -75,6 +85,9 @@ DEFAULT = "none"
 # the default of a candidate-pool parameter (`RerankerSpec.pool`): every gallery item, as the
 # papers' code ranks them (a pool is clipped to the gallery, like every size)
 WHOLE_GALLERY = 1_000_000_000
+# a candidate pool that depends on the gallery's size (`RerankerSpec.whole_up_to`, `pool_above`):
+# the whole gallery where the paper's default is affordable, the variant the field uses at scale above
+AUTO = WHOLE_GALLERY + 1
 # the size limit a server should hold requests to (`check_size_limit`), the search's own cap on k:
 # above every default and every value of the re-rankers' sweep grids
 SIZE_LIMIT = 200
@@ -103,11 +116,21 @@ def gallery_counts(name: str) -> list[str]:
     return size_params(name) + ([pool] if pool and pool not in size_params(name) else [])
 
 
-def clipped(name: str, params, n: int):
-    """The parameters with every count of gallery items above the gallery size `n` set to `n` (they
-    mean the same there: the whole gallery), so that no re-ranker loops or allocates by a larger
-    number than the gallery holds."""
+def resolved(name: str, params, n: int):
+    """The parameters with an `auto` candidate pool (AUTO) made the size it means in a gallery of
+    `n` items: every item up to the re-ranker's `whole_up_to`, its `pool_above` beyond."""
     p = reranker_params(name, params)
+    spec = RERANKERS.get(name).spec
+    if not spec.pool or int(getattr(p, spec.pool)) != AUTO:
+        return p
+    return dataclasses.replace(p, **{spec.pool: WHOLE_GALLERY if n <= spec.whole_up_to else spec.pool_above})
+
+
+def clipped(name: str, params, n: int):
+    """The parameters with an `auto` pool resolved at the gallery size `n` (`resolved`) and every
+    count of gallery items above `n` set to `n` (they mean the same there: the whole gallery), so
+    that no re-ranker loops or allocates by a larger number than the gallery holds."""
+    p = resolved(name, params, n)
     over = {f: max(1, int(n)) for f in gallery_counts(name) if int(getattr(p, f)) > n}
     return dataclasses.replace(p, **over) if over else p
 
@@ -129,11 +152,11 @@ def first_depth(name: str, params, k: int) -> int:
     return max(int(k), int(getattr(params, d)) if d else 0)
 
 
-def ranked_pool(name: str, params, k: int) -> int | None:
-    """How many items a top-k answer of re-ranker `name` ranks at most (its candidate pool, at
-    least k); None when it ranks the whole gallery."""
+def ranked_pool(name: str, params, k: int, n: int) -> int | None:
+    """How many items a top-k answer of re-ranker `name` ranks at most in a gallery of `n` items
+    (its candidate pool, at least k); None when it ranks the whole gallery."""
     p = RERANKERS.get(name).spec.pool
-    return max(int(k), int(getattr(reranker_params(name, params), p))) if p else None
+    return max(int(k), int(getattr(resolved(name, params, n), p))) if p else None
 
 
 def candidates(first: Hits, self_ids: np.ndarray, depth: int) -> tuple[np.ndarray, np.ndarray]:

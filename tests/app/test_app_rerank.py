@@ -190,6 +190,15 @@ def test_reranker_controls_show_only_the_chosen_ones(svc):
     cfg = spec_from("trained", "cosine", {}, "kreciprocal", {"pool": "all"})
     assert cfg.rerank_params["pool"] == RERANKERS.params("kreciprocal", {}).pool  # the default: every item
     assert "all" in cfg.label() and "1000000000" not in cfg.label()
+    # a size that depends on the gallery's reads "auto" in its control and is taken back as typed
+    cuts = [b for label, bs in by_label.items() if str(label).startswith("truncation: ") for b in bs]
+    assert len(cuts) == 2 and all(b.value == "auto" and "('all', 'auto' or a number)" in b.label for b in cuts)
+    assert "1000000001" not in cuts[0].label and "(diffusion; default: auto)" in cuts[0].label
+    cfg = spec_from("trained", "cosine", {}, "diffusion", {"truncation": "auto"})
+    assert cfg.rerank_params["truncation"] == RERANKERS.params("diffusion", {}).truncation
+    assert "truncation=auto" in cfg.label() and "1000000001" not in cfg.label()
+    assert spec_from("trained", "cosine", {}, "diffusion", {"truncation": "all"}).rerank_params["truncation"] \
+        == 1_000_000_000
 
 
 # ---------------------------------------------------------------- the HTTP APIs

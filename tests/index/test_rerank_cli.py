@@ -13,7 +13,7 @@ from index.analysis.rerank_eval import rerank_matrix, rerank_split
 from index.backends.search import Searcher
 from index.backends.store import in_memory_index, read_index
 from index.cli import build_parser, main
-from index.rerankers import RERANKERS, WHOLE_GALLERY
+from index.rerankers import AUTO, RERANKERS, WHOLE_GALLERY
 from index.search_config import SearchConfig
 
 
@@ -71,8 +71,13 @@ def test_list_names_every_reranker_with_its_parameters(capsys):
         for k in e.param_defaults():
             assert f"{k} = " in out
     assert "k1 ∈ {4, 6, 10, 20, 30}, k2 ∈ {1, 3, 6}, lambda_value ∈ {0.1, 0.3, 0.5}" in out  # the grids too
-    # a whole-gallery size reads "all", and "all" is taken as input
-    assert "pool = all  " in out and "truncation = all  " in out and str(WHOLE_GALLERY) not in out
+    # a whole-gallery size reads "all", a size-dependent one "auto", and both are taken as input
+    assert "pool = all  " in out and "truncation = auto  " in out
+    assert str(WHOLE_GALLERY) not in out and str(AUTO) not in out
+    assert "truncation = auto: every item up to 500,000 items, the plain search's top 10,000 above" in out
+    assert "truncation=auto," in SearchConfig.of("trained", {}, "cosine", "diffusion").label()
+    assert SearchConfig.of("trained", {}, "cosine", "diffusion", {"truncation": "auto"}).rerank_params[
+        "truncation"] == AUTO
     assert SearchConfig.of("trained", {}, "cosine", "kreciprocal", {"pool": "all"}).label().endswith("pool=all)")
     assert SearchConfig.of("trained", {}, "cosine", "diffusion", {"truncation": "ALL"}).rerank_params["truncation"] \
         == WHOLE_GALLERY

@@ -189,6 +189,52 @@ def test_diffusion_is_the_dense_solve_of_the_papers_system(gallery, strategy, pa
         np.testing.assert_allclose(got.scores[i], vals, rtol=1e-4, atol=1e-6 * np.abs(f).max())
 
 
+def test_diffusion_defaults_to_the_whole_graph_up_to_a_size_and_to_the_official_truncation_above(
+        gallery, monkeypatch):
+    """truncation=auto: the whole gallery's graph up to `whole_up_to` items (run_test.m on global
+    descriptors), each query's graph cut to its top `pool_above` in a larger gallery (run_test.m's
+    topn on its large sets); "all" and a number mean the same at every size."""
+    from index.rerankers import AUTO, WHOLE_GALLERY, ranked_pool, resolved
+
+    entry = RERANKERS.get("diffusion")
+    assert (entry.spec.whole_up_to, entry.spec.pool_above) == (500_000, 10_000)
+    assert RERANKERS.params("diffusion", {}).truncation == AUTO
+    for n, want in ((500_000, WHOLE_GALLERY), (500_001, 10_000)):
+        assert resolved("diffusion", {}, n).truncation == want
+        assert resolved("diffusion", {"truncation": "all"}, n).truncation == WHOLE_GALLERY
+        assert resolved("diffusion", {"truncation": 60}, n).truncation == 60
+    assert ranked_pool("diffusion", {}, 10, 500_001) == 10_000 and ranked_pool("diffusion", {}, 10, 9) == WHOLE_GALLERY
+    # the same switch on this gallery of N items, its size lowered below it and raised above it
+    searcher, x, _ = gallery
+    space, q, p = space_for(searcher, "trained", {}, "cosine"), queries(x), {"k": 8, "kq": 4}
+    whole = rerank("diffusion", space, q, 10, params=p | {"truncation": "all"})
+    cut = rerank("diffusion", space, q, 10, params=p | {"truncation": 12})
+    assert not np.array_equal(whole.rows, cut.rows)  # the premise: the cut changes the answer here
+    for up_to, want in ((N, whole), (N - 1, cut)):
+        monkeypatch.setitem(RERANKERS._entries, "diffusion", dataclasses.replace(
+            entry, spec=dataclasses.replace(entry.spec, whole_up_to=up_to, pool_above=12)))
+        got = rerank("diffusion", space, q, 10, params=p)
+        np.testing.assert_array_equal(got.rows, want.rows)
+        np.testing.assert_array_equal(got.scores, want.scores)
+
+
+def test_the_mutual_knn_affinity_keeps_mutual_edges_and_no_list_end():
+    """knngraph.m's A on a sub-graph: w_ij = max(s_ij, 0)^γ where each of i, j is in the other's
+    list, 0 elsewhere; a list that ran out (−1) links to nothing, not to the gallery's last item."""
+    from index.rerankers.diffusion import affinity
+
+    n = 6
+    sub = np.array([1, 3, 5])  # the gallery's last item (5) is in the sub-graph
+    rows = np.array([[3, 5, 0], [1, 2, -1], [3, -1, -1]])
+    sims = np.array([[0.9, 0.5, 0.8], [0.7, 0.6, 0.0], [0.4, 0.0, 0.0]], dtype=np.float32)
+    place = np.full(n, -1, dtype=np.int64)
+    A = affinity(sub, rows, sims, 3.0, place).toarray()
+    want = np.zeros((3, 3))
+    want[0, 1], want[1, 0] = 0.9 ** 3, 0.7 ** 3  # 1 ↔ 3 is mutual; 1 → 5 and 5 → 3 are not
+    np.testing.assert_allclose(A, want, rtol=1e-6)
+    assert (place == -1).all()
+
+
 def test_diffusion_with_the_official_settings_stays_near_the_solution(gallery):
     """run_test.m's α = 0.99 and 20 iterations of pcg: close to the exact f where it matters."""
     searcher, x, _ = gallery
