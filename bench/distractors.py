@@ -4,6 +4,7 @@ test items), the gallery is the test items + D distractors, each labelled with a
 
   python bench/distractors.py --checkpoint CK [--data-root R] [--feature-cache C] [--cache DIR]
       [--levels 0,100000,1000000] [--real 100000] [--queries 1000] [--cells SPEC] [--threads 1]
+      [--rerank-param NAME.KEY=VALUE ...]
       [--out bench/results/distractors]
 
 Distractors up to --real are real: kanji of none of the data set's 500 classes, in its 23 fonts,
@@ -326,6 +327,9 @@ def main():
     ap.add_argument("--rerankers", default=",".join(RERANK_ORDER))
     ap.add_argument("--list-sample", type=int, default=1000, help="gallery items whose approximate neighbour "
                     "lists are checked against an exact scan (galleries above 200,000 items)")
+    ap.add_argument("--rerank-param", action="append", default=[], metavar="NAME.KEY=VALUE",
+                    help="a re-ranker's parameter for every cell, e.g. diffusion.truncation=10000 (repeatable; "
+                         "on top of the demo's k-reciprocal choice and the defaults)")
     ap.add_argument("--cells", default="", help="re-rankers per (level, strategy), `LEVEL:STRATEGY:rr+rr;…`")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--approximate-above", type=int, default=None,
@@ -389,7 +393,13 @@ def main():
     res_sj = json.loads(sj.read_text())
     best = max(res_sj["val"], key=lambda r: r["map@r"])
     row = json.loads(rr.read_text())
-    rr_params = {row["rerank"]: row["rerank_params"]}  # the demo's validation choice; the others: defaults
+    rr_params = {row["rerank"]: dict(row["rerank_params"])}  # the demo's validation choice; the others: defaults
+    for item in args.rerank_param:
+        name, _, kv = item.partition(".")
+        key, eq, value = kv.partition("=")
+        if not (name and key and eq):
+            ap.error(f"--rerank-param wants NAME.KEY=VALUE, got {item!r}")
+        rr_params.setdefault(name, {})[key] = value
     levels = [int(float(s)) for s in args.levels.split(",")]
     try:
         cells = parse_cells(args.cells, levels, args.rerankers.split(","))
