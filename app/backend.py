@@ -27,7 +27,7 @@ from core.errors import UserError
 from index.backends.flags import BACKENDS
 from index.backends.gallery import Gallery
 from index.backends.search import Searcher
-from index.backends.store import IndexData, Items, read_index
+from index.backends.store import IndexData, Items, class_sizes_in, read_index
 from index.space import key_hash
 
 
@@ -177,12 +177,7 @@ class Served:
         if self.by_row:
             g: Any = self.gallery
             return g.class_sizes(labels)
-        classes, counts = self._classes
-        at = np.searchsorted(classes, labels)
-        out = np.zeros(labels.shape, dtype=np.int64)
-        known = at < len(classes)
-        out[known] = np.where(classes[at[known]] == labels[known], counts[at[known]], 0)
-        return out
+        return class_sizes_in(*self._classes, labels)
 
     @property
     def digest(self) -> str:

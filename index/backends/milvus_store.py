@@ -30,7 +30,7 @@ from ..metric import QueryMetric
 from ..space import CACHE, Hits, cache_root, key_hash, read_rows
 from .gallery import NeckGallery, exact_top, neck_digest
 from .search import Searcher
-from .store import IndexData, Items
+from .store import IndexData, Items, class_sizes_in
 
 METRIC = "IP"            # never "COSINE": see the module docstring
 EXACT_INDEX = "FLAT"     # exact: bilinear scores come straight from Milvus
@@ -325,12 +325,7 @@ class MilvusGallery(NeckGallery):
         at export, else counted in the collection, once per class (kept in the memory cache)."""
         labels = np.asarray(labels, dtype=np.int64)
         if self.class_counts is not None:
-            classes, counts = self.class_counts
-            at = np.searchsorted(classes, labels)
-            out = np.zeros(labels.shape, dtype=np.int64)
-            known = at < len(classes)
-            out[known] = np.where(classes[at[known]] == labels[known], counts[at[known]], 0)
-            return out
+            return class_sizes_in(*self.class_counts, labels)
         key = key_hash(self.uri, self.collection, self.content_key)
         sizes = {int(c): int(self._count(key, int(c))[0]) for c in np.unique(labels)}
         return np.array([sizes[int(c)] for c in labels.reshape(-1)], dtype=np.int64).reshape(labels.shape)

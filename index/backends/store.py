@@ -83,6 +83,17 @@ class Items:
                      self.paths + other.paths, self.splits + other.splits)
 
 
+def class_sizes_in(classes: np.ndarray, counts: np.ndarray, labels) -> np.ndarray:
+    """Each of `labels`' item count from (sorted labels `classes`, their `counts`); 0 for a label
+    none has."""
+    labels = np.asarray(labels, dtype=np.int64)
+    at = np.searchsorted(classes, labels)
+    out = np.zeros(labels.shape, dtype=np.int64)
+    known = at < len(classes)
+    out[known] = np.where(classes[at[known]] == labels[known], counts[at[known]], 0)
+    return out
+
+
 def _first_duplicate(a: np.ndarray):
     vals, counts = np.unique(a, return_counts=True)
     return vals[counts > 1][0]
