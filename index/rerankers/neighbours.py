@@ -308,10 +308,15 @@ def row_extremes(space: MetricSpace) -> dict[str, np.ndarray]:
 def without(rows: np.ndarray, sims: np.ndarray, drop: np.ndarray, L: int):
     """Each list with row `drop[i]` (−1: none) removed, order kept, cut to L."""
     mask = rows == np.asarray(drop)[:, None]
-    if not mask.any():
+    hit = np.flatnonzero(mask.any(1))
+    if not len(hit):
         return rows[:, :L], sims[:, :L]
-    order = np.argsort(mask, axis=1, kind="stable")[:, :L]
-    return np.take_along_axis(rows, order, 1), np.take_along_axis(sims, order, 1)
+    # only the lists that hold their row move (a query's item is in a few of its candidates' lists)
+    out_r, out_s = np.array(rows[:, :L]), np.array(sims[:, :L])
+    order = np.argsort(mask[hit], axis=1, kind="stable")[:, :L]
+    out_r[hit] = np.take_along_axis(rows[hit], order, 1)
+    out_s[hit] = np.take_along_axis(sims[hit], order, 1)
+    return out_r, out_s
 
 
 def reverse_csr(lists: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:

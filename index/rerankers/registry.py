@@ -146,10 +146,15 @@ def check_size_limit(name: str, params, limit: int) -> None:
             raise UserError(f"re-ranker {name!r}: {s} must be ≤ {limit} (this server's limit), got {v}")
 
 
-def first_depth(name: str, params, k: int) -> int:
-    """How many first-search candidates the re-ranker reads for a top-k answer."""
-    d = RERANKERS.get(name).spec.depth
-    return max(int(k), int(getattr(params, d)) if d else 0)
+def first_depth(name: str, params, k: int, n: int | None = None) -> int:
+    """How many first-search candidates the re-ranker reads for a top-k answer in a gallery of
+    `n` items: its depth, and a candidate pool smaller than the gallery (a pool cut to the plain
+    search's top candidates is read from that search; `params` as `clipped` gives them)."""
+    spec = RERANKERS.get(name).spec
+    depth = max(int(k), int(getattr(params, spec.depth)) if spec.depth else 0)
+    if spec.reads_first and spec.pool and n is not None and int(getattr(params, spec.pool)) < n:
+        depth = max(depth, int(getattr(params, spec.pool)))
+    return depth
 
 
 def ranked_pool(name: str, params, k: int, n: int) -> int | None:
@@ -177,7 +182,7 @@ def rerank(name: str, space: MetricSpace, queries: np.ndarray, k: int = 10, *, p
     q = space.prepare(queries)
     ids = as_rows(self_ids, len(q), space.n)
     k = max(1, min(int(k), space.n - int((ids >= 0).any())))
-    depth = min(first_depth(name, p, k), space.n)
+    depth = min(first_depth(name, p, k, space.n), space.n)
     # a first search given by the caller may still hold the query's own row: one more then
     if not entry.spec.reads_first:
         first = None

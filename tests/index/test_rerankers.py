@@ -227,7 +227,7 @@ def test_the_mutual_knn_affinity_keeps_mutual_edges_and_no_list_end():
     sub = np.array([1, 3, 5])  # the gallery's last item (5) is in the sub-graph
     rows = np.array([[3, 5, 0], [1, 2, -1], [3, -1, -1]])
     sims = np.array([[0.9, 0.5, 0.8], [0.7, 0.6, 0.0], [0.4, 0.0, 0.0]], dtype=np.float32)
-    place = np.full(n, -1, dtype=np.int64)
+    place = np.full(n + 1, -1, dtype=np.int32)  # the gallery's n rows, and the −1 entries' place
     A = affinity(sub, rows, sims, 3.0, place).toarray()
     want = np.zeros((3, 3))
     want[0, 1], want[1, 0] = 0.9 ** 3, 0.7 ** 3  # 1 ↔ 3 is mutual; 1 → 5 and 5 → 3 are not
