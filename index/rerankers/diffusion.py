@@ -138,7 +138,8 @@ def conjugate_gradient(A, b: np.ndarray, tol: float, iterations: int) -> np.ndar
     return x[:, 0] if one else x
 
 
-def _edges(sub: np.ndarray, rows: np.ndarray, sims: np.ndarray, place: np.ndarray):
+def _edges(sub: np.ndarray, rows: np.ndarray, sims: np.ndarray,
+           place: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The k-NN edges i → j within `sub`, by row in list order: (edges per row, j, max(s, 0))."""
     T = len(sub)
     place[sub] = np.arange(T, dtype=np.int32)
