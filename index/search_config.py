@@ -91,8 +91,9 @@ class SearchConfig:
         return rerank(self.rerank, self.space(gallery), q, k, params=self.rerank_params, self_ids=self_ids)
 
     def space(self, gallery: Gallery) -> MetricSpace:
-        """The metric space this configuration's re-ranker runs in (cached per gallery)."""
-        return gallery_space(gallery, self.strategy, self.params, self.mode)
+        """The metric space this configuration's re-ranker runs in (cached per gallery): read by
+        row where the re-ranker reads only the rows a query touches (`RerankerSpec.by_row`)."""
+        return gallery_space(gallery, self.strategy, self.params, self.mode, RERANKERS.get(self.rerank).spec.by_row)
 
     def without_rerank(self) -> SearchConfig:
         """The same strategy, parameters and mode, no re-ranker: the first search a re-ranker reads."""

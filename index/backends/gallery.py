@@ -65,10 +65,12 @@ class Gallery(Protocol):
         """Queries as `search` takes them: float32 rows, L2-normalised where the stored features
         are; refused when not numeric, of another dimension, not finite or all zeros."""
 
-    def metric_space(self, strategy: str, params: dict | None, mode: str) -> MetricSpace:
+    def metric_space(self, strategy: str, params: dict | None, mode: str, by_row: bool = False) -> MetricSpace:
         """The gallery under one strategy and mode (its mode resolved) as a re-ranker reads it:
-        exact scores and every item's vector.  A backend whose vectors are out of reach refuses
-        with a UserError naming it."""
+        exact scores and every item's vector.  `by_row`: for a re-ranker that reads only the rows
+        a query touches, a backend that keeps its gallery in an engine (Milvus) gives a space read
+        by row, holding no N-sized array (the others give their one space).  A backend whose
+        vectors are out of reach refuses with a UserError naming it."""
 
 
 # ---------------------------------------------------------------- shared by the backends
@@ -224,9 +226,10 @@ class NeckGallery:
         """This gallery as an `index.backends.search.Searcher` over its vectors, for re-rankers."""
         raise NotImplementedError
 
-    def metric_space(self, strategy: str, params: dict | None, mode: str) -> MetricSpace:
+    def metric_space(self, strategy: str, params: dict | None, mode: str, by_row: bool = False) -> MetricSpace:
         """The space re-rankers run in, over `_in_memory()`: made once, whoever asks first, and kept
-        on this object (a view over its handles; a change of candidate settings drops it)."""
+        on this object (a view over its handles; a change of candidate settings drops it).
+        `by_row`: the same space (a backend with an engine of its own overrides this)."""
         with self._space_lock:
             if self._searcher is None:
                 self._searcher = self._in_memory()

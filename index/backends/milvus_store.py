@@ -263,8 +263,10 @@ class MilvusGallery(NeckGallery):
             self._searcher = None   # its caches are keyed by the candidate settings
 
     # ------------------------------------------------------------ rows, items, vectors
-    def _query_rows(self, uniq: np.ndarray, fields: list[str]) -> dict[int, dict]:
-        """The entities of the sorted distinct rows `uniq`, by row, FETCH at a time."""
+    def query_rows(self, uniq: np.ndarray, fields: list[str], collection: str | None = None) -> dict[int, dict]:
+        """The entities of the sorted distinct rows `uniq`, by row, FETCH at a time, from this
+        gallery's collection or one of its artefacts' (`collection`, keyed by row as well)."""
+        collection = collection or self.collection
         got: dict[int, dict] = {}
         for s in range(0, len(uniq), FETCH):
             part = uniq[s: s + FETCH]
@@ -273,20 +275,20 @@ class MilvusGallery(NeckGallery):
             else:
                 expr = f"row in [{','.join(str(int(r)) for r in part)}]"
             try:
-                res = self.client.query(self.collection, filter=expr, output_fields=fields, limit=len(part))
+                res = self.client.query(collection, filter=expr, output_fields=fields, limit=len(part))
             except self.pm.exceptions.MilvusException as e:
-                raise UserError(f"Milvus query in {self.collection!r} failed: {e.message}") from None
+                raise UserError(f"Milvus query in {collection!r} failed: {e.message}") from None
             got.update({int(h["row"]): h for h in res})
         missing = [int(r) for r in uniq if int(r) not in got]
         if missing:
-            raise UserError(f"Milvus collection {self.collection!r} has no row {missing[0]}")
+            raise UserError(f"Milvus collection {collection!r} has no row {missing[0]}")
         return got
 
     def fetch_rows(self, rows: np.ndarray) -> np.ndarray:
         """The vectors of the given rows (any order, repeats allowed), float32, by the `row` field."""
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         uniq, back = np.unique(rows, return_inverse=True)
-        got = self._query_rows(uniq, ["row", "vector"])
+        got = self.query_rows(uniq, ["row", "vector"])
         vecs = np.asarray([got[int(r)]["vector"] for r in uniq], dtype=np.float32).reshape(len(uniq), self.dim)
         return vecs[back.reshape(-1)]
 
@@ -295,7 +297,7 @@ class MilvusGallery(NeckGallery):
         `row` field: what the app shows of the items it shows, never the whole collection's."""
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         uniq, back = np.unique(rows, return_inverse=True)
-        got = self._query_rows(uniq, ITEM_FIELDS)
+        got = self.query_rows(uniq, ITEM_FIELDS)
         hits = [got[int(r)] for r in uniq]
         back = back.reshape(-1)
         ids = np.array([h["id"] for h in hits], dtype=np.int64)[back]
@@ -460,6 +462,15 @@ class MilvusGallery(NeckGallery):
                          features, self.items, np.asarray(self.W, dtype=np.float32),
                          _Candidates(self, features), dict(self.class_names))  # type: ignore[arg-type]
         return Searcher(data, rerank_factor=self.rerank_factor)
+
+    def metric_space(self, strategy: str, params: dict | None, mode: str, by_row: bool = False):
+        """By row (`by_row`): the collection read by row, its artefacts in collections beside it
+        (milvus_space.MilvusSpace); otherwise the space over a copy of its vectors (`_in_memory`)."""
+        if by_row:
+            from .milvus_space import MilvusSpace
+
+            return MilvusSpace(self, strategy, params, mode)
+        return super().metric_space(strategy, params, mode)
 
     # ------------------------------------------------------------ search
     def _search_params(self, limit: int, nprobe: int | None) -> dict:

@@ -97,8 +97,9 @@ class Searcher:
         dimension, not finite, all zeros or too large to rank by."""
         return prepare_queries(feats, self.data.dim, self.normalize, what)
 
-    def metric_space(self, strategy: str, params: dict | None, mode: str) -> MetricSpace:
-        """The `SearcherSpace` re-rankers run in (the features are in RAM or memory-mapped)."""
+    def metric_space(self, strategy: str, params: dict | None, mode: str, by_row: bool = False) -> MetricSpace:
+        """The `SearcherSpace` re-rankers run in (the features are in RAM or memory-mapped; by row
+        or not, the same space)."""
         return SearcherSpace(self, strategy, params, mode)
 
     def query_view(self, strategy: str = "trained", params: dict | None = None, mode: str = "bilinear"):

@@ -44,10 +44,15 @@ def cmd_graph(args) -> int:
     mode, note = gallery.resolve_mode(cfg.strategy, cfg.params, cfg.mode)
     if note:
         print(f"note: {note}", file=sys.stderr)
-    space = cfg.with_mode(mode).space(gallery)
+    space = cfg.with_mode(mode).space(gallery)  # an engine's gallery: read by row, its lists stored there
+    engine = not getattr(space, "holds_gallery", True)
     lists = neighbour_lists(space, args.length, progress=args.progress)
-    print(f"neighbour lists: {space.n:,} items × {lists.rows.shape[1]} ({lists.digest})")
-    if not args.no_extremes:
+    where = f" in the engine ({lists.rows.table.collection})" if engine else ""  # type: ignore[attr-defined]
+    print(f"neighbour lists: {space.n:,} items × {lists.rows.shape[1]} ({lists.digest}){where}")
+    if engine:
+        print("row extremes: not built in the engine (k-reciprocal, which reads them, runs on a copy of the "
+              "gallery's vectors and builds them there)")
+    elif not args.no_extremes:
         row_extremes(space)
         print(f"row extremes: {space.n:,} items ({extremes_digest(space)})")
     return 0

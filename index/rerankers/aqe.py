@@ -31,7 +31,8 @@ def expanded(space: MetricSpace, queries: np.ndarray, rows: np.ndarray, alpha: f
     return weighted_sum(space, space.key(queries), rows, s, alpha)
 
 
-@RERANKERS.register("aqe", AQEParams, depth="n", grid={"n": (1, 2, 3, 5, 10), "alpha": (0.0, 1.0, 3.0, 5.0)})
+@RERANKERS.register("aqe", AQEParams, depth="n", by_row=True,
+                    grid={"n": (1, 2, 3, 5, 10), "alpha": (0.0, 1.0, 3.0, 5.0)})
 def aqe(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: int, *, self_ids: np.ndarray,
         params: AQEParams) -> Hits:
     """α-weighted query expansion (Radenović et al. TPAMI 2019): search again with normalise(q + Σ s(q, xᵢ)^α xᵢ)."""

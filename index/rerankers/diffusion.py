@@ -296,7 +296,7 @@ def _ranked(f: np.ndarray, rows: np.ndarray, k: int, s: np.ndarray | None = None
 
 @RERANKERS.register("diffusion", DiffusionParams, offline=True, depth="kq", pool="truncation",
                     grid={"k": (5, 10, 30, 50), "alpha": (0.9, 0.99), "gamma": (1.0, 3.0)},
-                    whole_up_to=WHOLE_UP_TO, pool_above=TOPN)
+                    whole_up_to=WHOLE_UP_TO, pool_above=TOPN, by_row=True)
 def diffusion(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: int, *, self_ids: np.ndarray,
               params: DiffusionParams) -> Hits:
     """Diffusion on the mutual kNN graph (Iscen et al. CVPR 2017): rank items by f = (I − αS)⁻¹y."""
@@ -304,7 +304,9 @@ def diffusion(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: in
     assert first is not None  # registered with reads_first
     out_r = np.full((len(queries), k), -1, dtype=np.int64)
     out_s = np.full((len(queries), k), -np.inf, dtype=np.float32)
-    if p.truncation >= space.n:
+    # the whole graph is built in the process: a gallery read by row (no N-sized array) diffuses
+    # on each query's graph instead, all its items where the truncation asks for them
+    if p.truncation >= space.n and getattr(space, "holds_gallery", True):
         seeds, _ = candidates(first, self_ids, p.kq)
         step = max(1, min(len(queries), BATCH_CELLS // space.n))
         whole_graph(space, p)  # built once, before the threads read it

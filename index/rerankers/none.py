@@ -9,7 +9,7 @@ from ..space import Hits, MetricSpace
 from .registry import RERANKERS, candidates
 
 
-@RERANKERS.register("none")
+@RERANKERS.register("none", by_row=True)
 def none(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: int, *, self_ids: np.ndarray,
          params: NoParams) -> Hits:
     """The plain search's ranking and scores, unchanged (the default)."""

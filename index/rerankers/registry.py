@@ -46,6 +46,9 @@ class RerankerSpec(Spec):
     whole_up_to, pool_above: what the pool's `auto` (AUTO) means at a gallery's size: the whole
         gallery up to `whole_up_to` items, the plain search's top `pool_above` candidates in a
         larger one (0, 0: a re-ranker whose pool takes no `auto`).
+    by_row: its online part, at its defaults, reads only the rows a query touches (their vectors,
+        lists and metadata), so it runs on a gallery an engine keeps (Milvus) read by row, without
+        a copy of it in the process; there `auto` means the plain search's top `pool_above`.
     """
     offline: bool = False
     depth: str = ""
@@ -54,6 +57,7 @@ class RerankerSpec(Spec):
     grid: Mapping[str, tuple] = field(default_factory=dict)
     whole_up_to: int = 0
     pool_above: int = 0
+    by_row: bool = False
 
     def check(self, entry) -> None:
         super().check(entry)
@@ -116,21 +120,23 @@ def gallery_counts(name: str) -> list[str]:
     return size_params(name) + ([pool] if pool and pool not in size_params(name) else [])
 
 
-def resolved(name: str, params, n: int):
+def resolved(name: str, params, n: int, whole: bool = True):
     """The parameters with an `auto` candidate pool (AUTO) made the size it means in a gallery of
-    `n` items: every item up to the re-ranker's `whole_up_to`, its `pool_above` beyond."""
+    `n` items: every item up to the re-ranker's `whole_up_to`, its `pool_above` beyond, and in a
+    gallery read by row (`whole` False: no process holds it whole) its `pool_above` at any size."""
     p = reranker_params(name, params)
     spec = RERANKERS.get(name).spec
     if not spec.pool or int(getattr(p, spec.pool)) != AUTO:
         return p
-    return dataclasses.replace(p, **{spec.pool: WHOLE_GALLERY if n <= spec.whole_up_to else spec.pool_above})
+    return dataclasses.replace(p, **{spec.pool: WHOLE_GALLERY if whole and n <= spec.whole_up_to
+                                     else spec.pool_above})
 
 
-def clipped(name: str, params, n: int):
+def clipped(name: str, params, n: int, whole: bool = True):
     """The parameters with an `auto` pool resolved at the gallery size `n` (`resolved`) and every
     count of gallery items above `n` set to `n` (they mean the same there: the whole gallery), so
     that no re-ranker loops or allocates by a larger number than the gallery holds."""
-    p = resolved(name, params, n)
+    p = resolved(name, params, n, whole)
     over = {f: max(1, int(n)) for f in gallery_counts(name) if int(getattr(p, f)) > n}
     return dataclasses.replace(p, **over) if over else p
 
@@ -178,7 +184,7 @@ def rerank(name: str, space: MetricSpace, queries: np.ndarray, k: int = 10, *, p
     if k < 1:
         raise UserError(f"k must be ≥ 1, got {k}")
     entry = RERANKERS.get(name)
-    p = clipped(name, reranker_params(name, params), space.n)
+    p = clipped(name, reranker_params(name, params), space.n, whole=getattr(space, "holds_gallery", True))
     q = space.prepare(queries)
     ids = as_rows(self_ids, len(q), space.n)
     k = max(1, min(int(k), space.n - int((ids >= 0).any())))

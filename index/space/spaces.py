@@ -26,17 +26,18 @@ def _spaces_of(gallery) -> OrderedDict:
     return per
 
 
-def gallery_space(gallery, strategy: str, params: dict, mode: str) -> MetricSpace:
+def gallery_space(gallery, strategy: str, params: dict, mode: str, by_row: bool = False) -> MetricSpace:
     """The `MetricSpace` of (gallery, strategy, params, mode), from `gallery.metric_space` the
-    first time (a backend that cannot give one refuses there)."""
-    key = (strategy_key(strategy, params), mode)
+    first time (a backend that cannot give one refuses there); `by_row`: the space read by row
+    where the backend has one (`Gallery.metric_space`)."""
+    key = (strategy_key(strategy, params), mode, by_row)
     with _lock:
         per = _spaces_of(gallery)
         space = per.get(key)
         if space is not None:
             per.move_to_end(key)
             return space
-    space = gallery.metric_space(strategy, params, mode)  # outside the lock: may build M′'s cosine parts
+    space = gallery.metric_space(strategy, params, mode, by_row)  # outside the lock: may build M′'s cosine parts
     with _lock:
         per = _spaces_of(gallery)
         space = per.setdefault(key, space)

@@ -1,0 +1,391 @@
+"""A Milvus gallery as a re-ranker reads it, by row: `MilvusSpace`, the `MetricSpace` whose
+searches are the collection's own, whose vectors and item metadata are fetched by row for the
+items a query touches (a bounded LRU keeps the recent ones), and whose per-item artefacts (the
+neighbour lists) live in collections beside the gallery's (`EngineTable`), built through its
+search a block of items at a time and read by row.  No array of the gallery's size is held in
+the process: what a query costs is bounded by the re-ranker's parameters, not by N.
+
+Re-rankers registered `by_row` (none, αQE, diffusion on each query's cut graph) run here; the
+others still read the gallery whole, from the copy `MilvusGallery.metric_space` makes.  The
+layout and the measurements: docs/scale-out.md ("Milvus").
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from tqdm import tqdm
+
+from core.arrays import l2_normalize
+from core.errors import UserError
+from core.memory import CACHE, memory_budget
+
+from ..metric import psd_factor
+from ..refinements import strategy_key
+from ..space import Hits, as_rows, key_hash
+from .gallery import refined_metric
+from .store import Items
+
+if TYPE_CHECKING:
+    from .milvus_store import MilvusGallery
+
+BLOCK = 1024            # items per block of an artefact built in the engine (one upsert each)
+SEARCH_CELLS = 1 << 20  # queries × candidates asked of the collection at once (cosine fetches their vectors)
+ROW_SHARE = 16          # the rows kept by row (vectors, artefacts) take at most 1/16 of the memory budget
+ARTEFACT = "dml.artefact"  # the property naming what an artefact collection holds, and whether it is whole
+
+
+class RowLRU:
+    """Rows fetched by row number, the least recently used dropped past `max_bytes`: `get(rows)`
+    → (found mask, their values for the found ones), `put(rows, values)`.  One lock."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max(0, int(max_bytes))
+        self._rows: OrderedDict[int, Any] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _size(value) -> int:
+        return int(sum(v.nbytes for v in value)) if isinstance(value, tuple) else int(value.nbytes)
+
+    def get(self, rows: np.ndarray) -> tuple[np.ndarray, list]:
+        found, values = np.zeros(len(rows), dtype=bool), []
+        with self._lock:
+            for i, r in enumerate(rows.tolist()):
+                v = self._rows.get(r)
+                if v is not None:
+                    self._rows.move_to_end(r)
+                    found[i] = True
+                    values.append(v)
+        return found, values
+
+    def put(self, rows: np.ndarray, values: list) -> None:
+        with self._lock:
+            for r, v in zip(rows.tolist(), values, strict=True):
+                if r in self._rows:
+                    continue
+                size = self._size(v)
+                if size > self.max_bytes:
+                    continue
+                self._rows[r] = v
+                self._bytes += size
+                while self._bytes > self.max_bytes:
+                    _, old = self._rows.popitem(last=False)
+                    self._bytes -= self._size(old)
+
+
+class EngineColumn:
+    """One column of an `EngineTable` as a read-only n × width array: `col[rows]` (an int array)
+    fetches those rows, `col[:, :w]` narrows it; a whole read (as an array) is refused."""
+
+    def __init__(self, table: EngineTable, name: str, width: int):
+        self.table, self.name, self.width = table, name, width
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.table.n, self.width
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    def __len__(self) -> int:
+        return self.table.n
+
+    def __getitem__(self, key):
+        if (isinstance(key, tuple) and len(key) == 2 and key[0] == slice(None) and isinstance(key[1], slice)
+                and key[1].start in (None, 0) and key[1].step in (None, 1)):
+            w = self.width if key[1].stop is None else min(self.width, int(key[1].stop))
+            return EngineColumn(self.table, self.name, w)
+        if isinstance(key, slice) or isinstance(key, tuple):
+            raise UserError(f"the engine's {self.table.what} are read by row (an array of rows), not by {key!r}")
+        rows = np.asarray(key, dtype=np.int64)
+        return self.table.take(rows.reshape(-1))[self.name][:, : self.width].reshape(*rows.shape, self.width)
+
+    def __array__(self, dtype=None, copy=None):
+        raise UserError(f"the engine's {self.table.what} are read by row, not the whole gallery's at once")
+
+
+class EngineTable:
+    """A per-item artefact (`columns` {name: (width, dtype)}) in its own collection: one entity per
+    gallery row, each column an ARRAY field (Milvus asks for a vector field too: a 2-d zero,
+    never searched).  Built by `fill(start, stop)` a block at a time (upserts: a build cut short
+    resumes at the first block not wholly stored, and a block stored twice is the same block),
+    marked whole last (`dml.artefact`: its digest, columns and row count); read by row, the
+    recent rows kept in a bounded LRU."""
+
+    def __init__(self, gallery: MilvusGallery, name: str, digest: str, columns: dict[str, tuple[int, str]],
+                 what: str):
+        self.gallery, self.digest, self.columns, self.what = gallery, digest, dict(columns), what
+        self.collection = f"{gallery.collection}__{name.replace('-', '_')}_{digest[:16]}"
+        self.n = len(gallery)
+        self._lru = RowLRU(memory_budget() // ROW_SHARE)
+        self.lock = threading.Lock()
+        self.whole = False  # known to hold every row (found so, or built here)
+
+    # ------------------------------------------------------------ identity
+    def _facts(self) -> dict:
+        return {"digest": self.digest, "gallery": self.gallery.collection, "content": self.gallery.content_key,
+                "n": self.n, "columns": {k: [w, t] for k, (w, t) in self.columns.items()}}
+
+    def _state(self) -> dict | None:
+        """What the collection says it holds (None: no such collection); refused when it is not ours."""
+        client = self.gallery.client
+        if not client.has_collection(self.collection):
+            return None
+        props = client.describe_collection(self.collection).get("properties", {})
+        got = json.loads(props.get(ARTEFACT, "{}"))
+        if {k: got.get(k) for k in self._facts()} != self._facts():
+            raise UserError(f"Milvus collection {self.collection!r} holds another artefact than this gallery's "
+                            f"{self.what} (drop it, or export the gallery under another name)")
+        return got
+
+    def _mark(self, **state) -> dict:
+        """Record the build's state in the collection's properties; returns it."""
+        state = self._facts() | state
+        self.gallery.client.alter_collection_properties(self.collection, properties={ARTEFACT: json.dumps(state)})
+        return state
+
+    # ------------------------------------------------------------ build
+    def _schema(self):
+        pm = self.gallery.pm
+        s = pm.MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
+        s.add_field("row", pm.DataType.INT64, is_primary=True)
+        s.add_field("_v", pm.DataType.FLOAT_VECTOR, dim=2)
+        for col, (width, dtype) in self.columns.items():
+            element = pm.DataType.INT64 if np.dtype(dtype).kind in "iu" else pm.DataType.FLOAT
+            s.add_field(col, pm.DataType.ARRAY, element_type=element, max_capacity=max(1, width))
+        return s
+
+    def build(self, fill: Callable[[int, int], dict[str, np.ndarray]], progress: bool = False) -> EngineTable:
+        """Every row's values, from `fill`, stored unless the collection holds them whole already."""
+        pm, client = self.gallery.pm, self.gallery.client
+        try:
+            state = self._state()
+            if state is not None and state.get("whole"):
+                self.whole = True
+                return self
+            if state is None:
+                ip = client.prepare_index_params()
+                ip.add_index("_v", index_type="FLAT", metric_type="IP")
+                client.create_collection(self.collection, schema=self._schema(), index_params=ip)
+                state = self._mark(whole=False, done=0)
+            # the blocks are upserted in order, and the rows stored so far recorded after each (in the
+            # collection's properties, which every reader sees at once): a build cut short goes on from
+            # there, and a block it had begun is upserted again, the same rows
+            starts = range(0, self.n, BLOCK)
+            done = min(int(state.get("done", 0)) // BLOCK, len(starts))
+            with tqdm(total=len(starts), initial=done, desc=f"{self.what} in {self.collection}", unit="block",
+                      disable=not progress) as bar:
+                for a in starts[done:]:
+                    b = min(a + BLOCK, self.n)
+                    got = fill(a, b)
+                    client.upsert(self.collection, [
+                        {"row": r, "_v": [0.0, 0.0], **{c: got[c][r - a].tolist() for c in self.columns}}
+                        for r in range(a, b)])
+                    self._mark(whole=False, done=b)
+                    bar.update(1)
+            client.flush(self.collection)
+            client.load_collection(self.collection)
+            self._mark(whole=True, done=self.n)
+            self.whole = True
+        except pm.exceptions.MilvusException as e:
+            raise UserError(f"building {self.what} in Milvus collection {self.collection!r} failed: "
+                            f"{e.message}") from None
+        return self
+
+    # ------------------------------------------------------------ read
+    def take(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """{column: len(rows) × width} of the given rows (any order, repeats allowed)."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        if len(rows) and (rows.min() < 0 or rows.max() >= self.n):
+            raise IndexError(f"row out of range for a gallery of {self.n}")
+        uniq, back = np.unique(rows, return_inverse=True)
+        found, held = self._lru.get(uniq)
+        values: list[Any] = [None] * len(uniq)
+        for i, v in zip(np.flatnonzero(found), held, strict=True):
+            values[i] = v
+        missing = uniq[~found]
+        if len(missing):
+            got = self.gallery.query_rows(missing, ["row", *self.columns], collection=self.collection)
+            fetched = [tuple(np.asarray(got[int(r)][c], dtype=t) for c, (_, t) in self.columns.items())
+                       for r in missing]
+            self._lru.put(missing, fetched)
+            for i, v in zip(np.flatnonzero(~found), fetched, strict=True):
+                values[i] = v
+        out = {}
+        for j, (c, (w, t)) in enumerate(self.columns.items()):
+            block = np.stack([v[j] for v in values]) if values else np.zeros((0, w), dtype=t)
+            out[c] = block[back.reshape(-1)]
+        return out
+
+
+def concat_items(parts: list) -> Items:
+    """One `Items` of several, in order."""
+    return Items(np.concatenate([np.asarray(p.ids, dtype=np.int64) for p in parts]),
+                 np.concatenate([np.asarray(p.labels, dtype=np.int64) for p in parts]),
+                 [x for p in parts for x in p.paths], [x for p in parts for x in p.splits])
+
+
+class MilvusSpace:
+    """A `MetricSpace` (index/space/protocol.py) over a Milvus collection, read by row."""
+    holds_gallery = False  # no N-sized array: whole-gallery passes are refused (re-rankers by_row only)
+
+    def __init__(self, gallery: MilvusGallery, strategy: str = "trained", params: dict | None = None,
+                 mode: str = "bilinear"):
+        self.gallery = gallery
+        self.strategy, self.params, self._mode = strategy, dict(params or {}), mode
+        # raises UserError for cosine under an indefinite M′ (resolve the mode first, as for search)
+        self.metric = gallery.strategy_metric(strategy, self.params, mode)
+        self._rm = refined_metric(gallery.W, strategy, self.params, gallery.neck)
+        name, items = strategy_key(strategy, self.params)
+        self._cache_key = key_hash("milvus", gallery.uri, gallery.collection, gallery.content_key, gallery.neck,
+                                   gallery.info.get("index_type"), gallery.nprobe, gallery.rerank_factor,
+                                   [name, [[k, v] for k, v in items]], mode)
+        self._vectors = RowLRU(memory_budget() // ROW_SHARE)
+        self._tables: dict[str, EngineTable] = {}
+        self._tables_lock = threading.Lock()
+
+    # ------------------------------------------------------------ identity
+    @property
+    def n(self) -> int:
+        return len(self.gallery)
+
+    @property
+    def dim(self) -> int:
+        return self.gallery.dim
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @property
+    def cache_key(self) -> str:
+        return self._cache_key
+
+    def digest(self, name: str, params: dict | None = None, inputs: tuple[str, ...] = ()) -> str:
+        return key_hash(self._cache_key, name, params or {}, list(inputs))
+
+    # ------------------------------------------------------------ state
+    def artefact(self, name: str, params: dict | None, build: Callable[[], Any], *, inputs: tuple[str, ...] = (),
+                 disk: bool = True, max_bytes: int | None = None) -> Any:
+        # the process's memory cache only: what grows with N is an EngineTable's
+        return CACHE.get_or_build(("milvus-space", self.digest(name, params, inputs)), build, max_bytes=max_bytes)
+
+    def artefact_in_blocks(self, name: str, params: dict | None, columns: dict[str, tuple[int, str]],
+                           fill: Callable[[int, int], dict[str, np.ndarray]], *, inputs: tuple[str, ...] = (),
+                           block: int = 2048, progress: bool = False) -> dict[str, Any]:
+        digest = self.digest(name, params, inputs)
+        with self._tables_lock:  # one table per artefact: its LRU serves every query after
+            table = self._tables.get(digest)
+            if table is None:
+                what = {"knn": "neighbour lists"}.get(name, name)
+                table = self._tables[digest] = EngineTable(self.gallery, name, digest, columns, what)
+        with table.lock:  # built (or found whole) once, whoever asks first
+            if not table.whole:
+                table.build(fill, progress)
+        return {c: EngineColumn(table, c, w) for c, (w, _) in columns.items()}
+
+    def held(self, name: str, params: dict | None = None) -> bool:
+        return CACHE.peek(("milvus-space", self.digest(name, params))) is not None
+
+    # ------------------------------------------------------------ vectors
+    def prepare(self, queries: np.ndarray) -> np.ndarray:
+        return self.gallery.prepare_queries(queries)
+
+    def key(self, v: np.ndarray) -> np.ndarray:
+        v = np.asarray(v, dtype=np.float32)
+        if self._mode == "bilinear":
+            return v
+        norms = self.metric.norms(v)
+        assert norms is not None
+        return (v / np.maximum(norms, 1e-30)[:, None]).astype(np.float32)
+
+    def normalise(self, v: np.ndarray) -> np.ndarray:
+        if self._mode == "cosine":
+            return self.key(v)
+        v = np.asarray(v, dtype=np.float32)
+        return l2_normalize(v) if self.gallery.normalize else v
+
+    def transform(self, v: np.ndarray) -> np.ndarray:
+        return self.metric.transform(np.ascontiguousarray(v, dtype=np.float32))
+
+    def gallery_vectors(self, rows: np.ndarray) -> np.ndarray:
+        rows = np.asarray(rows, dtype=np.int64)
+        flat = rows.reshape(-1)
+        uniq, back = np.unique(flat, return_inverse=True)
+        found, held = self._vectors.get(uniq)
+        out = np.empty((len(uniq), self.dim), dtype=np.float32)
+        if found.any():
+            out[found] = np.stack(held)
+        if (~found).any():
+            keys = self.key(self.gallery.fetch_rows(uniq[~found]))
+            out[~found] = keys
+            self._vectors.put(uniq[~found], list(keys))
+        return out[back.reshape(-1)].reshape(*rows.shape, self.dim)
+
+    # ------------------------------------------------------------ search and scores
+    def search(self, v: np.ndarray, k: int, exclude: np.ndarray | None = None) -> Hits:
+        """The collection's own search under M′ (`MilvusGallery.search_metric`), a block of
+        queries at a time, each query's excluded row left out."""
+        v = np.ascontiguousarray(v, dtype=np.float32)
+        k = max(1, min(int(k), self.n))
+        ex = as_rows(exclude, len(v), self.n)
+        kk = min(k + int((ex >= 0).any()), self.n)
+        asked = self.metric.candidate_count(kk, self.n, self.gallery.rerank_factor)
+        step = max(1, SEARCH_CELLS // max(1, asked))
+        rows = np.full((len(v), k), -1, dtype=np.int64)
+        scores = np.full((len(v), k), -np.inf, dtype=np.float32)
+        at = np.full((len(v), k), -1, dtype=np.int64)
+        items: list = []  # each block's hits' metadata, as the collection returned it
+        for a in range(0, len(v), step):
+            h = self.gallery.search_metric(v[a: a + step], self.metric, kk, what="queries")
+            drop = (h.rows == ex[a: a + step, None]) | (h.rows < 0)
+            order = np.argsort(drop, axis=1, kind="stable")[:, :k]  # kept entries first, in their order
+            r = np.take_along_axis(np.where(drop, -1, h.rows), order, 1)
+            rows[a: a + step, : r.shape[1]] = r
+            scores[a: a + step, : r.shape[1]] = np.take_along_axis(np.where(drop, -np.inf, h.scores), order, 1)
+            h_at = h.at if h.at is not None else np.where(h.rows >= 0, h.rows, -1)
+            offset = sum(len(i) for i in items)
+            at[a: a + step, : r.shape[1]] = np.where(r >= 0, np.take_along_axis(h_at, order, 1) + offset, -1)
+            items.append(h.items)
+        return Hits(rows, scores, concat_items(items), at, self.gallery.class_names)
+
+    def score(self, v: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+        if rows is None:
+            self._whole("every item's score")
+        t = self.transform(v)
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.ndim == 1:
+            return t @ self.gallery_vectors(rows).T
+        keys = self.gallery_vectors(np.maximum(rows, 0))
+        return np.where(rows >= 0, np.einsum("qd,qmd->qm", t, keys), -np.inf).astype(np.float32)
+
+    def score_blocks(self, v: np.ndarray, width: int | None = None):
+        self._whole("a pass over every item")
+
+    def _whole(self, what: str):
+        raise UserError(f"this re-ranker reads {what}; on a Milvus gallery the re-rankers that read by row run "
+                        f"in the engine, the others on a copy of its vectors")
+
+    def factor(self) -> np.ndarray | None:
+        def build():  # metric.psd_factor, the one factor of M′ (None: indefinite)
+            F = psd_factor(self._rm.M)
+            return {"F": np.zeros((0, 0), np.float32) if F is None else F, "psd": np.array(F is not None)}
+        got = self.artefact("factor", None, build)
+        return got["F"] if bool(got["psd"]) else None
+
+    def hits(self, rows: np.ndarray, scores: np.ndarray) -> Hits:
+        """`Hits` with the metadata of the rows shown, fetched by row."""
+        rows = np.asarray(rows, dtype=np.int64)
+        valid = rows[rows >= 0]
+        uniq, back = np.unique(valid, return_inverse=True)
+        at = np.full(rows.shape, -1, dtype=np.int64)
+        at[rows >= 0] = back.reshape(-1)
+        items = self.gallery.fetch_items(uniq)
+        return Hits(rows, np.asarray(scores, dtype=np.float32), items, at, self.gallery.class_names)

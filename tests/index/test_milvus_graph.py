@@ -1,0 +1,166 @@
+"""The neighbour graph in the engine (index/backends/milvus_space.py) on Milvus Lite and on a real
+Milvus server: every item's lists built through the collection's own search into a collection
+beside it, a build cut short resumed to the lists built in one go (and to the in-RAM index's),
+and the re-rankers that read by row (diffusion on each query's cut graph, αQE, none) giving the
+in-RAM index's answer while no N-sized read of the collection happens."""
+import numpy as np
+import pytest
+
+pytest.importorskip("pymilvus", reason="the Milvus backend needs pymilvus and milvus-lite: "
+                                       "pip install -r requirements-milvus.txt")
+
+from core.errors import UserError
+from index.backends import milvus_space
+from index.backends.milvus_space import MilvusSpace
+from index.backends.milvus_store import MilvusGallery, export_index
+from index.backends.search import Searcher
+from index.backends.store import Items, read_index, write_index
+from index.cli import main
+from index.rerankers import RERANKERS, rerank
+from index.rerankers.diffusion import TOPN
+from index.rerankers.neighbours import neighbour_lists
+from index.rerankers.registry import resolved
+from index.search_config import SearchConfig
+from index.space import CACHE, SearcherSpace
+
+pytestmark = pytest.mark.milvus
+
+N, DIM, L = 160, 12, 64
+
+
+@pytest.fixture(scope="module", params=["lite", "server"])
+def engine(request, tmp_path_factory):
+    """(folder, in-RAM searcher, URI of a collection "g" exported from the same index, "lite" or "server")."""
+    t = tmp_path_factory.mktemp("milvus-graph")
+    if request.param == "lite":
+        uri = str(t / "g.db")
+    else:
+        server = request.getfixturevalue("milvus_server")
+        uri = server.database("graph")
+    rng = np.random.default_rng(3)
+    X = rng.standard_normal((N, DIM)).astype(np.float32)
+    items = Items(np.arange(N) * 5 + 2, rng.integers(0, 8, N), [f"img/{i}.png" for i in range(N)], ["gallery"] * N)
+    idx = write_index(t / "idx", X, items, rng.standard_normal((6, DIM)).astype(np.float32), normalize=True,
+                      info={"backbone": "none"})
+    export_index(idx, uri, "g")
+    yield t, Searcher(read_index(idx)), uri, request.param
+    if request.param == "server":
+        server.drop_database(uri)
+
+
+@pytest.fixture
+def gallery(engine, monkeypatch):
+    """The collection, its whole-gallery reads (the items' metadata, a copy of the vectors, the
+    source index's features) made to fail, and every read by row recorded."""
+    _, _, uri, _ = engine
+    CACHE.clear()
+    g = MilvusGallery(uri, "g")
+
+    def whole(*a, **kw):
+        raise AssertionError("the whole collection was read")
+    for name in ("_read_items", "_copied_features", "_source_features"):
+        monkeypatch.setattr(g, name, whole)
+    reads: list[int] = []
+    query_rows = g.query_rows
+    monkeypatch.setattr(g, "query_rows", lambda uniq, *a, **kw: reads.append(len(uniq)) or query_rows(uniq, *a, **kw))
+    g.reads = reads  # type: ignore[attr-defined]
+    yield g
+    g.close()
+
+
+def drop_lists(g: MilvusGallery) -> None:
+    for c in g.client.list_collections():
+        if c.startswith("g__"):
+            g.client.drop_collection(c)
+
+
+def test_the_lists_built_in_the_engine_killed_and_resumed_equal_one_build_and_the_index(engine, gallery, monkeypatch):
+    _, s, _, backend = engine
+    mode = "cosine" if backend == "lite" else "bilinear"  # the exact IP scores, and candidates re-scored
+    drop_lists(gallery)
+    monkeypatch.setattr(milvus_space, "BLOCK", 64)
+    blocks = -(-N // 64)
+    space = MilvusSpace(gallery, "trained", {}, mode)
+    calls = []
+    real = space.search
+
+    def cut(v, k, exclude=None):
+        calls.append(len(v))
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # Ctrl-C in the third block
+        return real(v, k, exclude)
+    monkeypatch.setattr(space, "search", cut)
+    with pytest.raises(KeyboardInterrupt):
+        neighbour_lists(space, L)
+    stored = [c for c in gallery.client.list_collections() if c.startswith("g__knn_")]
+    assert len(stored) == 1
+    CACHE.clear()
+    monkeypatch.setattr(space, "search", lambda v, k, exclude=None: calls.append(len(v)) or real(v, k, exclude))
+    resumed = neighbour_lists(space, L, progress=True)
+    assert len(calls) == 3 + blocks - 2  # the blocks from the third on: the first two were stored
+    rows = np.arange(N)
+    got = resumed.rows[rows], resumed.sims[rows]
+    # built in one go, under another collection name (the same digest would find the stored one)
+    drop_lists(gallery)
+    CACHE.clear()
+    again = neighbour_lists(MilvusSpace(gallery, "trained", {}, mode), L)
+    np.testing.assert_array_equal(got[0], again.rows[rows])
+    np.testing.assert_array_equal(got[1], again.sims[rows])
+    # and the in-RAM index's exact lists (ties apart: equal similarities)
+    want = neighbour_lists(SearcherSpace(s, "trained", {}, mode, cache_dir=engine[0] / f"cache-{mode}"), L)
+    np.testing.assert_allclose(got[1], want.sims, rtol=1e-5, atol=1e-6)
+    assert (got[0] == want.rows).mean() > 0.99
+    with pytest.raises(UserError, match="read by row"):
+        np.asarray(resumed.rows)
+
+
+@pytest.mark.parametrize("mode,strategy", [("cosine", "trained"), ("bilinear", "identity")])
+@pytest.mark.parametrize("rerank_name,params", [("diffusion", {"truncation": 40, "k": 8, "kq": 4}),
+                                                ("aqe", {"n": 3}), ("none", {})])
+def test_rerankers_by_row_give_the_index_answer_reading_only_what_a_query_touches(engine, gallery, mode, strategy,
+                                                                                   rerank_name, params, monkeypatch):
+    _, s, _, _ = engine
+    monkeypatch.setattr(milvus_space, "BLOCK", 64)  # the lists' offline pass reads 64 rows at a time
+    assert RERANKERS.get(rerank_name).spec.by_row
+    rng = np.random.default_rng(1)
+    Q = rng.standard_normal((5, DIM)).astype(np.float32)
+    own = np.array([4, 77])
+    cfg = SearchConfig.of(strategy, {}, mode, rerank_name, params)
+    for q, ids in ((Q, None), (np.asarray(s.data.features[own]), own)):
+        got, want = cfg.search(gallery, q, 10, self_ids=ids), cfg.search(s, q, 10, self_ids=ids)
+        np.testing.assert_array_equal(got.rows, want.rows)
+        np.testing.assert_array_equal(got.ids, want.ids)
+        np.testing.assert_allclose(got.scores, want.scores, rtol=1e-4, atol=1e-5)
+    assert isinstance(cfg.space(gallery), MilvusSpace)
+    # no read of every row: each read by row is bounded by a block of the offline pass (64 rows)
+    # or by a query's pool (diffusion's 40 candidates and their lists), never by the gallery
+    assert gallery.reads and max(gallery.reads) <= 64
+
+
+def test_diffusion_on_a_gallery_read_by_row_cuts_each_query_graph_at_any_size(engine, gallery):
+    """`truncation=auto` is the plain search's top 10,000 on an engine's gallery whatever its size
+    (no process builds the whole graph there); clipped to this gallery, every item once."""
+    _, s, _, _ = engine
+    assert resolved("diffusion", {}, 10, whole=False).truncation == TOPN
+    assert resolved("diffusion", {}, 10).truncation > N  # in a process that holds the gallery: the whole graph
+    q = np.random.default_rng(2).standard_normal((3, DIM)).astype(np.float32)
+    space = MilvusSpace(gallery, "trained", {}, "cosine")
+    got = rerank("diffusion", space, q, 10, params={"k": 8, "kq": 4})
+    want = rerank("diffusion", SearcherSpace(s, "trained", {}, "cosine", cache_dir=engine[0] / "cache-auto"), q, 10,
+                  params={"k": 8, "kq": 4, "truncation": N})
+    np.testing.assert_array_equal(got.rows, want.rows)
+    np.testing.assert_allclose(got.scores, want.scores, rtol=1e-4, atol=1e-6)
+
+
+def test_index_graph_builds_the_lists_in_the_engine_once(engine, gallery, capsys):
+    _, _, uri, _ = engine
+    drop_lists(gallery)
+    args = ["graph", "--backend", "milvus", "--uri", uri, "--collection", "g", "--strategy", "trained",
+            "--mode", "bilinear", "--no-progress"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f"neighbour lists: {N:,} items × 64" in out and "in the engine" in out
+    made = [c for c in gallery.client.list_collections() if c.startswith("g__knn_")]
+    assert len(made) == 1
+    assert main(args) == 0  # found whole: nothing is built again
+    assert [c for c in gallery.client.list_collections() if c.startswith("g__knn_")] == made
