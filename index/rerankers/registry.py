@@ -76,7 +76,9 @@ class RerankerSpec(Spec):
         lines = ["offline part: computed once per index, strategy and mode, cached"] if self.offline else []
         if self.pool_above:
             lines.append(f"{self.pool} = auto: every item up to {self.whole_up_to:,} items, the plain search's top "
-                         f"{self.pool_above:,} above")
+                         f"{self.pool_above:,} above" + (" and on a gallery read by row" if self.by_row else ""))
+        if self.by_row:
+            lines.append("reads by row: on a Milvus collection it fetches only the rows a query touches (no copy)")
         if self.grid:
             lines.append("grid (`index evaluate --rerankers` chooses on validation): " + ", ".join(
                 f"{k} ∈ {{{', '.join(f'{v:g}' if isinstance(v, float) else str(v) for v in vs)}}}"
