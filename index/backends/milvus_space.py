@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from .milvus_store import MilvusGallery
 
 BLOCK = 1024            # items per block of an artefact built in the engine (one upsert each)
-SEARCH_CELLS = 1 << 20  # queries × candidates asked of the collection at once (cosine fetches their vectors)
+SEARCH_CELLS = 1 << 16  # queries × candidates asked of the collection at once (re-scored ones come with
+# their vectors: a 64 MiB gRPC message holds about 10⁵ of 128-d)
 ROW_SHARE = 16          # the rows kept by row (vectors, artefacts) take at most 1/16 of the memory budget
 ARTEFACT = "dml.artefact"  # the property naming what an artefact collection holds, and whether it is whole
 

@@ -34,6 +34,9 @@ from .store import IndexData, Items, class_sizes_in
 
 METRIC = "IP"            # never "COSINE": see the module docstring
 EXACT_INDEX = "FLAT"     # exact: bilinear scores come straight from Milvus
+# index types whose scores are the stored float vectors' inner products (no quantisation): their
+# bilinear hits need no re-scoring, only a search as wide as the candidates (HNSW's ef)
+EXACT_SCORES = ("FLAT", "HNSW", "IVF_FLAT")
 MAX_TOPK = 16384         # Milvus's limit on one search's top-k
 PATH_MAX, SPLIT_MAX = 4096, 256
 OUTPUT = ["row", "label", "path", "split"]
@@ -100,8 +103,8 @@ def export_features(uri: str, collection: str, features: np.ndarray, items, W: n
     `info` (model facts, the source index) and the checksum of the rows stored
     (`content_sha256`, what re-rankers' caches are keyed by) go into the `dml.info` property.
 
-    `index_type` other than FLAT (e.g. HNSW on a server) makes search fetch candidates and
-    re-rank them exactly.  An existing collection is refused unless `overwrite`."""
+    `index_type` other than FLAT (e.g. HNSW on a server) makes search widen its candidates, and
+    re-rank them exactly where Milvus's scores are not (cosine mode, quantised indexes).  An existing collection is refused unless `overwrite`."""
     pm = _pymilvus()
     n, d = features.shape
     if len(items) != n or W.ndim != 2 or W.shape[1] != d:
@@ -473,33 +476,42 @@ class MilvusGallery(NeckGallery):
         return super().metric_space(strategy, params, mode)
 
     # ------------------------------------------------------------ search
-    def _search_params(self, limit: int, nprobe: int | None) -> dict:
+    def _search_params(self, limit: int, nprobe: int | None, width: int | None = None) -> dict:
         index_type = self.info["index_type"]
-        params = {"ef": limit} if index_type == "HNSW" else {"nprobe": nprobe} if nprobe else {}
+        params = {"ef": max(limit, width or 0)} if index_type == "HNSW" else {"nprobe": nprobe} if nprobe else {}
         return {"metric_type": METRIC, "params": params}
 
-    def search_ip(self, qt: np.ndarray, limit: int, output_fields: list[str], nprobe: int | None = None) -> list:
-        """Milvus's top-`limit` hits per row of qt by inner product with the stored φ(x)."""
+    def search_ip(self, qt: np.ndarray, limit: int, output_fields: list[str], nprobe: int | None = None,
+                  width: int | None = None) -> list:
+        """Milvus's top-`limit` hits per row of qt by inner product with the stored φ(x); `width`:
+        the candidates an HNSW search keeps while it walks the graph (its ef; default `limit`)."""
         nprobe = self.nprobe if nprobe is None else nprobe
         try:
             return self.client.search(self.collection, data=np.asarray(qt, dtype=np.float32).tolist(), limit=limit,
-                                      anns_field="vector", search_params=self._search_params(limit, nprobe),
+                                      anns_field="vector", search_params=self._search_params(limit, nprobe, width),
                                       output_fields=output_fields)
         except self.pm.exceptions.MilvusException as e:
             raise UserError(f"Milvus search in {self.collection!r} failed: {e.message}") from None
 
     def search_metric(self, feats: np.ndarray, metric: QueryMetric, k: int = 10, nprobe: int | None = None,
                       rerank_factor: int | None = None, what: str = "query features") -> Hits:
-        """Top-k under `metric`.  Bilinear on a FLAT collection: Milvus's IP scores are exact.
-        Otherwise candidates come back with their vectors and are re-ranked exactly
-        (`nprobe`: lists probed in an IVF_* collection; HNSW searches with ef = the pool size)."""
+        """Top-k under `metric`.  Bilinear on a FLAT, HNSW or IVF_FLAT collection: Milvus's IP
+        scores are exact (an HNSW search as wide as the candidate pool: ef = the pool size).
+        Otherwise (cosine mode, quantised indexes) the pool comes back with its vectors and is
+        re-ranked exactly (`nprobe`: lists probed in an IVF_* collection)."""
         if not 1 <= k <= MAX_TOPK:
             raise UserError(f"k must be in [1, {MAX_TOPK}], got {k}")
         rerank_factor = self.rerank_factor if rerank_factor is None else rerank_factor
         qt = metric.transform(self.prepare_queries(feats, what))
-        rerank = metric.mode == "cosine" or self.info["index_type"] != EXACT_INDEX
-        limit = min(MAX_TOPK, metric.candidate_count(k, len(self), rerank_factor)) if rerank else min(k, len(self))
-        res = self.search_ip(qt, limit, OUTPUT + (["vector"] if rerank else []), nprobe)
+        # HNSW and IVF_FLAT score the stored float vectors, so Milvus's bilinear scores are exact: the
+        # candidates widen its search (HNSW's ef) and its top k is the exact top k of what it found,
+        # as re-scoring them would make it, without their vectors coming back
+        exact_scores = self.info["index_type"] in EXACT_SCORES
+        rerank = metric.mode == "cosine" or not exact_scores
+        pool = min(MAX_TOPK, metric.candidate_count(k, len(self), rerank_factor))
+        limit = pool if rerank else min(k, len(self))
+        width = pool if self.info["index_type"] != EXACT_INDEX else None
+        res = self.search_ip(qt, limit, OUTPUT + (["vector"] if rerank else []), nprobe, width)
         R = np.full((len(qt), k), -1, dtype=np.int64)
         S = np.full((len(qt), k), -np.inf, dtype=np.float32)
         at = np.full((len(qt), k), -1, dtype=np.int64)

@@ -332,18 +332,19 @@ def diffusion(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: in
     lists, sims, _ = neighbour_lists(space, p.k + 1)  # + 1: a leave-one-out row may drop out
     if first.k < min(p.truncation, space.n):  # `rerank` searches this deep (its own rows left out)
         first = space.search(queries, p.truncation, exclude=self_ids)
-    rows, _ = candidates(first, self_ids, max(p.truncation, k))
+    rows, scores = candidates(first, self_ids, max(p.truncation, k))
 
     def one(b: int, place: np.ndarray) -> None:
         """Query b on the graph of its first-search candidates (findtrunc.m + trunclap.m)."""
-        sub = rows[b][rows[b] >= 0]
+        found = rows[b] >= 0
+        sub = rows[b][found]
         if not len(sub):
             return
         nr, ns = without(lists[sub], sims[sub], np.full(len(sub), self_ids[b]), min(p.k, space.n))
         S = normalised(affinity(sub, nr, ns, p.gamma, place))
         seed = min(p.kq, len(sub))
         y = np.zeros(len(sub))
-        s = space.score(queries[b: b + 1], sub[None])[0]  # sub is in first-search order: its top kq seed y
+        s = scores[b][found]  # the search's exact s(q, ·), in its order: the top kq seed y
         y[:seed] = np.maximum(s[:seed].astype(np.float64), 0.0) ** p.gamma
         f = conjugate_gradient(lambda v: v - p.alpha * (S @ v), y, p.tol, p.iterations)
         r, v = _ranked(f, sub, k, s if p.ties == "score" else None)

@@ -208,6 +208,28 @@ def test_an_hnsw_collection_gives_rerankers_its_own_candidates(small, monkeypatc
         g.close()
 
 
+def test_a_bilinear_search_of_an_hnsw_collection_takes_milvus_scores_without_vectors(small, monkeypatch):
+    """HNSW scores the stored float vectors: bilinear hits need no re-scoring, only a search as wide
+    as the candidate pool (ef); cosine still re-scores the pool with its vectors."""
+    from index.backends import milvus_store
+
+    _, s, Q, uri = small
+    asked = []
+    search_ip = milvus_store.MilvusGallery.search_ip
+    monkeypatch.setattr(milvus_store.MilvusGallery, "search_ip",
+                        lambda g, qt, limit, fields, *a, **kw: asked.append((limit, "vector" in fields, kw, a))
+                        or search_ip(g, qt, limit, fields, *a, **kw))
+    g = MilvusGallery(uri, "hnsw")
+    try:
+        res = g.search_metric(Q, g.strategy_metric("trained", {}), K)
+        assert_same_top_k(s.search(Q, "trained", {}, "bilinear", K), res.rows, res.scores)
+        assert asked[-1][:2] == (K, False) and g._search_params(K, None, asked[-1][3][1])["params"]["ef"] >= 10 * K
+        g.search_metric(Q, g.strategy_metric("trained", {}, "cosine"), K)
+        assert asked[-1][1]  # cosine: the pool with its vectors
+    finally:
+        g.close()
+
+
 def test_without_its_source_index_milvus_copies_the_vectors_once(small):
     """A collection with no source feature store (or one that changed) re-ranks over its own
     vectors, copied once into the cache folder, keyed by the collection's content."""

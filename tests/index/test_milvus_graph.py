@@ -114,9 +114,11 @@ def test_the_lists_built_in_the_engine_killed_and_resumed_equal_one_build_and_th
         np.asarray(resumed.rows)
 
 
-@pytest.mark.parametrize("mode,strategy", [("cosine", "trained"), ("bilinear", "identity")])
-@pytest.mark.parametrize("rerank_name,params", [("diffusion", {"truncation": 40, "k": 8, "kq": 4}),
-                                                ("aqe", {"n": 3}), ("none", {})])
+# (each by-row re-ranker at its defaults, in both modes: tests/index/test_milvus.py)
+@pytest.mark.parametrize("rerank_name,params,mode,strategy", [
+    ("diffusion", {"truncation": 40, "k": 8, "kq": 4}, "cosine", "trained"),
+    ("diffusion", {"truncation": 40, "k": 8, "kq": 4}, "bilinear", "identity"),
+    ("aqe", {"n": 3}, "cosine", "trained")])
 def test_rerankers_by_row_give_the_index_answer_reading_only_what_a_query_touches(engine, gallery, mode, strategy,
                                                                                    rerank_name, params, monkeypatch):
     _, s, _, _ = engine

@@ -1,0 +1,143 @@
+"""The neighbour graph in the engine, and the re-rankers that read by row, against a Milvus server.
+
+  milvus-server --data DIR &        # the `milvus` package (requirements-milvus.txt): gRPC on 19530
+  python bench/milvus_graph.py --uri http://127.0.0.1:19530 [--n 100000] [--queries 100]
+                               [--index-type HNSW] [--out bench/results/milvus_graph]
+
+Data: bench/ondisk_bench.py's synthetic gallery (N unit vectors, d = 128, 1000 classes, neck W
+32 × 128), exported to a new collection (HNSW M = 16, efConstruction = 100, or FLAT), searched
+under the trained strategy's M′ (bilinear).  Measured, in this one process (FAISS and BLAS on
+one thread, as a serving process runs):
+- the neighbour lists (L = 64) built through the server's search into the lists collection
+  (`index graph`'s pass): wall seconds; their recall of the exact top 51 (the in-RAM index's exact
+  scan) on 200 items;
+- single queries through the collection read by row (`MilvusSpace`): none, αQE, diffusion
+  (its default there: each query's graph cut to its top 10,000), p50 and p95 wall ms, and each
+  one's top-10 agreement with the in-RAM index running the same re-ranker;
+- this process's peak RSS (VmHWM) and its private memory after the queries, before the in-RAM
+  reference is loaded into it.
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from ondisk_bench import draw, model
+
+from core.atomic import write_json, write_text
+from index.backends.milvus_space import MilvusSpace
+from index.backends.milvus_store import MilvusGallery, export_index
+from index.backends.search import Searcher
+from index.backends.store import Items, read_index, write_index
+from index.rerankers import rerank
+from index.rerankers.neighbours import exact_lists, neighbour_lists
+from index.space import SearcherSpace
+from index.threads import serving_threads
+
+RERANKERS = [("none", {}), ("aqe", {}), ("diffusion", {})]
+L, K = 64, 10
+
+
+def memory_mib() -> dict:
+    """This process's peak RSS and private (anonymous) memory now, MiB."""
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    kb = {k: int(v.split()[0]) for k, v in status.items() if k in ("VmHWM", "VmRSS", "RssAnon")}
+    return {"peak_rss": kb["VmHWM"] / 1024, "rss": kb["VmRSS"] / 1024, "private": kb["RssAnon"] / 1024}
+
+
+def run(args, wd: Path) -> dict:
+    from threadpoolctl import threadpool_limits
+
+    centres, W = model()
+    n = args.n
+    X = draw(centres, n, np.random.default_rng(1))
+    Q = draw(centres, args.queries, np.random.default_rng(10**9))
+    items = Items(np.arange(n, dtype=np.int64), np.zeros(n, np.int64), [f"{i}.jpg" for i in range(n)], ["g"] * n)
+    idx = write_index(wd / "idx", X, items, W, normalize=True, info={}, factory="Flat")
+    del X, items  # what the process holds from here on is the by-row reads alone
+    params = {"M": 16, "efConstruction": 100} if args.index_type == "HNSW" else {}
+    t0 = time.perf_counter()
+    export_index(idx, args.uri, args.collection, index_type=args.index_type, index_params=params, overwrite=True)
+    out: dict = {"n": n, "d": 128, "queries": args.queries, "index_type": args.index_type, "L": L,
+                 "export_s": time.perf_counter() - t0}
+    serving_threads(1)
+    blas = threadpool_limits(1, "blas")
+    g = MilvusGallery(args.uri, args.collection)
+    for c in g.client.list_collections():  # lists of an earlier run of this bench
+        if c.startswith(f"{args.collection}__"):
+            g.client.drop_collection(c)
+    out["memory_opened"] = memory_mib()
+    space = MilvusSpace(g, "trained", {}, "bilinear")
+    t0 = time.perf_counter()
+    lists = neighbour_lists(space, L, progress=True)
+    out["lists_s"] = time.perf_counter() - t0
+    out["memory_lists"] = memory_mib()
+    out["rerankers"] = {}
+    answers = {}
+    for name, p in RERANKERS:
+        rerank(name, space, Q[:1], K, params=p)  # warm: M′, the gRPC channel
+        times, answers[name] = [], []
+        for q in Q[:, None]:
+            t0 = time.perf_counter()
+            answers[name].append(rerank(name, space, q, K, params=p).rows[0])
+            times.append(time.perf_counter() - t0)
+        ms = np.array(times) * 1e3
+        out["rerankers"][name] = {"p50_ms": float(np.median(ms)), "p95_ms": float(np.percentile(ms, 95))}
+    out["memory_queries"] = memory_mib()  # before the in-RAM reference below is loaded
+    # the in-RAM index, the reference: the lists' recall, each re-ranker's top-10 overlap
+    ram = SearcherSpace(Searcher(read_index(idx)), "trained", {}, "bilinear", cache_dir=wd / "cache")
+    sample = np.sort(np.random.default_rng(2).choice(n, 200, replace=False))
+    exact = exact_lists(ram, sample, 51)["rows"]
+    got = lists.rows[sample][:, :51]
+    out["list_recall@51"] = float((got[:, :, None] == exact[:, None, :]).any(1).mean())
+    for name, p in RERANKERS:
+        want = rerank(name, ram, Q, K, params=p | ({"truncation": 10_000} if name == "diffusion" else {})).rows
+        out["rerankers"][name]["top10_overlap"] = float(np.mean(
+            [len(set(a) & set(b)) / K for a, b in zip(answers[name], want, strict=True)]))
+        print(name, out["rerankers"][name], flush=True)
+    blas.restore_original_limits()
+    g.close()
+    return out
+
+
+def markdown(r: dict, command: str) -> str:
+    md = [f"`{command}` ({time.strftime('%Y-%m-%d')}): N = {r['n']:,}, d = {r['d']}, a Milvus 2.3.5 standalone "
+          f"server on this 2-core machine, collection {r['index_type']}, trained strategy (bilinear), "
+          f"{r['queries']} single queries.", "",
+          f"- export: {r['export_s']:.0f} s; the neighbour lists (L = {r['L']}) through the server's search: "
+          f"{r['lists_s']:.0f} s, recall@51 of the exact lists {r['list_recall@51']:.4f} (200 items)",
+          f"- this process, before the in-RAM reference: peak RSS {r['memory_queries']['peak_rss']:.0f} MiB; private "
+          f"{r['memory_opened']['private']:.0f} MiB after opening the collection, "
+          f"{r['memory_lists']['private']:.0f} after the lists, {r['memory_queries']['private']:.0f} after the "
+          "queries", "",
+          "| re-ranker (read by row) | p50 ms | p95 ms | top-10 overlap with the in-RAM index |",
+          "|---|---|---|---|"]
+    md += [f"| {k} | {v['p50_ms']:.0f} | {v['p95_ms']:.0f} | {v['top10_overlap']:.1%} |"
+           for k, v in r["rerankers"].items()]
+    return "\n".join(md) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--uri", required=True, help="the Milvus server (http://127.0.0.1:19530)")
+    ap.add_argument("--collection", default="bench_graph", help="collection to (re)create (default: %(default)s)")
+    ap.add_argument("--n", type=int, default=100_000, help="gallery rows (default: %(default)s)")
+    ap.add_argument("--queries", type=int, default=100, help="single queries per re-ranker (default: %(default)s)")
+    ap.add_argument("--index-type", default="HNSW", choices=["HNSW", "FLAT"],
+                    help="the collection's index (default: %(default)s)")
+    ap.add_argument("--out", default="bench/results/milvus_graph", help="results folder (default: %(default)s)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="milvus_graph_") as wd:
+        r = run(args, Path(wd))
+    command = "python bench/milvus_graph.py --uri URI" + (f" --n {args.n}" if args.n != 100_000 else "") + (
+        f" --index-type {args.index_type}" if args.index_type != "HNSW" else "")
+    write_json(Path(args.out) / "results.json", r)
+    write_text(Path(args.out) / "results.md", markdown(r, command))
+    print(markdown(r, command))
+
+
+if __name__ == "__main__":
+    main()
