@@ -1,7 +1,7 @@
 """The neighbour graph in the engine, and the re-rankers that read by row, against a Milvus server.
 
   milvus-server --data DIR &        # the `milvus` package (requirements-milvus.txt): gRPC on 19530
-  python bench/milvus_graph.py --uri http://127.0.0.1:19530 [--n 100000] [--queries 100]
+  python bench/milvus_graph.py --uri http://127.0.0.1:19530 [--n 100000] [--queries 200]
                                [--index-type HNSW] [--out bench/results/milvus_graph]
 
 Data: bench/ondisk_bench.py's synthetic gallery (N unit vectors, d = 128, 1000 classes, neck W
@@ -125,7 +125,7 @@ def main():
     ap.add_argument("--uri", required=True, help="the Milvus server (http://127.0.0.1:19530)")
     ap.add_argument("--collection", default="bench_graph", help="collection to (re)create (default: %(default)s)")
     ap.add_argument("--n", type=int, default=100_000, help="gallery rows (default: %(default)s)")
-    ap.add_argument("--queries", type=int, default=100, help="single queries per re-ranker (default: %(default)s)")
+    ap.add_argument("--queries", type=int, default=200, help="single queries per re-ranker (default: %(default)s)")
     ap.add_argument("--index-type", default="HNSW", choices=["HNSW", "FLAT"],
                     help="the collection's index (default: %(default)s)")
     ap.add_argument("--out", default="bench/results/milvus_graph", help="results folder (default: %(default)s)")

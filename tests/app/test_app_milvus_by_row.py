@@ -143,3 +143,20 @@ def test_a_sampled_comparison_is_the_whole_comparisons_at_its_queries(ram, milvu
     text = Handlers(milvus).on_compare(None, "all", 6, "outcome", 1.0, 3, 8, progress=None,
                                        **panels(left=("trained", "cosine"), right=("identity", "cosine")))[0]
     assert f"sample of 8 of {len(every.ids)} queries (seed 3)" in text
+
+
+@pytest.mark.parametrize("spec", [SearchConfig("trained", {}, "cosine", "diffusion", {"truncation": 30, "k": 8}),
+                                  SearchConfig("identity", {}, "cosine", "aqe", {"n": 3})])
+def test_a_search_reranked_by_row_copies_no_vector(ram, milvus, monkeypatch, spec):
+    """diffusion and αQE read by row: the app's re-ranked search on the collection makes no copy of
+    its vectors (nor maps its source index's) and answers as the index directory does."""
+    def whole(*_a, **_k):
+        raise AssertionError("the collection's vectors were copied or mapped whole")
+
+    monkeypatch.setattr(MilvusGallery, "_copied_features", whole)
+    monkeypatch.setattr(MilvusGallery, "_source_features", whole)
+    for i in [int(x) for x in ram.data.items.ids[[3, 11]]]:
+        q, qr = milvus.query_from_item(i), ram.query_from_item(i)
+        for a, b in zip(ram.compare(qr, spec, 7), milvus.compare(q, spec, 7), strict=True):
+            assert ids(a) == ids(b) and a.p_at_k == b.p_at_k
+            assert [r["score"] for r in a.results] == pytest.approx([r["score"] for r in b.results], rel=1e-4)
