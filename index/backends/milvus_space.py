@@ -28,15 +28,17 @@ from ..metric import psd_factor
 from ..refinements import strategy_key
 from ..space import Hits, as_rows, key_hash
 from .gallery import refined_metric
+from .milvus_store import EXACT_INDEX, EXACT_SCORES, MAX_TOPK
 from .store import Items
 
 if TYPE_CHECKING:
-    from .milvus_store import MilvusGallery
+    from .milvus_store import MilvusGallery  # noqa: F401  (the annotations' name)
 
 BLOCK = 1024            # items per block of an artefact built in the engine (one upsert each)
 SEARCH_CELLS = 1 << 16  # queries × candidates asked of the collection at once (re-scored ones come with
 # their vectors: a 64 MiB gRPC message holds about 10⁵ of 128-d)
 ROW_SHARE = 16          # the rows kept by row (vectors, artefacts) take at most 1/16 of the memory budget
+ITEMS_UP_TO = 1024      # a re-scored list this long or shorter comes with its items' metadata
 ARTEFACT = "dml.artefact"  # the property naming what an artefact collection holds, and whether it is whole
 
 
@@ -305,7 +307,8 @@ class MilvusSpace:
             return v
         norms = self.metric.norms(v)
         assert norms is not None
-        return (v / np.maximum(norms, 1e-30)[:, None]).astype(np.float32)
+        # as the in-RAM cosine index: an item of zero M′-norm scores 0
+        return (v * np.where(norms > 0, 1.0 / np.maximum(norms, 1e-30), 0.0)[:, None]).astype(np.float32)
 
     def normalise(self, v: np.ndarray) -> np.ndarray:
         if self._mode == "cosine":
@@ -332,12 +335,38 @@ class MilvusSpace:
 
     # ------------------------------------------------------------ search and scores
     def search(self, v: np.ndarray, k: int, exclude: np.ndarray | None = None) -> Hits:
-        """The collection's own search under M′ (`MilvusGallery.search_metric`), a block of
-        queries at a time, each query's excluded row left out."""
+        """The collection's own search under M′, a block of queries at a time, each query's
+        excluded row left out.  Where Milvus's scores are exact (bilinear on FLAT, HNSW, IVF_FLAT)
+        they are its answer (`MilvusGallery.search_metric`, with each hit's metadata); otherwise
+        (cosine mode, quantised indexes) Milvus proposes the candidate rows and they are scored
+        here from their vectors, fetched by row once for all the queries that meet them (the LRU
+        keeps them): a list longer than ITEMS_UP_TO comes without metadata (`hits` fetches it)."""
         v = np.ascontiguousarray(v, dtype=np.float32)
         k = max(1, min(int(k), self.n))
         ex = as_rows(exclude, len(v), self.n)
         kk = min(k + int((ex >= 0).any()), self.n)
+        if self.metric.mode == "bilinear" and self.gallery.info["index_type"] in EXACT_SCORES:
+            return self._search_scored(v, k, kk, ex)
+        pool = min(MAX_TOPK, self.metric.candidate_count(kk, self.n, self.gallery.rerank_factor))
+        width = pool if self.gallery.info["index_type"] != EXACT_INDEX else None
+        rows = np.full((len(v), k), -1, dtype=np.int64)
+        scores = np.full((len(v), k), -np.inf, dtype=np.float32)
+        step = max(1, 8 * SEARCH_CELLS // pool)  # rows alone come back: a few bytes each
+        for a in range(0, len(v), step):
+            q = v[a: a + step]
+            cand = np.full((len(q), pool), -1, dtype=np.int64)
+            for i, found in enumerate(self.gallery.search_ip(self.transform(q), pool, ["row"], None, width)):
+                cand[i, : len(found)] = [h["entity"]["row"] for h in found]
+            s = self.score(q, cand)  # exact, −inf where none
+            s[cand == ex[a: a + step, None]] = -np.inf
+            order = np.argsort(-s, axis=1, kind="stable")[:, :k]  # equal scores: Milvus's order
+            r, sc = np.take_along_axis(cand, order, 1), np.take_along_axis(s, order, 1)
+            rows[a: a + step, : r.shape[1]] = np.where(np.isfinite(sc), r, -1)
+            scores[a: a + step, : r.shape[1]] = sc
+        return self.hits(rows, scores) if k <= ITEMS_UP_TO else Hits(rows, scores)
+
+    def _search_scored(self, v: np.ndarray, k: int, kk: int, ex: np.ndarray) -> Hits:
+        """`search` where Milvus's scores are exact: its hits, with their metadata."""
         asked = self.metric.candidate_count(kk, self.n, self.gallery.rerank_factor)
         step = max(1, SEARCH_CELLS // max(1, asked))
         rows = np.full((len(v), k), -1, dtype=np.int64)

@@ -104,7 +104,8 @@ def export_features(uri: str, collection: str, features: np.ndarray, items, W: n
     (`content_sha256`, what re-rankers' caches are keyed by) go into the `dml.info` property.
 
     `index_type` other than FLAT (e.g. HNSW on a server) makes search widen its candidates, and
-    re-rank them exactly where Milvus's scores are not (cosine mode, quantised indexes).  An existing collection is refused unless `overwrite`."""
+    re-rank them exactly where Milvus's scores are not (cosine mode, quantised indexes).  An
+    existing collection is refused unless `overwrite`."""
     pm = _pymilvus()
     n, d = features.shape
     if len(items) != n or W.ndim != 2 or W.shape[1] != d:

@@ -38,4 +38,5 @@ def aqe(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: int, *, 
     """α-weighted query expansion (Radenović et al. TPAMI 2019): search again with normalise(q + Σ s(q, xᵢ)^α xᵢ)."""
     assert first is not None  # registered with reads_first
     rows, _ = candidates(first, self_ids, params.n)
-    return space.search(expanded(space, queries, rows, params.alpha), k, exclude=self_ids)
+    h = space.search(expanded(space, queries, rows, params.alpha), k, exclude=self_ids)
+    return h if h.items is not None else space.hits(h.rows, h.scores)  # a long list may come without metadata

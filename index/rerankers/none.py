@@ -16,6 +16,6 @@ def none(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: int, *,
     assert first is not None  # registered with reads_first
     if (self_ids >= 0).any():  # a first search that still holds the query's own row
         return space.hits(*candidates(first, self_ids, k))
-    if first.k == k:
+    if first.k == k and first.items is not None:
         return first  # the same object: bit-identical to the plain search
     return space.hits(first.rows[:, :k], first.scores[:, :k])
