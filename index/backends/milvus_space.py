@@ -28,7 +28,6 @@ from ..metric import psd_factor
 from ..refinements import strategy_key
 from ..space import Hits, as_rows, key_hash
 from .gallery import refined_metric
-from .milvus_store import EXACT_INDEX, EXACT_SCORES, MAX_TOPK
 from .store import Items
 
 if TYPE_CHECKING:
@@ -345,10 +344,10 @@ class MilvusSpace:
         k = max(1, min(int(k), self.n))
         ex = as_rows(exclude, len(v), self.n)
         kk = min(k + int((ex >= 0).any()), self.n)
-        if self.metric.mode == "bilinear" and self.gallery.info["index_type"] in EXACT_SCORES:
+        if self.gallery.scores_exact(self.metric.mode):
             return self._search_scored(v, k, kk, ex)
-        pool = min(MAX_TOPK, self.metric.candidate_count(kk, self.n, self.gallery.rerank_factor))
-        width = pool if self.gallery.info["index_type"] != EXACT_INDEX else None
+        pool = min(self.gallery.max_topk, self.metric.candidate_count(kk, self.n, self.gallery.rerank_factor))
+        width = self.gallery.search_width(pool)
         rows = np.full((len(v), k), -1, dtype=np.int64)
         scores = np.full((len(v), k), -np.inf, dtype=np.float32)
         step = max(1, 8 * SEARCH_CELLS // pool)  # rows alone come back: a few bytes each

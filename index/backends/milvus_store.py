@@ -477,6 +477,17 @@ class MilvusGallery(NeckGallery):
         return super().metric_space(strategy, params, mode)
 
     # ------------------------------------------------------------ search
+    max_topk = MAX_TOPK
+
+    def scores_exact(self, mode: str) -> bool:
+        """Whether Milvus's own scores are the similarity under M′ in `mode`: bilinear, on an index
+        of the stored float vectors (FLAT, HNSW, IVF_FLAT: no quantisation)."""
+        return mode == "bilinear" and self.info["index_type"] in EXACT_SCORES
+
+    def search_width(self, pool: int) -> int | None:
+        """How wide a search proposing `pool` candidates walks (HNSW's ef); None on FLAT (exact)."""
+        return None if self.info["index_type"] == EXACT_INDEX else pool
+
     def _search_params(self, limit: int, nprobe: int | None, width: int | None = None) -> dict:
         index_type = self.info["index_type"]
         params = {"ef": max(limit, width or 0)} if index_type == "HNSW" else {"nprobe": nprobe} if nprobe else {}
@@ -507,12 +518,10 @@ class MilvusGallery(NeckGallery):
         # HNSW and IVF_FLAT score the stored float vectors, so Milvus's bilinear scores are exact: the
         # candidates widen its search (HNSW's ef) and its top k is the exact top k of what it found,
         # as re-scoring them would make it, without their vectors coming back
-        exact_scores = self.info["index_type"] in EXACT_SCORES
-        rerank = metric.mode == "cosine" or not exact_scores
+        rerank = not self.scores_exact(metric.mode)
         pool = min(MAX_TOPK, metric.candidate_count(k, len(self), rerank_factor))
         limit = pool if rerank else min(k, len(self))
-        width = pool if self.info["index_type"] != EXACT_INDEX else None
-        res = self.search_ip(qt, limit, OUTPUT + (["vector"] if rerank else []), nprobe, width)
+        res = self.search_ip(qt, limit, OUTPUT + (["vector"] if rerank else []), nprobe, self.search_width(pool))
         R = np.full((len(qt), k), -1, dtype=np.int64)
         S = np.full((len(qt), k), -np.inf, dtype=np.float32)
         at = np.full((len(qt), k), -1, dtype=np.int64)
