@@ -329,7 +329,7 @@ class MilvusSpace:
         if (~found).any():
             keys = self.key(self.gallery.fetch_rows(uniq[~found]))
             out[~found] = keys
-            self._vectors.put(uniq[~found], list(keys))
+            self._vectors.put(uniq[~found], [row.copy() for row in keys])  # not views that keep the block
         return out[back.reshape(-1)].reshape(*rows.shape, self.dim)
 
     # ------------------------------------------------------------ search and scores
