@@ -141,7 +141,9 @@ class EngineTable:
         if not client.has_collection(self.collection):
             return None
         props = client.describe_collection(self.collection).get("properties", {})
-        got = json.loads(props.get(ARTEFACT, "{}"))
+        if ARTEFACT not in props:  # made, and the build cut short before its first mark: nothing stored
+            return self._facts() | {"whole": False, "done": 0}
+        got = json.loads(props[ARTEFACT])
         if {k: got.get(k) for k in self._facts()} != self._facts():
             raise UserError(f"Milvus collection {self.collection!r} holds another artefact than this gallery's "
                             f"{self.what} (drop it, or export the gallery under another name)")
@@ -170,12 +172,17 @@ class EngineTable:
         try:
             state = self._state()
             if state is not None and state.get("whole"):
+                client.load_collection(self.collection)  # as the gallery is (a restarted server releases it)
                 self.whole = True
                 return self
             if state is None:
                 ip = client.prepare_index_params()
                 ip.add_index("_v", index_type="FLAT", metric_type="IP")
-                client.create_collection(self.collection, schema=self._schema(), index_params=ip)
+                try:
+                    client.create_collection(self.collection, schema=self._schema(), index_params=ip)
+                except pm.exceptions.MilvusException:
+                    if not client.has_collection(self.collection):  # not another builder's, made first
+                        raise
                 state = self._mark(whole=False, done=0)
             # the blocks are upserted in order, and the rows stored so far recorded after each (in the
             # collection's properties, which every reader sees at once): a build cut short goes on from
@@ -350,7 +357,7 @@ class MilvusSpace:
         width = self.gallery.search_width(pool)
         rows = np.full((len(v), k), -1, dtype=np.int64)
         scores = np.full((len(v), k), -np.inf, dtype=np.float32)
-        step = max(1, 8 * SEARCH_CELLS // pool)  # rows alone come back: a few bytes each
+        step = max(1, SEARCH_CELLS // pool)  # the pool's vectors are gathered to score them
         for a in range(0, len(v), step):
             q = v[a: a + step]
             cand = np.full((len(q), pool), -1, dtype=np.int64)

@@ -139,12 +139,19 @@ def conjugate_gradient(A, b: np.ndarray, tol: float, iterations: int) -> np.ndar
 
 
 def _edges(sub: np.ndarray, rows: np.ndarray, sims: np.ndarray,
-           place: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The k-NN edges i → j within `sub`, by row in list order: (edges per row, j, max(s, 0))."""
+           place: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The k-NN edges i → j within `sub`, by row in list order: (edges per row, j, max(s, 0)).
+    `place`: see `affinity`; None (a gallery no process holds) looks each neighbour up in `sub`
+    sorted instead, holding nothing of the gallery's size."""
     T = len(sub)
-    place[sub] = np.arange(T, dtype=np.int32)
-    local = place[rows]  # each neighbour's place in sub, −1 outside (or none: place[-1])
-    place[sub] = -1
+    if place is None:
+        order = np.argsort(sub, kind="stable")
+        at = np.minimum(np.searchsorted(sub, rows, sorter=order), T - 1)
+        local = np.where(sub[order[at]] == rows, order[at], -1).astype(np.int32)
+    else:
+        place[sub] = np.arange(T, dtype=np.int32)
+        local = place[rows]  # each neighbour's place in sub, −1 outside (or none: place[-1])
+        place[sub] = -1
     keep = (local >= 0) & (local != np.arange(T, dtype=np.int32)[:, None])
     at = np.flatnonzero(keep)
     return keep.sum(1), local.ravel().take(at), np.maximum(sims.ravel().take(at).astype(np.float64), 0.0)
@@ -167,7 +174,8 @@ def _mutual(counts: np.ndarray, cols: np.ndarray, w: np.ndarray, size: int, gamm
     return A
 
 
-def affinity(sub: np.ndarray, rows: np.ndarray, sims: np.ndarray, gamma: float, place: np.ndarray) -> sparse.csr_matrix:
+def affinity(sub: np.ndarray, rows: np.ndarray, sims: np.ndarray, gamma: float,
+             place: np.ndarray | None) -> sparse.csr_matrix:
     """The mutual-kNN affinity A restricted to `sub` (knngraph.m, then A(sub, sub)): `rows`,
     `sims` are the k-NN lists of the items in `sub`, in its order, each of distinct items (−1: a
     list that ran out).  `place`: n + 1 int32 entries of −1 for a gallery of n items (a −1 entry
@@ -334,7 +342,7 @@ def diffusion(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: in
         first = space.search(queries, p.truncation, exclude=self_ids)
     rows, scores = candidates(first, self_ids, max(p.truncation, k))
 
-    def one(b: int, place: np.ndarray) -> None:
+    def one(b: int, place: np.ndarray | None) -> None:
         """Query b on the graph of its first-search candidates (findtrunc.m + trunclap.m)."""
         found = rows[b] >= 0
         sub = rows[b][found]
@@ -352,7 +360,8 @@ def diffusion(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: in
         out_s[b, : len(r)] = v
 
     def some(a: int) -> None:  # queries are independent; each task its own `place`
-        place = np.full(space.n + 1, -1, dtype=np.int32)
+        # (a gallery read by row: none of its size, each list looked up in its query's candidates)
+        place = np.full(space.n + 1, -1, dtype=np.int32) if getattr(space, "holds_gallery", True) else None
         for b in range(a, min(a + QUERY_BATCH, len(queries))):
             one(b, place)
     in_threads(some, range(0, len(queries), QUERY_BATCH))

@@ -233,6 +233,8 @@ def test_the_mutual_knn_affinity_keeps_mutual_edges_and_no_list_end():
     want[0, 1], want[1, 0] = 0.9 ** 3, 0.7 ** 3  # 1 ↔ 3 is mutual; 1 → 5 and 5 → 3 are not
     np.testing.assert_allclose(A, want, rtol=1e-6)
     assert (place == -1).all()
+    # without a gallery-sized `place` (a gallery read by row): each neighbour looked up in `sub`
+    np.testing.assert_array_equal(affinity(sub, rows, sims, 3.0, None).toarray(), A)
 
 
 def test_diffusion_with_the_official_settings_stays_near_the_solution(gallery):
