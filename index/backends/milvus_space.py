@@ -11,6 +11,7 @@ layout and the measurements: docs/scale-out.md ("Milvus").
 """
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -234,13 +235,6 @@ class EngineTable:
         return out
 
 
-def concat_items(parts: list) -> Items:
-    """One `Items` of several, in order."""
-    return Items(np.concatenate([np.asarray(p.ids, dtype=np.int64) for p in parts]),
-                 np.concatenate([np.asarray(p.labels, dtype=np.int64) for p in parts]),
-                 [x for p in parts for x in p.paths], [x for p in parts for x in p.splits])
-
-
 class MilvusSpace:
     """A `MetricSpace` (index/space/protocol.py) over a Milvus collection, read by row."""
     holds_gallery = False  # no N-sized array: whole-gallery passes are refused (re-rankers by_row only)
@@ -390,7 +384,7 @@ class MilvusSpace:
             offset = sum(len(i) for i in items)
             at[a: a + step, : r.shape[1]] = np.where(r >= 0, np.take_along_axis(h_at, order, 1) + offset, -1)
             items.append(h.items)
-        return Hits(rows, scores, concat_items(items), at, self.gallery.class_names)
+        return Hits(rows, scores, functools.reduce(Items.concat, items), at, self.gallery.class_names)
 
     def score(self, v: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
         if rows is None:

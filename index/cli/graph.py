@@ -45,7 +45,7 @@ def cmd_graph(args) -> int:
     if note:
         print(f"note: {note}", file=sys.stderr)
     space = cfg.with_mode(mode).space(gallery)  # an engine's gallery: read by row, its lists stored there
-    engine = not getattr(space, "holds_gallery", True)
+    engine = not space.holds_gallery
     lists = neighbour_lists(space, args.length, progress=args.progress)
     where = f" in the engine ({lists.rows.table.collection})" if engine else ""  # type: ignore[attr-defined]
     print(f"neighbour lists: {space.n:,} items × {lists.rows.shape[1]} ({lists.digest}){where}")

@@ -314,7 +314,7 @@ def diffusion(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: in
     out_s = np.full((len(queries), k), -np.inf, dtype=np.float32)
     # the whole graph is built in the process: a gallery read by row (no N-sized array) diffuses
     # on each query's graph instead, all its items where the truncation asks for them
-    if p.truncation >= space.n and getattr(space, "holds_gallery", True):
+    if p.truncation >= space.n and space.holds_gallery:
         seeds, _ = candidates(first, self_ids, p.kq)
         step = max(1, min(len(queries), BATCH_CELLS // space.n))
         whole_graph(space, p)  # built once, before the threads read it
@@ -361,7 +361,7 @@ def diffusion(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: in
 
     def some(a: int) -> None:  # queries are independent; each task its own `place`
         # (a gallery read by row: none of its size, each list looked up in its query's candidates)
-        place = np.full(space.n + 1, -1, dtype=np.int32) if getattr(space, "holds_gallery", True) else None
+        place = np.full(space.n + 1, -1, dtype=np.int32) if space.holds_gallery else None
         for b in range(a, min(a + QUERY_BATCH, len(queries))):
             one(b, place)
     in_threads(some, range(0, len(queries), QUERY_BATCH))

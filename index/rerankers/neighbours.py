@@ -63,7 +63,7 @@ class Lists(NamedTuple):
 def _lists_spec(space: MetricSpace, L: int) -> tuple[dict, int, np.ndarray | None, int]:
     """(params, stored length, F where the lists come from the HNSW graph else None, widen).  A
     space read by row (an engine's gallery) searches its engine: never an HNSW graph of its own."""
-    by_engine = not getattr(space, "holds_gallery", True)
+    by_engine = not space.holds_gallery
     F = space.factor() if space.n > APPROXIMATE_ABOVE and not by_engine else None
     approximate = F is not None and F.shape[1] > 0
     Ls = stored_length(L, space.n)
@@ -86,7 +86,7 @@ def neighbour_lists(space: MetricSpace, L: int, *, progress: bool = False) -> Li
     params, Ls, F, widen = _lists_spec(space, L)
     columns = {"rows": (Ls, "int32"), "sims": (Ls, "float32")}
     if F is None:
-        if getattr(space, "holds_gallery", True):  # an engine's search costs what its index costs
+        if space.holds_gallery:  # an engine's search costs what its index costs
             refuse_exact_scan(space, "neighbour lists")
         got = space.artefact_in_blocks("knn", params, columns, lambda a, b: exact_lists(space, np.arange(a, b), Ls),
                                        block=BLOCK, progress=progress)

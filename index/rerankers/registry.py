@@ -186,7 +186,7 @@ def rerank(name: str, space: MetricSpace, queries: np.ndarray, k: int = 10, *, p
     if k < 1:
         raise UserError(f"k must be ≥ 1, got {k}")
     entry = RERANKERS.get(name)
-    p = clipped(name, reranker_params(name, params), space.n, whole=getattr(space, "holds_gallery", True))
+    p = clipped(name, reranker_params(name, params), space.n, whole=space.holds_gallery)
     q = space.prepare(queries)
     ids = as_rows(self_ids, len(q), space.n)
     k = max(1, min(int(k), space.n - int((ids >= 0).any())))

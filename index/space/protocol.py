@@ -39,6 +39,11 @@ class MetricSpace(Protocol):
         """"bilinear" or "cosine"."""
 
     @property
+    def holds_gallery(self) -> bool:
+        """Whether this process may hold arrays of the gallery's size for it (False: a gallery an
+        engine keeps, read by row; passes over every item are refused there)."""
+
+    @property
     def cache_key(self) -> str:
         """A hash of (index content fingerprint, strategy key with its parameters, mode): the
         offline caches of this space are stored under it."""

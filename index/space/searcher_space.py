@@ -42,6 +42,8 @@ class SearcherSpace:
         self._cache_key: str | None = None
 
     # ------------------------------------------------------------ identity
+    holds_gallery = True  # its features are in RAM or memory-mapped
+
     @property
     def n(self) -> int:
         return len(self.searcher)
