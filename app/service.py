@@ -32,7 +32,7 @@ from index.backends.gallery import HIT_FIELDS
 from index.backends.store import Items
 from index.embedder import ImageEmbedder
 from index.refinements import REFINEMENTS, file_params, strategy_key
-from index.rerankers import RERANKERS, check_size_limit
+from index.rerankers import check_size_limit, reads_by_row
 from index.search_config import NO_RERANK, SearchConfig
 
 from . import render
@@ -163,7 +163,8 @@ class RetrievalService:
         spec.check_searchable()
         check_size_limit(spec.rerank, spec.rerank_params, self.max_rerank_size)
         # a re-ranker read by row needs no metric space of the whole gallery (Milvus: no copy)
-        if spec.rerank != NO_RERANK and not RERANKERS.get(spec.rerank).spec.by_row and self.rerank_refusal is not None:
+        if (spec.rerank != NO_RERANK and not reads_by_row(spec.rerank, spec.rerank_params)
+                and self.rerank_refusal is not None):
             raise UserError(self.rerank_refusal)
 
     @cached_property

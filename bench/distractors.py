@@ -262,7 +262,10 @@ def run_cell(args) -> dict:
         Path(args.result).write_text(json.dumps(out))  # what is measured survives a cell stopped later
     out["queries"] = int(len(q))
     out["approximate_above"] = nb.APPROXIMATE_ABOVE
-    if len(labels) > nb.APPROXIMATE_ABOVE and {"dba", "kreciprocal", "diffusion"} & set(out["rerankers"]):
+    # the re-rankers that built the gallery's lists (k-reciprocal within each query's pool builds none)
+    readers = {"dba", "diffusion"} | ({"kreciprocal"} if rr_params.get("kreciprocal", {}).get("sets") != "pool"
+                                      else set())
+    if len(labels) > nb.APPROXIMATE_ABOVE and readers & set(out["rerankers"]):
         # the HNSW lists (built above by the first re-ranker that read them) against an exact
         # scan, on a fixed draw of gallery items: recall of the exact top k1 (the item included)
         space = cfg.space(searcher)
@@ -273,7 +276,7 @@ def run_cell(args) -> dict:
         found = (lists[items][:, :, None] == exact[:, None, :]).any(1).sum()
         out["list_recall"] = {"k": k1, "items": int(len(items)), "recall": float(found / exact.size)}
         print(json.dumps(out["list_recall"]), flush=True)
-        if "kreciprocal" in out["rerankers"]:
+        if "kreciprocal" in out["rerankers"] and "kreciprocal" in readers:
             # the HNSW row extremes against an exact scan of the same items: the least similar item
             # found, and the row maximum of d (s(x, x) − min s) that k-reciprocal scales by
             ext = nb.row_extremes(space)

@@ -19,7 +19,7 @@ from core.params import shown as show
 from .backends.gallery import Gallery, Hits
 from .metric import MODES
 from .refinements import REFINEMENTS, strategy_key, strategy_label, strategy_params
-from .rerankers import RERANKERS, rerank, reranker_params
+from .rerankers import RERANKERS, reads_by_row, rerank, reranker_params
 from .space import MetricSpace, gallery_space
 from .threads import request_threads
 
@@ -93,7 +93,8 @@ class SearchConfig:
     def space(self, gallery: Gallery) -> MetricSpace:
         """The metric space this configuration's re-ranker runs in (cached per gallery): read by
         row where the re-ranker reads only the rows a query touches (`RerankerSpec.by_row`)."""
-        return gallery_space(gallery, self.strategy, self.params, self.mode, RERANKERS.get(self.rerank).spec.by_row)
+        return gallery_space(gallery, self.strategy, self.params, self.mode,
+                             reads_by_row(self.rerank, self.rerank_params))
 
     def without_rerank(self) -> SearchConfig:
         """The same strategy, parameters and mode, no re-ranker: the first search a re-ranker reads."""

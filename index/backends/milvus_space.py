@@ -5,9 +5,11 @@ neighbour lists) live in collections beside the gallery's (`EngineTable`), built
 search a block of items at a time and read by row.  No array of the gallery's size is held in
 the process: what a query costs is bounded by the re-ranker's parameters, not by N.
 
-Re-rankers registered `by_row` (none, αQE, diffusion on each query's cut graph) run here; the
-others still read the gallery whole, from the copy `MilvusGallery.metric_space` makes.  The
-layout and the measurements: docs/scale-out.md ("Milvus").
+Every re-ranker at its defaults runs here (registered `by_row`): none, αQE, αDBA (its augmented
+gallery a collection of its own, searched there), k-reciprocal within each query's pool, and
+diffusion on each query's cut graph.  k-reciprocal's whole-gallery sets (`sets=gallery`) read
+the gallery whole, from the copy `MilvusGallery.metric_space` makes.  The layout and the
+measurements: docs/scale-out.md ("Milvus").
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ SEARCH_CELLS = 1 << 16  # queries × candidates asked of the collection at once 
 # their vectors: a 64 MiB gRPC message holds about 10⁵ of 128-d)
 ROW_SHARE = 16          # the rows kept by row (vectors, artefacts) take at most 1/16 of the memory budget
 ITEMS_UP_TO = 1024      # a re-scored list this long or shorter comes with its items' metadata
+WINDOW = 16384          # Milvus's largest result window: one query's rows at most
 ARTEFACT = "dml.artefact"  # the property naming what an artefact collection holds, and whether it is whole
 
 
@@ -113,6 +116,15 @@ class EngineColumn:
     def __array__(self, dtype=None, copy=None):
         raise UserError(f"the engine's {self.table.what} are read by row, not the whole gallery's at once")
 
+    def nearest(self, t: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The engine's top-k rows of this vector column by inner product with each row of `t`:
+        (scores, rows), −inf and −1 where it has fewer (as faiss.knn returns them)."""
+        return self.table.nearest(self.name, t, k)
+
+    def holding(self, value: int) -> np.ndarray:
+        """The rows whose list in this column holds `value`, found by the engine (sorted)."""
+        return self.table.holding(self.name, value)
+
 
 class EngineTable:
     """A per-item artefact (`columns` {name: (width, dtype)}) in its own collection: one entity per
@@ -120,11 +132,15 @@ class EngineTable:
     never searched).  Built by `fill(start, stop)` a block at a time (upserts: a build cut short
     resumes at the first block not wholly stored, and a block stored twice is the same block),
     marked whole last (`dml.artefact`: its digest, columns and row count); read by row, the
-    recent rows kept in a bounded LRU."""
+    recent rows kept in a bounded LRU.  A `searched` column is a vector field instead, indexed as
+    the gallery's vectors are and searched by inner product (`nearest`)."""
 
     def __init__(self, gallery: MilvusGallery, name: str, digest: str, columns: dict[str, tuple[int, str]],
-                 what: str):
+                 what: str, searched: str = ""):
+        if searched and searched not in columns:
+            raise ValueError(f"searched column {searched!r} is not one of {sorted(columns)}")
         self.gallery, self.digest, self.columns, self.what = gallery, digest, dict(columns), what
+        self.searched = searched
         self.collection = f"{gallery.collection}__{name.replace('-', '_')}_{digest[:16]}"
         self.n = len(gallery)
         self._lru = RowLRU(memory_budget() // ROW_SHARE)
@@ -134,7 +150,7 @@ class EngineTable:
     # ------------------------------------------------------------ identity
     def _facts(self) -> dict:
         return {"digest": self.digest, "gallery": self.gallery.collection, "content": self.gallery.content_key,
-                "n": self.n, "columns": {k: [w, t] for k, (w, t) in self.columns.items()}}
+                "n": self.n, "columns": {k: [w, t] for k, (w, t) in self.columns.items()}, "searched": self.searched}
 
     def _state(self) -> dict | None:
         """What the collection says it holds (None: no such collection); refused when it is not ours."""
@@ -161,8 +177,12 @@ class EngineTable:
         pm = self.gallery.pm
         s = pm.MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
         s.add_field("row", pm.DataType.INT64, is_primary=True)
-        s.add_field("_v", pm.DataType.FLOAT_VECTOR, dim=2)
+        if not self.searched:
+            s.add_field("_v", pm.DataType.FLOAT_VECTOR, dim=2)
         for col, (width, dtype) in self.columns.items():
+            if col == self.searched:
+                s.add_field(col, pm.DataType.FLOAT_VECTOR, dim=width)
+                continue
             element = pm.DataType.INT64 if np.dtype(dtype).kind in "iu" else pm.DataType.FLOAT
             s.add_field(col, pm.DataType.ARRAY, element_type=element, max_capacity=max(1, width))
         return s
@@ -178,7 +198,12 @@ class EngineTable:
                 return self
             if state is None:
                 ip = client.prepare_index_params()
-                ip.add_index("_v", index_type="FLAT", metric_type="IP")
+                if self.searched:  # indexed as the gallery's vectors are (its type and build parameters)
+                    idx = client.describe_index(self.gallery.collection, "vector")
+                    ip.add_index(self.searched, index_type=idx.get("index_type", "FLAT"), metric_type="IP",
+                                 params=self.gallery.index_build_params())
+                else:
+                    ip.add_index("_v", index_type="FLAT", metric_type="IP")
                 try:
                     client.create_collection(self.collection, schema=self._schema(), index_params=ip)
                 except pm.exceptions.MilvusException:
@@ -195,8 +220,9 @@ class EngineTable:
                 for a in starts[done:]:
                     b = min(a + BLOCK, self.n)
                     got = fill(a, b)
+                    dummy = {} if self.searched else {"_v": [0.0, 0.0]}
                     client.upsert(self.collection, [
-                        {"row": r, "_v": [0.0, 0.0], **{c: got[c][r - a].tolist() for c in self.columns}}
+                        {"row": r, **dummy, **{c: got[c][r - a].tolist() for c in self.columns}}
                         for r in range(a, b)])
                     self._mark(whole=False, done=b)
                     bar.update(1)
@@ -210,6 +236,40 @@ class EngineTable:
         return self
 
     # ------------------------------------------------------------ read
+    def nearest(self, column: str, t: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The top-k rows by inner product with each row of `t` in the searched column (scores, rows)."""
+        if column != self.searched:
+            raise ValueError(f"column {column!r} of {self.collection!r} is not searched")
+        k = max(1, min(int(k), self.n))
+        scores = np.full((len(t), k), -np.inf, dtype=np.float32)
+        rows = np.full((len(t), k), -1, dtype=np.int64)
+        width = self.gallery.search_width(max(k, self.gallery.rerank_factor * k))
+        step = max(1, SEARCH_CELLS // k)
+        for a in range(0, len(t), step):
+            q = np.asarray(t[a: a + step], dtype=np.float32)
+            try:
+                res = self.gallery.client.search(
+                    self.collection, data=q.tolist(), limit=k, anns_field=column, output_fields=["row"],
+                    search_params=self.gallery.search_params(k, self.gallery.nprobe, width))
+            except self.gallery.pm.exceptions.MilvusException as e:
+                raise UserError(f"Milvus search in {self.collection!r} failed: {e.message}") from None
+            for i, found in enumerate(res):
+                rows[a + i, : len(found)] = [h["entity"]["row"] for h in found]
+                scores[a + i, : len(found)] = [h["distance"] for h in found]
+        return scores, rows
+
+    def holding(self, column: str, value: int) -> np.ndarray:
+        """The rows whose `column` list holds `value` (the engine scans for them: no index needed)."""
+        try:
+            got = self.gallery.client.query(self.collection, filter=f"array_contains({column}, {int(value)})",
+                                            output_fields=["row"], limit=WINDOW)
+        except self.gallery.pm.exceptions.MilvusException as e:
+            raise UserError(f"Milvus query in {self.collection!r} failed: {e.message}") from None
+        if len(got) >= WINDOW:
+            raise UserError(f"{WINDOW:,} or more rows of {self.collection!r} hold row {value}: more than one "
+                            f"query returns")
+        return np.sort(np.asarray([h["row"] for h in got], dtype=np.int64))
+
     def take(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         """{column: len(rows) × width} of the given rows (any order, repeats allowed)."""
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
@@ -282,13 +342,13 @@ class MilvusSpace:
 
     def artefact_in_blocks(self, name: str, params: dict | None, columns: dict[str, tuple[int, str]],
                            fill: Callable[[int, int], dict[str, np.ndarray]], *, inputs: tuple[str, ...] = (),
-                           block: int = 2048, progress: bool = False) -> dict[str, Any]:
+                           block: int = 2048, progress: bool = False, searched: str = "") -> dict[str, Any]:
         digest = self.digest(name, params, inputs)
         with self._tables_lock:  # one table per artefact: its LRU serves every query after
             table = self._tables.get(digest)
             if table is None:
-                what = {"knn": "neighbour lists"}.get(name, name)
-                table = self._tables[digest] = EngineTable(self.gallery, name, digest, columns, what)
+                what = {"knn": "neighbour lists", "dba": "augmented gallery"}.get(name, name)
+                table = self._tables[digest] = EngineTable(self.gallery, name, digest, columns, what, searched)
         with table.lock:  # built (or found whole) once, whoever asks first
             if not table.whole:
                 table.build(fill, progress)

@@ -134,7 +134,8 @@ def export_features(uri: str, collection: str, features: np.ndarray, items, W: n
         classes, counts = np.unique(np.asarray(items.labels, dtype=np.int64), return_counts=True)
         # written last: a collection whose export was interrupted has no dml.info and is refused
         meta = {"dim": int(d), "count": int(n), "embed_dim": int(W.shape[0]), "normalize": bool(normalize),
-                "index_type": index_type, "content_sha256": content.hexdigest(), "classes": int(len(classes)),
+                "index_type": index_type, "index_params": dict(index_params or {}),
+                "content_sha256": content.hexdigest(), "classes": int(len(classes)),
                 **(info or {})}
         props = {"dml.info": json.dumps(meta),
                  "dml.neck": base64.b64encode(np.ascontiguousarray(W, dtype="<f4").tobytes()).decode(),
@@ -488,7 +489,12 @@ class MilvusGallery(NeckGallery):
         """How wide a search proposing `pool` candidates walks (HNSW's ef); None on FLAT (exact)."""
         return None if self.info["index_type"] == EXACT_INDEX else pool
 
-    def _search_params(self, limit: int, nprobe: int | None, width: int | None = None) -> dict:
+    def index_build_params(self) -> dict:
+        """The parameters the collection's vector index was built with (as exported; {}: Milvus's)."""
+        return dict(self.info.get("index_params") or {})
+
+    def search_params(self, limit: int, nprobe: int | None, width: int | None = None) -> dict:
+        """Milvus's search parameters for a search of `limit` hits at most `width` wide."""
         index_type = self.info["index_type"]
         params = {"ef": max(limit, width or 0)} if index_type == "HNSW" else {"nprobe": nprobe} if nprobe else {}
         return {"metric_type": METRIC, "params": params}
@@ -500,7 +506,7 @@ class MilvusGallery(NeckGallery):
         nprobe = self.nprobe if nprobe is None else nprobe
         try:
             return self.client.search(self.collection, data=np.asarray(qt, dtype=np.float32).tolist(), limit=limit,
-                                      anns_field="vector", search_params=self._search_params(limit, nprobe, width),
+                                      anns_field="vector", search_params=self.search_params(limit, nprobe, width),
                                       output_fields=output_fields)
         except self.pm.exceptions.MilvusException as e:
             raise UserError(f"Milvus search in {self.collection!r} failed: {e.message}") from None

@@ -15,6 +15,7 @@ from .registry import (
     first_depth,
     gallery_counts,
     ranked_pool,
+    reads_by_row,
     rerank,
     reranker_params,
     resolved,
@@ -23,4 +24,4 @@ from .registry import (
 
 __all__ = ["AUTO", "DEFAULT", "RERANKERS", "SIZE_LIMIT", "WHOLE_GALLERY", "MetricSpace", "RerankerSpec",
            "SearcherSpace", "candidates", "check_size_limit", "clipped", "first_depth", "gallery_counts",
-           "ranked_pool", "rerank", "reranker_params", "resolved", "size_params"]
+           "ranked_pool", "reads_by_row", "rerank", "reranker_params", "resolved", "size_params"]

@@ -14,9 +14,15 @@ items whose n neighbours include i (its reverse neighbours) are re-augmented onl
 lists with i removed (which is why lists are stored longer than n + 1), i itself is left out,
 and the answer is merged from the cached search and those items' corrected scores: exactly the
 augmentation of the gallery without i.
+
+On a gallery read by row (Milvus) the augmented keys are the engine's data: a collection beside
+the gallery's, built a block of items at a time from the neighbour lists (`artefact_in_blocks`),
+indexed as the gallery is and searched there; the reverse neighbours of a leave-one-out query are
+found by the engine (`holding`).  No array of the gallery's size is held in the process.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import faiss
@@ -49,7 +55,10 @@ def _augment(space: MetricSpace, own: np.ndarray, nb: np.ndarray, s: np.ndarray,
 
 
 def augmented(space: MetricSpace, p: DBAParams) -> dict[str, np.ndarray]:
-    """The cached augmented keys ("keys", n × d) and the neighbours each used ("nb", n × nDBA)."""
+    """The cached augmented keys ("keys", n × d) and the neighbours each used ("nb", n × nDBA); on
+    a gallery read by row, the engine's columns of them (searched and read by row)."""
+    if not space.holds_gallery:
+        return _in_engine(space, p)
     check_fits(f"dba: the augmented gallery ({space.n:,} items × {space.dim})", space.n * (space.dim + p.n) * 4)
     lists = neighbour_lists(space, p.n + 2)
 
@@ -64,27 +73,45 @@ def augmented(space: MetricSpace, p: DBAParams) -> dict[str, np.ndarray]:
     return space.artefact("dba", asdict(p), compute, inputs=(lists.digest,))
 
 
-def _reverse(space: MetricSpace, p: DBAParams, aug: dict) -> tuple[np.ndarray, np.ndarray]:
-    """The reverse-neighbour lists (CSR: rev[ptr[i]:ptr[i+1]] are the items whose nDBA neighbours
-    include i); kept in memory."""
+def _in_engine(space: MetricSpace, p: DBAParams) -> dict:
+    """`augmented` on a gallery read by row: built in the engine a block at a time, from each
+    block's lists and the vectors of their rows."""
+    lists = neighbour_lists(space, p.n + 2)
+
+    def fill(a: int, b: int) -> dict[str, np.ndarray]:
+        own = np.arange(a, b)
+        nb, s = _without_self(lists.rows[own], lists.sims[own], own, np.full(len(own), -1), p.n)
+        return {"nb": nb, "keys": _augment(space, own, nb, s, p.alpha)}
+    return space.artefact_in_blocks("dba", asdict(p), {"nb": (p.n, "int64"), "keys": (space.dim, "float32")}, fill,
+                                    inputs=(lists.digest,), searched="keys")
+
+
+def _reverse(space: MetricSpace, p: DBAParams, aug: dict) -> Callable[[int], np.ndarray]:
+    """Item i → the items whose nDBA neighbours include i: from the reverse-neighbour lists kept in
+    memory (CSR), or on a gallery read by row, asked of the engine."""
+    if not space.holds_gallery:
+        return aug["nb"].holding
     source = space.digest("dba", asdict(p), (neighbour_lists(space, p.n + 2).digest,))
     ptr, rev = reverse_index(space, aug["nb"], aug["nb"].shape[1], source)
-    return rev, ptr
+    return lambda i: rev[ptr[i]: ptr[i + 1]]
 
 
-def _search(keys: np.ndarray, t: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The exact inner-product top k of the augmented keys: FAISS's flat search (what an
-    IndexFlatIP over them runs) on the cached array itself, not on a second copy of it."""
+def _search(keys, t: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The inner-product top k of the augmented keys: FAISS's flat search (what an IndexFlatIP over
+    them runs) on the cached array itself, not on a second copy of it; the engine's own search of
+    a column it keeps (`nearest`)."""
+    if not isinstance(keys, np.ndarray):
+        return keys.nearest(t, k)
     return faiss.knn(np.ascontiguousarray(t, dtype=np.float32), keys, k, metric=faiss.METRIC_INNER_PRODUCT)
 
 
-@RERANKERS.register("dba", DBAParams, offline=True, reads_first=False,
+@RERANKERS.register("dba", DBAParams, offline=True, reads_first=False, by_row=True,
                     grid={"n": (1, 2, 3, 5, 10), "alpha": (0.0, 1.0, 3.0, 5.0)})
 def dba(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: int, *, self_ids: np.ndarray,
         params: DBAParams) -> Hits:
     """Database-side augmentation (Radenović et al. TPAMI 2019): search x′ = normalise(x + Σ s(x, yᵢ)^α yᵢ)."""
     aug = augmented(space, params)
-    rev, ptr = _reverse(space, params, aug)
+    reverse = _reverse(space, params, aug)
     t = space.transform(queries)
     k = min(k, space.n)
     loo = np.flatnonzero(self_ids >= 0)
@@ -97,20 +124,19 @@ def dba(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: int, *, 
     if len(loo):
         # one batched scan for every leave-one-out query, deep enough for the one whose item
         # has the most reverse neighbours (each query drops its item and those)
-        drop = self_ids[loo].astype(np.int64)
-        kk = min(space.n, k + int((ptr[drop + 1] - ptr[drop]).max()) + 1)
+        affected = [reverse(int(i)) for i in self_ids[loo]]
+        kk = min(space.n, k + max(len(a) for a in affected) + 1)
         sc, found = _search(aug["keys"], t[loo], kk)
         for j, b in enumerate(loo):
-            rows[b], scores[b] = _leave_one_out(space, params, rev, ptr, t[b], int(self_ids[b]), k,
+            rows[b], scores[b] = _leave_one_out(space, params, affected[j], t[b], int(self_ids[b]), k,
                                                 found[j], sc[j])
     return space.hits(rows, scores)
 
 
-def _leave_one_out(space: MetricSpace, p: DBAParams, rev: np.ndarray, ptr: np.ndarray, t: np.ndarray, i: int,
+def _leave_one_out(space: MetricSpace, p: DBAParams, affected: np.ndarray, t: np.ndarray, i: int,
                    k: int, found: np.ndarray, sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """One query's top k against the gallery augmented without item i, from its top
-    (k + |reverse neighbours of i| + 1 or more) against the cached augmentation."""
-    affected = rev[ptr[i]: ptr[i + 1]]
+    (k + |reverse neighbours of i (`affected`)| + 1 or more) against the cached augmentation."""
     ok = (found >= 0) & (found != i) & ~np.isin(found, affected)
     rows, scores = found[ok].astype(np.int64), sc[ok].astype(np.float32)
     if len(affected):

@@ -49,6 +49,8 @@ class RerankerSpec(Spec):
     by_row: its online part, at its defaults, reads only the rows a query touches (their vectors,
         lists and metadata), so it runs on a gallery an engine keeps (Milvus) read by row, without
         a copy of it in the process; there `auto` means the plain search's top `pool_above`.
+    whole_when: {param: values} with which its online part reads the whole gallery after all (a
+        by_row re-ranker's paper computation, kept as a choice): it then runs on a space that holds it.
     """
     offline: bool = False
     depth: str = ""
@@ -58,13 +60,15 @@ class RerankerSpec(Spec):
     whole_up_to: int = 0
     pool_above: int = 0
     by_row: bool = False
+    whole_when: Mapping[str, tuple] = field(default_factory=dict)
 
     def check(self, entry) -> None:
         super().check(entry)
         names = {f.name for f in dataclasses.fields(entry.params)}
-        unknown = sorted(set(self.grid) - names)
+        unknown = sorted((set(self.grid) | set(self.whole_when)) - names)
         if unknown:
-            raise ValueError(f"{entry.what}: grid names {unknown}, which are not its parameters {sorted(names)}")
+            raise ValueError(f"{entry.what}: grid or whole_when names {unknown}, which are not its parameters "
+                             f"{sorted(names)}")
         for what in ("depth", "pool"):
             value = getattr(self, what)
             if value and value not in names:
@@ -74,11 +78,16 @@ class RerankerSpec(Spec):
 
     def listing_lines(self) -> list[str]:
         lines = ["offline part: computed once per index, strategy and mode, cached"] if self.offline else []
-        if self.pool_above:
+        if self.pool_above and self.whole_up_to >= WHOLE_GALLERY:
+            lines.append(f"{self.pool} = auto: every item, and the plain search's top {self.pool_above:,} on a gallery "
+                         f"read by row")
+        elif self.pool_above:
             lines.append(f"{self.pool} = auto: every item up to {self.whole_up_to:,} items, the plain search's top "
                          f"{self.pool_above:,} above" + (" and on a gallery read by row" if self.by_row else ""))
         if self.by_row:
-            lines.append("reads by row: on a Milvus collection it fetches only the rows a query touches (no copy)")
+            unless = ", ".join(f"{k}={'/'.join(map(str, v))}" for k, v in self.whole_when.items())
+            lines.append("reads by row: on a Milvus collection it fetches only the rows a query touches (no copy)"
+                         + (f", except with {unless}" if unless else ""))
         if self.grid:
             lines.append("grid (`index evaluate --rerankers` chooses on validation): " + ", ".join(
                 f"{k} ∈ {{{', '.join(f'{v:g}' if isinstance(v, float) else str(v) for v in vs)}}}"
@@ -97,6 +106,16 @@ AUTO = WHOLE_GALLERY + 1
 # the size limit a server should hold requests to (`check_size_limit`), the search's own cap on k:
 # above every default and every value of the re-rankers' sweep grids
 SIZE_LIMIT = 200
+
+
+def reads_by_row(name: str, params=None) -> bool:
+    """Whether re-ranker `name` with these parameters reads only the rows a query touches
+    (`RerankerSpec.by_row`, unless a parameter asks for its whole-gallery computation)."""
+    spec = RERANKERS.get(name).spec
+    if not spec.by_row:
+        return False
+    p = reranker_params(name, params)
+    return not any(getattr(p, k) in values for k, values in spec.whole_when.items())
 
 
 def reranker_params(name: str, given=None):

@@ -63,12 +63,13 @@ class MetricSpace(Protocol):
 
     def artefact_in_blocks(self, name: str, params: dict | None, columns: dict[str, tuple[int, str]],
                            fill: Callable[[int, int], dict[str, np.ndarray]], *, inputs: tuple[str, ...] = (),
-                           block: int = 2048, progress: bool = False) -> dict[str, np.ndarray]:
+                           block: int = 2048, progress: bool = False, searched: str = "") -> dict[str, np.ndarray]:
         """An artefact of one row per gallery item, `columns` {array: (width, dtype)}, built a
         block of rows at a time by `fill(start, stop)` into memory-mapped files that a build cut
         short (a crash, Ctrl-C) resumes from the last block written, and read memory-mapped (the
         page cache holds it, not the process: it takes none of the memory budget), under its
-        digest as `artefact` names one.  `progress`: a bar with an ETA."""
+        digest as `artefact` names one.  `progress`: a bar with an ETA.  `searched`: a column of
+        vectors searched by inner product (an engine indexes it; an array is searched as it is)."""
 
     def held(self, name: str, params: dict | None = None) -> bool:
         """Whether the artefact (without inputs) is in the memory cache now (nothing is built)."""

@@ -162,7 +162,7 @@ class SearcherSpace:
 
     def artefact_in_blocks(self, name: str, params: dict | None, columns: dict[str, tuple[int, str]],
                            fill: Callable[[int, int], dict[str, np.ndarray]], *, inputs: tuple[str, ...] = (),
-                           block: int = 2048, progress: bool = False) -> dict[str, np.ndarray]:
+                           block: int = 2048, progress: bool = False, searched: str = "") -> dict[str, np.ndarray]:
         digest = self.digest(name, params, inputs)
 
         def make():

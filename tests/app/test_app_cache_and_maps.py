@@ -69,8 +69,8 @@ def test_a_whole_gallery_size_reads_all_in_the_api(svc):
     from app.handlers import api_search
 
     img = str(svc.root / svc.data.items.paths[2])
-    got = api_search(svc)(img, "trained", rerank="kreciprocal", k=4)
-    assert "pool=all" in got["metric"] and "1000000000" not in got["metric"]
+    got = api_search(svc)(img, "trained", rerank="kreciprocal", k=4)  # pool=auto: the whole gallery here
+    assert "pool=auto" in got["metric"] and "1000000001" not in got["metric"]
     q = svc.query_from_item(int(svc.data.items.ids[1]))
-    export = svc.export(q, SearchConfig.of("trained", rerank="kreciprocal"), 4)
+    export = svc.export(q, SearchConfig.of("trained", rerank="kreciprocal", rerank_params={"pool": "all"}), 4)
     assert export["right"]["rerank_params"]["pool"] == "all" and "pool=all" in export["right"]["label"]

@@ -113,7 +113,7 @@ def test_url_state_round_trips_and_refuses_bad_values():
     # each side's re-ranker and its parameters travel in links, and come back as they went
     rr = SearchConfig("identity", {}, "cosine", "aqe", {"n": 3, "alpha": 1.0})
     lr = SearchConfig("spectral", {"p": 0.25}, "bilinear", "kreciprocal", {"k1": 10, "k2": 3, "lambda_value": 0.2,
-                                                                   "pool": 50})
+                                                                   "pool": 50, "sets": "pool"})
     qs = state_query(1, lr, rr, 4)
     assert "&rerank=aqe&rerank_n=3&rerank_alpha=1.0&" in qs and "&left_rerank=kreciprocal&left_rerank_k1=10&" in qs
     assert parse_state(dict(urllib.parse.parse_qsl(qs[1:]))) == {"q": 1, "left": lr, "right": rr, "k": 4}

@@ -8,6 +8,7 @@ from app.service import Query
 from evaluation.evaluator import per_query_metrics
 from index.backends.search import Searcher
 from index.backends.store import in_memory_index
+from index.rerankers import WHOLE_GALLERY
 from index.search_config import SearchConfig
 
 RERANKED = [SearchConfig("trained", {}, "cosine", "aqe", {"n": 2, "alpha": 3.0}),
@@ -180,16 +181,15 @@ def test_reranker_controls_show_only_the_chosen_ones(svc):
         assert [v for _, v in dd.choices] == RERANKERS.names() and dd.value == "none"
         (group,) = [b for b in demo.blocks.values() if getattr(b, "label", None) == f"{side} re-ranker parameters"]
         assert group.visible is False  # none takes no parameter
-    pools = by_label["pool: the query's first-search candidates ranked by d*, clipped to the gallery: the default "
-                     "ranks every item, as the official code does; a smaller pool is a variant that leaves the rest "
-                     "out (kreciprocal; default: all) ('all' or a number)"]
-    # the whole gallery reads "all" in the control, and "all" searches the whole gallery
-    assert len(pools) == 2 and all(p.visible is False and p.value == "all" for p in pools)
+    pools = [b for label, bs in by_label.items() if str(label).startswith("pool: the query's first-search") for b in bs]
+    # a size that depends on the gallery reads "auto" in the control; "all" searches the whole gallery
+    assert len(pools) == 2 and all(p.visible is False and p.value == "auto" and "('all', 'auto' or a number)"
+                                   in p.label for p in pools)
     from app.params import spec_from
 
     cfg = spec_from("trained", "cosine", {}, "kreciprocal", {"pool": "all"})
-    assert cfg.rerank_params["pool"] == RERANKERS.params("kreciprocal", {}).pool  # the default: every item
-    assert "all" in cfg.label() and "1000000000" not in cfg.label()
+    assert cfg.rerank_params["pool"] == WHOLE_GALLERY  # every item
+    assert "pool=all" in cfg.label() and "1000000000" not in cfg.label()
     # a size that depends on the gallery's reads "auto" in its control and is taken back as typed
     cuts = [b for label, bs in by_label.items() if str(label).startswith("truncation: ") for b in bs]
     assert len(cuts) == 2 and all(b.value == "auto" and "('all', 'auto' or a number)" in b.label for b in cuts)

@@ -223,7 +223,7 @@ def test_a_bilinear_search_of_an_hnsw_collection_takes_milvus_scores_without_vec
     try:
         res = g.search_metric(Q, g.strategy_metric("trained", {}), K)
         assert_same_top_k(s.search(Q, "trained", {}, "bilinear", K), res.rows, res.scores)
-        assert asked[-1][:2] == (K, False) and g._search_params(K, None, asked[-1][3][1])["params"]["ef"] >= 10 * K
+        assert asked[-1][:2] == (K, False) and g.search_params(K, None, asked[-1][3][1])["params"]["ef"] >= 10 * K
         g.search_metric(Q, g.strategy_metric("trained", {}, "cosine"), K)
         assert asked[-1][1]  # cosine: the pool with its vectors
     finally:
@@ -234,7 +234,7 @@ def test_without_its_source_index_milvus_copies_the_vectors_once(small):
     """A collection with no source feature store (or one that changed) re-ranks over its own
     vectors, copied once into the cache folder, keyed by the collection's content."""
     t, s, Q, uri = small
-    cfg = SearchConfig.of("trained", {}, "cosine", "kreciprocal")
+    cfg = SearchConfig.of("trained", {}, "cosine", "kreciprocal", {"sets": "gallery"})  # reads the gallery whole
     g = MilvusGallery(uri, "bare")
     try:
         assert_same_hits(cfg.search(g, Q, K), cfg.search(s, Q, K))
@@ -264,7 +264,7 @@ def test_a_changed_source_index_is_not_read(small):
         g.info["source_index"]["features_sha256"] = "0" * 64   # as if the index were rebuilt since
         recorded = g.info.pop("content_sha256")
         assert len(g.content_key) == 64 and g.content_key != recorded
-        cfg = SearchConfig.of("trained", {}, "cosine", "dba")
+        cfg = SearchConfig.of("trained", {}, "cosine", "kreciprocal", {"sets": "gallery"})
         data = cfg.space(g).searcher.data
         assert data.path.name == f"milvus-{g.content_key[:32]}" and data.path.parent.name == "rerank"
         assert_same_hits(cfg.search(g, Q, K), cfg.search(s, Q, K))
@@ -282,7 +282,7 @@ def test_copying_the_vectors_without_disk_space_is_refused_in_one_line(small, mo
     try:
         with pytest.raises(UserError, match=r"re-ranking on Milvus collection 'bare' copies its vectors \(0\.00 GiB\) "
                                             r"to .*; free space there or set XDG_CACHE_HOME to a larger disk$") as e:
-            SearchConfig.of("trained", {}, "cosine", "dba").search(g, Q, K)
+            SearchConfig.of("trained", {}, "cosine", "kreciprocal", {"sets": "gallery"}).search(g, Q, K)
         assert "\n" not in str(e.value)
     finally:
         g.close()

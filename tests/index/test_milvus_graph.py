@@ -1,8 +1,9 @@
 """The neighbour graph in the engine (index/backends/milvus_space.py) on Milvus Lite and on a real
 Milvus server: every item's lists built through the collection's own search into a collection
 beside it, a build cut short resumed to the lists built in one go (and to the in-RAM index's),
-and the re-rankers that read by row (diffusion on each query's cut graph, αQE, none) giving the
-in-RAM index's answer while no N-sized read of the collection happens."""
+and the re-rankers that read by row (diffusion on each query's cut graph, αQE, k-reciprocal within
+each query's pool, αDBA searching its augmented gallery in the engine, none) giving the in-RAM
+index's answer while no N-sized read of the collection happens."""
 import numpy as np
 import pytest
 
@@ -115,12 +116,15 @@ def test_the_lists_built_in_the_engine_killed_and_resumed_equal_one_build_and_th
 
 
 # (each by-row re-ranker at its defaults, in both modes: tests/index/test_milvus.py)
-@pytest.mark.parametrize("rerank_name,params,mode,strategy", [
-    ("diffusion", {"truncation": 40, "k": 8, "kq": 4}, "cosine", "trained"),
-    ("diffusion", {"truncation": 40, "k": 8, "kq": 4}, "bilinear", "identity"),
-    ("aqe", {"n": 3}, "bilinear", "trained")])
+@pytest.mark.parametrize("rerank_name,params,mode,strategy,bound", [
+    ("diffusion", {"truncation": 40, "k": 8, "kq": 4}, "cosine", "trained", 64),
+    ("diffusion", {"truncation": 40, "k": 8, "kq": 4}, "bilinear", "identity", 64),
+    ("aqe", {"n": 3}, "bilinear", "trained", 64),
+    ("kreciprocal", {"sets": "pool", "pool": 40, "k1": 10, "k2": 3}, "bilinear", "trained", 64),
+    ("dba", {"n": 3}, "bilinear", "trained", 64 * 4)])  # a block's items and their 3 neighbours each
 def test_rerankers_by_row_give_the_index_answer_reading_only_what_a_query_touches(engine, gallery, mode, strategy,
-                                                                                   rerank_name, params, monkeypatch):
+                                                                                   rerank_name, params, bound,
+                                                                                   monkeypatch):
     _, s, _, _ = engine
     monkeypatch.setattr(milvus_space, "BLOCK", 64)  # the lists' offline pass reads 64 rows at a time
     assert RERANKERS.get(rerank_name).spec.by_row
@@ -134,12 +138,13 @@ def test_rerankers_by_row_give_the_index_answer_reading_only_what_a_query_touche
         np.testing.assert_array_equal(got.ids, want.ids)
         np.testing.assert_allclose(got.scores, want.scores, rtol=1e-4, atol=1e-5)
     assert isinstance(cfg.space(gallery), MilvusSpace)
-    # no read of every row: each read by row is bounded by a block of the offline pass (64 rows)
-    # or by a query's pool (diffusion's 40 candidates and their lists), never by the gallery
-    # (cosine mode re-scores candidate pools, which cover all 160 items of this small gallery)
+    # no read of every row: each read by row is bounded by a block of the offline pass (64 rows,
+    # and αDBA's their neighbours) or by a query's pool (diffusion's and k-reciprocal's 40
+    # candidates, diffusion's their lists), never by the gallery (cosine mode re-scores candidate
+    # pools, which cover all 160 items of this small gallery)
     assert gallery.reads
     if mode == "bilinear":
-        assert max(gallery.reads) <= 64
+        assert max(gallery.reads) <= bound
 
 
 def test_diffusion_on_a_gallery_read_by_row_cuts_each_query_graph_at_any_size(engine, gallery):

@@ -155,4 +155,4 @@ def test_report_help_shows_each_reranker_flag_with_its_default(capsys):
     with pytest.raises(SystemExit):
         main(["report", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "(default: none)" in text.split("--rerank NAME")[-1] and "pool=all" in text and "1000000000" not in text
+    assert "(default: none)" in text.split("--rerank NAME")[-1] and "pool=auto" in text and "1000000001" not in text

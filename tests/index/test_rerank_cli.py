@@ -72,13 +72,14 @@ def test_list_names_every_reranker_with_its_parameters(capsys):
             assert f"{k} = " in out
     assert "k1 ∈ {4, 6, 10, 20, 30}, k2 ∈ {1, 3, 6}, lambda_value ∈ {0.1, 0.3, 0.5}" in out  # the grids too
     # a whole-gallery size reads "all", a size-dependent one "auto", and both are taken as input
-    assert "pool = all  " in out and "truncation = auto  " in out
+    assert "pool = auto  " in out and "truncation = auto  " in out
+    assert "pool = auto: every item, and the plain search's top 1,000 on a gallery read by row" in out
     assert str(WHOLE_GALLERY) not in out and str(AUTO) not in out
     assert "truncation = auto: every item up to 500,000 items, the plain search's top 10,000 above" in out
     assert "truncation=auto," in SearchConfig.of("trained", {}, "cosine", "diffusion").label()
     assert SearchConfig.of("trained", {}, "cosine", "diffusion", {"truncation": "auto"}).rerank_params[
         "truncation"] == AUTO
-    assert SearchConfig.of("trained", {}, "cosine", "kreciprocal", {"pool": "all"}).label().endswith("pool=all)")
+    assert SearchConfig.of("trained", {}, "cosine", "kreciprocal", {"pool": "all"}).label().endswith("pool=all, sets=auto)")
     assert SearchConfig.of("trained", {}, "cosine", "diffusion", {"truncation": "ALL"}).rerank_params["truncation"] \
         == WHOLE_GALLERY
 

@@ -13,7 +13,17 @@ from core.errors import UserError
 from index.backends.search import Searcher
 from index.backends.store import Items, read_index, write_index
 from index.refinements import refine
-from index.rerankers import RERANKERS, SIZE_LIMIT, SearcherSpace, check_size_limit, gallery_counts, rerank, size_params
+from index.rerankers import (
+    RERANKERS,
+    SIZE_LIMIT,
+    WHOLE_GALLERY,
+    SearcherSpace,
+    check_size_limit,
+    gallery_counts,
+    rerank,
+    resolved,
+    size_params,
+)
 from index.space import CACHE, cache_root
 
 D, K_EMB, N = 16, 6, 150
@@ -252,8 +262,10 @@ def test_diffusion_with_the_official_settings_stays_near_the_solution(gallery):
 def kreciprocal_reference(D, k1, k2, lam):
     """The official code (python-version/re_ranking_ranklist.py), step by step, on a distance
     matrix over [probe, gallery...]; rows normalised by their maximum as the Matlab version does.
-    Returns the probe's final distances to the gallery."""
-    original = D / D.max(1, keepdims=True)
+    Returns the probe's final distances to the gallery.  A row without a positive distance (an
+    indefinite M′ in a small universe; never a Euclidean one) is left unscaled, as ours is."""
+    top = D.max(1, keepdims=True)
+    original = D / np.where(top > 0, top, 1.0)
     n_all = len(D)
     V = np.zeros_like(original)
     rank = np.argsort(original, axis=1, kind="stable")
@@ -379,6 +391,56 @@ def test_kreciprocal_pool_limits_what_is_ranked_not_how(gallery, kr_path, pool):
         order = np.lexsort((np.arange(pool), np.round(final[cand], 9)))[:10]
         np.testing.assert_array_equal(got.rows[i], cand[order])
         np.testing.assert_allclose(got.scores[i], 1 - final[cand[order]], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy,params,mode", CASES, ids=CASE_IDS)
+def test_kreciprocal_within_pools_is_the_official_algorithm_on_each_pool(gallery, strategy, params, mode):
+    """`sets=pool`: the official code run on the universe [probe, its plain top `pool`] (rows
+    scaled within it), plain and leave-one-out probes; with every item in the pool, the paper's
+    whole-gallery answer."""
+    searcher, x, _ = gallery
+    ref = Ref(searcher, strategy, params, mode)
+    space = space_for(searcher, strategy, params, mode)
+    q = np.vstack([queries(x, 4), x[[5, 60]]])
+    own = np.array([-1, -1, -1, -1, 5, 60])
+    for pool in (30, 12):  # 12 < k1 + 1: R(p, k1) is every item of the universe
+        got = rerank("kreciprocal", space, q, 10, params={"sets": "pool", "pool": pool, "k1": 20, "k2": 6},
+                     self_ids=own)
+        for i, qi in enumerate(ref.prep(q)):
+            cand, _ = topk(ref.s(qi[None], ref.G)[0], pool, exclude=own[i] if own[i] >= 0 else None)
+            U = np.vstack([qi[None], ref.G[cand]])
+            S = ref.s(U, U)
+            final = kreciprocal_reference(np.diag(S)[:, None] - S, 20, 6, 0.3)
+            order = np.lexsort((np.arange(pool), np.round(final, 9)))[:10]
+            np.testing.assert_array_equal(got.rows[i], cand[order])
+            np.testing.assert_allclose(got.scores[i], 1 - final[order], rtol=0, atol=1e-5)
+    whole = rerank("kreciprocal", space, q[:4], 10, params={"sets": "pool", "pool": "all", "k1": 10, "k2": 3})
+    paper = rerank("kreciprocal", space, q[:4], 10, params={"sets": "gallery", "k1": 10, "k2": 3})
+    np.testing.assert_array_equal(whole.rows, paper.rows)
+    np.testing.assert_allclose(whole.scores, paper.scores, rtol=0, atol=1e-5)
+
+
+def test_kreciprocal_within_pools_refuses_a_pool_too_large_to_hold(gallery, monkeypatch):
+    from index.rerankers.kreciprocal import local
+
+    searcher, x, _ = gallery
+    monkeypatch.setattr(local, "MAX_POOL", 50)
+    with pytest.raises(UserError, match=r"^kreciprocal: sets=pool ranks each query's pool as one dense matrix: "
+                                        r"give pool ≤ 50 \(got 51\)$"):
+        rerank("kreciprocal", space_for(searcher, "trained", {}, "cosine"), queries(x), 10,
+               params={"sets": "pool", "pool": 51})
+
+
+def test_kreciprocal_reads_by_row_unless_its_sets_are_the_gallery():
+    """Its default reads by row (the sets within each query's pool there: `auto` is the top
+    POOL_BY_ROW); sets=gallery asks for the paper's whole-gallery sets, on a space that holds them."""
+    from index.rerankers import reads_by_row
+    from index.rerankers.kreciprocal import POOL_BY_ROW
+
+    assert reads_by_row("kreciprocal") and reads_by_row("kreciprocal", {"sets": "pool"})
+    assert not reads_by_row("kreciprocal", {"sets": "gallery"})
+    assert resolved("kreciprocal", {}, 10**7).pool == WHOLE_GALLERY  # in a process that holds the gallery: all
+    assert resolved("kreciprocal", {}, 10**7, whole=False).pool == POOL_BY_ROW
 
 
 def test_kreciprocal_distance_is_the_official_one_for_normalised_features(gallery):
@@ -884,7 +946,7 @@ def test_every_reranker_is_listed_with_its_spec():
 def test_a_spec_naming_what_is_not_a_parameter_fails_at_registration():
     from index.rerankers.aqe import AQEParams
 
-    with pytest.raises(ValueError, match=r"'x': grid names \['m'\]"):
+    with pytest.raises(ValueError, match=r"'x': grid or whole_when names \['m'\]"):
         RERANKERS.register("x", AQEParams, grid={"m": (1,)})(lambda *a, **k: None)
     with pytest.raises(ValueError, match=r"'x': depth='pool' is not one of its parameters"):
         RERANKERS.register("x", AQEParams, depth="pool")(lambda *a, **k: None)

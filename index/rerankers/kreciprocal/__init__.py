@@ -8,10 +8,12 @@ the Jaccard distance d_J (Eq. 10) and d* = (1 − λ) d_J + λ d (Eq. 12).  Modu
   sets.py    R, R*, V for a batch of probes, from the gallery's offline sets where possible
   engine.py  d_J and d only where the probe can change them; the offline inverted index
   cache.py   the pair matrix and the λ-free terms kept in the memory cache
+  local.py   the variant over each query's own pool (`sets=pool`): what a gallery read by row runs
 docs/reranking.md explains the incremental computation and why it equals the dense one."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -21,9 +23,10 @@ from core.params import param
 from ...space import Hits, MetricSpace
 from ...threads import in_threads
 from ..neighbours import extremes_digest, neighbour_lists, reverse_index, row_extremes
-from ..registry import RERANKERS, WHOLE_GALLERY
+from ..registry import AUTO, RERANKERS, WHOLE_GALLERY
 from .cache import digest, gallery_similarities, remembered_terms
 from .engine import support_index, terms, whole_gallery
+from .local import check_pool, rank_pools
 from .paper import final_distance
 from .scan import ProbeScan
 from .sets import ProbeBatch, gallery_sets, gather, reverse_lists
@@ -34,6 +37,9 @@ from .sets import ProbeBatch, gallery_sets, gather, reverse_lists
 BATCH, MAX_BATCH, KEY_BYTES = 32, 256, 1 << 19
 TOP_SLACK = 256  # plain-order rows kept per probe beyond k: those d* leaves in the plain order come from them
 BRUTE_POOL = 150  # a pool up to this is cheaper ranked candidate by candidate; above, through the inverted index
+# `pool=auto` on a gallery read by row (where the sets are taken within each query's pool): the plain
+# search's top POOL_BY_ROW (docs/fidelity.md: its MAP@R against the whole-gallery sets)
+POOL_BY_ROW = 1000
 
 
 @dataclass
@@ -42,10 +48,14 @@ class KReciprocalParams:
     k2: int = param(6, "neighbours averaged in the local query expansion of the V vectors (1: none); clipped to the "
                        "gallery", bounds="[1, inf)", size=True)
     lambda_value: float = param(0.3, "λ: d* = (1 − λ) d_Jaccard + λ d_original", bounds="[0, 1]")
-    pool: int = param(WHOLE_GALLERY, "the query's first-search candidates ranked by d*, clipped to the gallery: the "
-                                     "default ranks every item, as the official code does; a smaller pool is a "
-                                     "variant that leaves the rest out", bounds="[1, inf)",
-                      named={"all": WHOLE_GALLERY})
+    pool: int = param(AUTO, "the query's first-search candidates ranked by d*, clipped to the gallery: all ranks "
+                            "every item, as the official code does; a smaller pool is a variant that leaves the rest "
+                            f"out; auto: all where the process holds the gallery, the top {POOL_BY_ROW} on a gallery "
+                            "read by row", bounds="[1, inf)", named={"all": WHOLE_GALLERY, "auto": AUTO})
+    sets: Literal["auto", "gallery", "pool"] = param(
+        "auto", "where R, R* and V are taken: gallery, over every item (the official code); pool, a variant, within "
+                "the query and its pool only, each distance scaled by its maximum there (it reads only the pool's "
+                "rows); auto: gallery where the process holds the gallery, pool on a gallery read by row (Milvus)")
 
     def validate(self):
         if self.k2 > self.k1 + 1:
@@ -53,11 +63,17 @@ class KReciprocalParams:
 
 
 @RERANKERS.register("kreciprocal", KReciprocalParams, offline=True, reads_first=False, pool="pool",
+                    whole_up_to=WHOLE_GALLERY, pool_above=POOL_BY_ROW, by_row=True, whole_when={"sets": ("gallery",)},
                     grid={"k1": (4, 6, 10, 20, 30), "k2": (1, 3, 6), "lambda_value": (0.1, 0.3, 0.5)})
 def kreciprocal(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: int, *, self_ids: np.ndarray,
                 params: KReciprocalParams) -> Hits:
     """k-reciprocal encoding (Zhong et al. CVPR 2017): Jaccard distance of k-reciprocal sets, d* = (1 − λ) d_J + λ d."""
     p = params
+    if p.sets == "pool" or (p.sets == "auto" and not space.holds_gallery):
+        return _within_pools(space, queries, k, self_ids, p)
+    if not space.holds_gallery:
+        raise UserError("kreciprocal: sets=gallery takes every item's k-reciprocal set, which a gallery read by row "
+                        "does not give; sets=pool takes them within each query's pool")
     lists = neighbour_lists(space, min(p.k1 + 2, space.n))  # + 1: the item itself, + 1: a leave-one-out row
     extremes = row_extremes(space)
     # a gallery too small for lists of k1 + 2 is small enough to compute every set
@@ -116,3 +132,25 @@ def kreciprocal(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: 
         out_s[a: a + len(r), : r.shape[1]] = np.where(np.isfinite(dd), 1.0 - dd, -np.inf)  # higher is closer
     return space.hits(out_r, out_s)
 
+
+
+def _within_pools(space: MetricSpace, queries: np.ndarray, k: int, self_ids: np.ndarray,
+                  p: KReciprocalParams) -> Hits:
+    """`sets=pool` (local.py): each query's pool, the plain search's top `pool`, ranked by d*
+    taken within it; equal d* keep the plain order."""
+    pool = min(max(p.pool, k), space.n)
+    check_pool(pool)
+    starts = range(0, len(queries), BATCH)
+
+    def batch(a: int) -> tuple[np.ndarray, np.ndarray]:
+        first = space.search(queries[a: a + BATCH], pool, exclude=self_ids[a: a + BATCH])
+        return first.rows, rank_pools(space, queries[a: a + BATCH], first.rows, p.k1, p.k2, p.lambda_value)
+
+    out_r = np.full((len(queries), k), -1, dtype=np.int64)
+    out_s = np.full((len(queries), k), -np.inf, dtype=np.float32)
+    for a, (pools, d) in zip(starts, in_threads(batch, starts), strict=True):
+        order = np.argsort(d, axis=1, kind="stable")[:, :k]
+        r, dd = np.take_along_axis(pools, order, 1), np.take_along_axis(d, order, 1)
+        out_r[a: a + len(r), : r.shape[1]] = np.where(np.isfinite(dd), r, -1)
+        out_s[a: a + len(r), : r.shape[1]] = np.where(np.isfinite(dd), 1.0 - dd, -np.inf)
+    return space.hits(out_r, out_s)

@@ -39,16 +39,20 @@ def expanded_set(rank: np.ndarray, i: int, k1: int) -> np.ndarray:
     return np.unique(np.concatenate(out))
 
 
-def universe_distances(space: MetricSpace, probe: np.ndarray, own: int) -> tuple[np.ndarray, np.ndarray]:
-    """d(x, y) = s(x, x) − s(x, y) over U = [probe, gallery rows without `own`], each row divided
-    by its maximum (a row without a positive distance: left unscaled); and U's gallery rows."""
-    keep = np.flatnonzero(np.arange(space.n) != own)
-    G = space.gallery_vectors(keep)
-    U = np.vstack([space.key(probe[None]), G]).astype(np.float32)
+def universe(space: MetricSpace, probe: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """d(x, y) = s(x, x) − s(x, y) over U = [probe, gallery `rows`], each row divided by its
+    maximum (a row without a positive distance: left unscaled)."""
+    U = np.vstack([space.key(probe[None]), space.gallery_vectors(rows)]).astype(np.float32)
     S = space.transform(U).astype(np.float64) @ U.astype(np.float64).T
     D = np.diag(S)[:, None] - S
     top = D.max(1, keepdims=True)
-    return D / np.where(top > 0, top, 1.0), keep
+    return D / np.where(top > 0, top, 1.0)
+
+
+def universe_distances(space: MetricSpace, probe: np.ndarray, own: int) -> tuple[np.ndarray, np.ndarray]:
+    """`universe` over the probe and every gallery row but `own`; and those rows."""
+    keep = np.flatnonzero(np.arange(space.n) != own)
+    return universe(space, probe, keep), keep
 
 
 def dense(space: MetricSpace, queries: np.ndarray, self_ids: np.ndarray, k1: int, k2: int,
