@@ -41,6 +41,7 @@ SEARCH_CELLS = 1 << 16  # queries × candidates asked of the collection at once 
 # their vectors: a 64 MiB gRPC message holds about 10⁵ of 128-d)
 ROW_SHARE = 16          # the rows kept by row (vectors, artefacts) take at most 1/16 of the memory budget
 ITEMS_UP_TO = 1024      # a re-scored list this long or shorter comes with its items' metadata
+ARRAY_MAX = 4096        # Milvus's largest ARRAY capacity (max_capacity)
 WINDOW = 16384          # Milvus's largest result window: one query's rows at most
 ARTEFACT = "dml.artefact"  # the property naming what an artefact collection holds, and whether it is whole
 
@@ -139,6 +140,10 @@ class EngineTable:
                  what: str, searched: str = ""):
         if searched and searched not in columns:
             raise ValueError(f"searched column {searched!r} is not one of {sorted(columns)}")
+        wide = [(c, w) for c, (w, _) in columns.items() if c != searched and w > ARRAY_MAX]
+        if wide:  # refused before anything is written
+            raise UserError(f"Milvus keeps at most {ARRAY_MAX:,} entries in an ARRAY field: {what} of "
+                            f"{wide[0][1]:,} a row cannot be stored there (give a length ≤ {ARRAY_MAX:,})")
         self.gallery, self.digest, self.columns, self.what = gallery, digest, dict(columns), what
         self.searched = searched
         self.collection = f"{gallery.collection}__{name.replace('-', '_')}_{digest[:16]}"

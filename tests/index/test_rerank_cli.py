@@ -79,7 +79,8 @@ def test_list_names_every_reranker_with_its_parameters(capsys):
     assert "truncation=auto," in SearchConfig.of("trained", {}, "cosine", "diffusion").label()
     assert SearchConfig.of("trained", {}, "cosine", "diffusion", {"truncation": "auto"}).rerank_params[
         "truncation"] == AUTO
-    assert SearchConfig.of("trained", {}, "cosine", "kreciprocal", {"pool": "all"}).label().endswith("pool=all, sets=auto)")
+    label = SearchConfig.of("trained", {}, "cosine", "kreciprocal", {"pool": "all"}).label()
+    assert label.endswith("pool=all, sets=auto)")
     assert SearchConfig.of("trained", {}, "cosine", "diffusion", {"truncation": "ALL"}).rerank_params["truncation"] \
         == WHOLE_GALLERY
 
