@@ -232,6 +232,8 @@ class EngineTable:
                     self._mark(whole=False, done=b)
                     bar.update(1)
             client.flush(self.collection)
+            if self.searched:  # searched at once: not over rows the server has yet to index
+                self.gallery.wait_indexed(self.collection, self.searched, progress)
             client.load_collection(self.collection)
             self._mark(whole=True, done=self.n)
             self.whole = True

@@ -16,11 +16,13 @@ import hashlib
 import json
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import faiss
 import numpy as np
+from tqdm import tqdm
 
 from core.arrays import load_npy
 from core.atomic import write_with
@@ -97,7 +99,8 @@ def _schema(pm, dim: int):
 def export_features(uri: str, collection: str, features: np.ndarray, items, W: np.ndarray, *, normalize: bool,
                     info: dict | None = None, class_names: dict | None = None, overwrite: bool = False,
                     token: str = "",
-                    index_type: str = EXACT_INDEX, index_params: dict | None = None, batch: int = 5000) -> int:
+                    index_type: str = EXACT_INDEX, index_params: dict | None = None, batch: int = 5000,
+                    progress: bool = False) -> int:
     """Store the rows of `features` (φ(x) as the index stores them) with `items`' metadata
     (ids, labels, paths, splits) in a new collection; returns the number of rows stored.
     `info` (model facts, the source index) and the checksum of the rows stored
@@ -105,7 +108,8 @@ def export_features(uri: str, collection: str, features: np.ndarray, items, W: n
 
     `index_type` other than FLAT (e.g. HNSW on a server) makes search widen its candidates, and
     re-rank them exactly where Milvus's scores are not (cosine mode, quantised indexes).  An
-    existing collection is refused unless `overwrite`."""
+    existing collection is refused unless `overwrite`.  It returns once the server has indexed
+    every row (`wait_indexed`): until then a search scans the rows not yet indexed."""
     pm = _pymilvus()
     n, d = features.shape
     if len(items) != n or W.ndim != 2 or W.shape[1] != d:
@@ -124,7 +128,7 @@ def export_features(uri: str, collection: str, features: np.ndarray, items, W: n
         ip.add_index("vector", index_type=index_type, metric_type=METRIC, params=index_params or {})
         client.create_collection(collection, schema=_schema(pm, d), index_params=ip)
         content = hashlib.sha256(repr((int(n), int(d))).encode())
-        for s in range(0, n, batch):
+        for s in tqdm(range(0, n, batch), desc=f"export to {collection}", unit="batch", disable=not progress):
             x = np.ascontiguousarray(features[s: s + batch], dtype="<f4")
             content.update(x.tobytes())
             client.insert(collection, [
@@ -143,11 +147,28 @@ def export_features(uri: str, collection: str, features: np.ndarray, items, W: n
         if len(classes) <= CLASS_COUNTS_MAX:   # the app's AP and samples read class sizes without a scan
             props["dml.class_counts"] = json.dumps({"labels": classes.tolist(), "counts": counts.tolist()})
         client.alter_collection_properties(collection, properties=props)
+        wait_indexed(client, collection, "vector", progress)
         return n
     except pm.exceptions.MilvusException as e:
         raise UserError(f"Milvus export to {collection!r} at {uri} failed: {e.message}") from None
     finally:
         client.close()
+
+
+def wait_indexed(client, collection: str, field: str, progress: bool = False, poll_s: float = 1.0) -> None:
+    """Return once the server has indexed every row of `field` (it builds indexes after a flush,
+    in the background: until then, searches scan the rows not yet indexed, and an offline pass
+    through them would run on brute force)."""
+    with tqdm(desc=f"index of {collection}", unit="row", disable=not progress) as bar:
+        while True:
+            got = client.describe_index(collection, field)
+            total, done = int(got.get("total_rows", 0)), int(got.get("indexed_rows", 0))
+            bar.total = total
+            bar.update(max(0, min(done, total) - bar.n))
+            # rows in segments the server compacts are indexed again: pending until then
+            if done >= total and int(got.get("pending_index_rows", 0)) == 0:
+                return
+            time.sleep(poll_s)
 
 
 def export_index(index_dir, uri: str, collection: str, **kw) -> int:
@@ -479,6 +500,10 @@ class MilvusGallery(NeckGallery):
 
     # ------------------------------------------------------------ search
     max_topk = MAX_TOPK
+
+    def wait_indexed(self, collection: str, field: str, progress: bool = False) -> None:
+        """`wait_indexed` on one of this gallery's collections (its own, or an artefact's)."""
+        wait_indexed(self.client, collection, field, progress)
 
     def scores_exact(self, mode: str) -> bool:
         """Whether Milvus's own scores are the similarity under M′ in `mode`: bilinear, on an index

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from core.errors import UserError
+from core.flags import add_shared_args
 
 from ..backends.flags import milvus_args, milvus_token
 from ..refinements import shared_params
@@ -112,6 +113,7 @@ def export_parser(sub) -> None:
                    help="Milvus index on the vectors; other than FLAT, search re-ranks candidates exactly "
                         "(default: %(default)s)")
     x.add_argument("--overwrite", action="store_true", help="replace a collection of that name")
+    add_shared_args(x, "progress")
     x.set_defaults(func=cmd_export)
 
 
@@ -121,7 +123,7 @@ def cmd_export(args) -> int:
     if not (args.uri and args.collection):
         raise UserError("export --to milvus needs --uri and --collection")
     n = export_index(args.index, args.uri, args.collection, token=milvus_token(args), overwrite=args.overwrite,
-                     index_type=args.index_type)
+                     index_type=args.index_type, progress=args.progress)
     print(json.dumps({"exported": n, "to": args.to, "uri": args.uri, "collection": args.collection,
                       "metric_type": "IP", "index_type": args.index_type}))
     return 0
