@@ -97,16 +97,20 @@ def run(args, wd: Path) -> dict:
     g.wait_indexed(args.collection, "vector", progress=True)
     out["memory_opened"] = memory_mib()
     space = MilvusSpace(g, "trained", {}, "bilinear")
-    t0 = time.perf_counter()
-    lists = neighbour_lists(space, L, progress=True)
-    out["lists_s"] = time.perf_counter() - t0
-    out["memory_lists"] = memory_mib()
-    t0 = time.perf_counter()
-    rerank("dba", space, Q[:1], K)  # its augmented gallery, built in the engine
-    out["dba_s"] = time.perf_counter() - t0
+    chosen = [(name, p) for name, p in RERANKERS if name in args.rerankers.split(",")]
+    lists = None
+    if {"dba", "diffusion"} & {name for name, _ in chosen}:  # the re-rankers that read the lists
+        t0 = time.perf_counter()
+        lists = neighbour_lists(space, L, progress=True)
+        out["lists_s"] = time.perf_counter() - t0
+        out["memory_lists"] = memory_mib()
+    if "dba" in dict(chosen):
+        t0 = time.perf_counter()
+        rerank("dba", space, Q[:1], K)  # its augmented gallery, built in the engine
+        out["dba_s"] = time.perf_counter() - t0
     out["rerankers"] = {}
     answers = {}
-    for name, p in RERANKERS:
+    for name, p in chosen:
         rerank(name, space, Q[:1], K, params=p)  # warm: M′, the gRPC channel
         times, answers[name] = [], []
         for q in Q[:, None]:
@@ -123,10 +127,11 @@ def run(args, wd: Path) -> dict:
     # the in-RAM index, the reference: the lists' recall, each re-ranker's top-10 overlap
     ram = SearcherSpace(Searcher(read_index(idx)), "trained", {}, "bilinear", cache_dir=wd / "cache")
     sample = np.sort(np.random.default_rng(2).choice(n, 200, replace=False))
-    exact = exact_lists(ram, sample, 51)["rows"]
-    got = lists.rows[sample][:, :51]
-    out["list_recall@51"] = float((got[:, :, None] == exact[:, None, :]).any(1).mean())
-    for name, p in RERANKERS:
+    if lists is not None:
+        exact = exact_lists(ram, sample, 51)["rows"]
+        got = lists.rows[sample][:, :51]
+        out["list_recall@51"] = float((got[:, :, None] == exact[:, None, :]).any(1).mean())
+    for name, p in chosen:
         want = rerank(name, ram, Q, K, params=p | IN_RAM.get(name, {})).rows
         out["rerankers"][name]["top10_overlap"] = float(np.mean(
             [len(set(a) & set(b)) / K for a, b in zip(answers[name], want, strict=True)]))
@@ -141,14 +146,14 @@ def markdown(r: dict, command: str) -> str:
           f"server on this 2-core machine, collection {r['index_type']}, trained strategy (bilinear), "
           f"{r['queries']} single queries.", "",
           (f"- export and its index: {r['export_s']:.0f} s; " if "export_s" in r else "- export: reused; ") +
-          f"the neighbour lists (L = {r['L']}) through the server's search: "
-          f"{r['lists_s']:.0f} s" + (f", recall@51 of the exact lists {r['list_recall@51']:.4f} (200 items)"
-                                    if "list_recall@51" in r else "") +
-          f"; αDBA's augmented collection: {r['dba_s']:.0f} s",
+          (f"the neighbour lists (L = {r['L']}) through the server's search: {r['lists_s']:.0f} s"
+           if "lists_s" in r else "no neighbour lists (no re-ranker run reads them)") +
+          (f", recall@51 of the exact lists {r['list_recall@51']:.4f} (200 items)" if "list_recall@51" in r else "")
+          + (f"; αDBA's augmented collection: {r['dba_s']:.0f} s" if "dba_s" in r else ""),
           f"- this process, before the in-RAM reference: peak RSS {r['memory_queries']['peak_rss']:.0f} MiB; private "
           f"{r['memory_opened']['private']:.0f} MiB after opening the collection, "
-          f"{r['memory_lists']['private']:.0f} after the lists, {r['memory_queries']['private']:.0f} after the "
-          "queries", "",
+          + (f"{r['memory_lists']['private']:.0f} after the lists, " if "memory_lists" in r else "")
+          + f"{r['memory_queries']['private']:.0f} after the queries", "",
           "| re-ranker (read by row) | p50 ms | p95 ms | top-10 overlap with the in-RAM index |",
           "|---|---|---|---|"]
     md += [f"| {k} | {v['p50_ms']:.0f} | {v['p95_ms']:.0f} | "
@@ -168,6 +173,9 @@ def main():
     ap.add_argument("--reference-up-to", type=int, default=200_000,
                     help="compare with the in-RAM index up to this many rows (its exact lists: N² work) "
                          "(default: %(default)s)")
+    ap.add_argument("--rerankers", default=",".join(name for name, _ in RERANKERS),
+                    help="the re-rankers measured, comma-separated (the lists are built only for dba and "
+                         "diffusion) (default: %(default)s)")
     ap.add_argument("--reuse", action="store_true",
                     help="keep a collection that holds this gallery already (its lists are built afresh) "
                          "(default: export afresh)")
@@ -176,7 +184,9 @@ def main():
     with tempfile.TemporaryDirectory(prefix="milvus_graph_") as wd:
         r = run(args, Path(wd))
     command = "python bench/milvus_graph.py --uri URI" + (f" --n {args.n}" if args.n != 100_000 else "") + (
-        f" --index-type {args.index_type}" if args.index_type != "HNSW" else "")
+        f" --index-type {args.index_type}" if args.index_type != "HNSW" else "") + (
+        f" --rerankers {args.rerankers}" if args.rerankers != ap.get_default("rerankers") else "") + (
+        " --reuse" if args.reuse else "")
     write_json(Path(args.out) / "results.json", r)
     write_text(Path(args.out) / "results.md", markdown(r, command))
     print(markdown(r, command))

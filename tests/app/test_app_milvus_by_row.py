@@ -146,9 +146,12 @@ def test_a_sampled_comparison_is_the_whole_comparisons_at_its_queries(ram, milvu
 
 
 @pytest.mark.parametrize("spec", [SearchConfig("trained", {}, "cosine", "diffusion", {"truncation": 30, "k": 8}),
-                                  SearchConfig("identity", {}, "cosine", "aqe", {"n": 3})])
+                                  SearchConfig("identity", {}, "cosine", "aqe", {"n": 3}),
+                                  SearchConfig("trained", {}, "bilinear", "dba", {"n": 2}),
+                                  SearchConfig("identity", {}, "cosine", "kreciprocal",
+                                               {"sets": "pool", "pool": 30, "k1": 8, "k2": 3})])
 def test_a_search_reranked_by_row_copies_no_vector(ram, milvus, monkeypatch, spec):
-    """diffusion and αQE read by row: the app's re-ranked search on the collection makes no copy of
+    """Every re-ranker reads by row: the app's re-ranked search on the collection makes no copy of
     its vectors (nor maps its source index's) and answers as the index directory does."""
     def whole(*_a, **_k):
         raise AssertionError("the collection's vectors were copied or mapped whole")
