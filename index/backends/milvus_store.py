@@ -159,6 +159,7 @@ def wait_indexed(client, collection: str, field: str, progress: bool = False, po
     """Return once the server has indexed every row of `field` (it builds indexes after a flush,
     in the background: until then, searches scan the rows not yet indexed, and an offline pass
     through them would run on brute force)."""
+    wait = 0.05
     with tqdm(desc=f"index of {collection}", unit="row", disable=not progress) as bar:
         while True:
             got = client.describe_index(collection, field)
@@ -168,7 +169,8 @@ def wait_indexed(client, collection: str, field: str, progress: bool = False, po
             # rows in segments the server compacts are indexed again: pending until then
             if done >= total and int(got.get("pending_index_rows", 0)) == 0:
                 return
-            time.sleep(poll_s)
+            time.sleep(wait)
+            wait = min(poll_s, 2 * wait)  # a small collection is indexed in a moment: asked again soon
 
 
 def export_index(index_dir, uri: str, collection: str, **kw) -> int:
