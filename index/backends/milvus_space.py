@@ -253,13 +253,7 @@ class EngineTable:
         width = self.gallery.search_width(max(k, self.gallery.rerank_factor * k))
         step = max(1, SEARCH_CELLS // k)
         for a in range(0, len(t), step):
-            q = np.asarray(t[a: a + step], dtype=np.float32)
-            try:
-                res = self.gallery.client.search(
-                    self.collection, data=q.tolist(), limit=k, anns_field=column, output_fields=["row"],
-                    search_params=self.gallery.search_params(k, self.gallery.nprobe, width))
-            except self.gallery.pm.exceptions.MilvusException as e:
-                raise UserError(f"Milvus search in {self.collection!r} failed: {e.message}") from None
+            res = self.gallery.search_ip(t[a: a + step], k, ["row"], None, width, self.collection, column)
             for i, found in enumerate(res):
                 rows[a + i, : len(found)] = [h["entity"]["row"] for h in found]
                 scores[a + i, : len(found)] = [h["distance"] for h in found]

@@ -527,16 +527,18 @@ class MilvusGallery(NeckGallery):
         return {"metric_type": METRIC, "params": params}
 
     def search_ip(self, qt: np.ndarray, limit: int, output_fields: list[str], nprobe: int | None = None,
-                  width: int | None = None) -> list:
-        """Milvus's top-`limit` hits per row of qt by inner product with the stored φ(x); `width`:
-        the candidates an HNSW search keeps while it walks the graph (its ef; default `limit`)."""
+                  width: int | None = None, collection: str | None = None, field: str = "vector") -> list:
+        """Milvus's top-`limit` hits per row of qt by inner product with the stored φ(x) (or with
+        `field` of one of its artefacts' `collection`, indexed alike); `width`: the candidates an
+        HNSW search keeps while it walks the graph (its ef; default `limit`)."""
         nprobe = self.nprobe if nprobe is None else nprobe
+        collection = collection or self.collection
         try:
-            return self.client.search(self.collection, data=np.asarray(qt, dtype=np.float32).tolist(), limit=limit,
-                                      anns_field="vector", search_params=self.search_params(limit, nprobe, width),
+            return self.client.search(collection, data=np.asarray(qt, dtype=np.float32).tolist(), limit=limit,
+                                      anns_field=field, search_params=self.search_params(limit, nprobe, width),
                                       output_fields=output_fields)
         except self.pm.exceptions.MilvusException as e:
-            raise UserError(f"Milvus search in {self.collection!r} failed: {e.message}") from None
+            raise UserError(f"Milvus search in {collection!r} failed: {e.message}") from None
 
     def search_metric(self, feats: np.ndarray, metric: QueryMetric, k: int = 10, nprobe: int | None = None,
                       rerank_factor: int | None = None, what: str = "query features") -> Hits:
