@@ -272,7 +272,7 @@ def run_cell(args) -> dict:
         k1 = int(rr_params.get("kreciprocal", {}).get("k1", 20))
         lists = nb.neighbour_lists(space, k1).rows
         items = np.sort(np.random.default_rng(1).choice(len(labels), args.list_sample, replace=False))
-        exact = nb.exact_lists(space, items, k1)["rows"]
+        exact = nb.searched_lists(space, items, k1)["rows"]
         found = (lists[items][:, :, None] == exact[:, None, :]).any(1).sum()
         out["list_recall"] = {"k": k1, "items": int(len(items)), "recall": float(found / exact.size)}
         print(json.dumps(out["list_recall"]), flush=True)

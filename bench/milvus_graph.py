@@ -10,7 +10,7 @@ under the trained strategy's M′ (bilinear).  Measured, in this one process (FA
 one thread, as a serving process runs):
 - the neighbour lists (L = 64) built through the server's search into the lists collection
   (`index graph`'s pass): wall seconds; their recall of the exact top 51 (the in-RAM index's exact
-  scan) on 200 items;
+  scan) on 200 items, at any size;
 - αDBA's augmented gallery built in a collection beside the gallery's (its first query's pass):
   wall seconds;
 - single queries through the collection read by row (`MilvusSpace`), each re-ranker at its
@@ -39,7 +39,7 @@ from index.backends.search import Searcher
 from index.backends.store import Items, read_index, write_index
 from index.rerankers import rerank
 from index.rerankers.kreciprocal import POOL_BY_ROW
-from index.rerankers.neighbours import exact_lists, neighbour_lists
+from index.rerankers.neighbours import neighbour_lists, searched_lists
 from index.space import SearcherSpace
 from index.threads import serving_threads
 
@@ -120,17 +120,18 @@ def run(args, wd: Path) -> dict:
         ms = np.array(times) * 1e3
         out["rerankers"][name] = {"p50_ms": float(np.median(ms)), "p95_ms": float(np.percentile(ms, 95))}
     out["memory_queries"] = memory_mib()  # before the in-RAM reference below is loaded
+    # the in-RAM index, the reference: the lists' recall (200 items scanned exactly, at any size),
+    # each re-ranker's top-10 overlap (up to --reference-up-to: its lists are exact, N² work)
+    ram = SearcherSpace(Searcher(read_index(idx)), "trained", {}, "bilinear", cache_dir=wd / "cache")
+    sample = np.sort(np.random.default_rng(2).choice(n, 200, replace=False))
+    if lists is not None:
+        exact = searched_lists(ram, sample, 51)["rows"]
+        got = lists.rows[sample][:, :51]
+        out["list_recall@51"] = float((got[:, :, None] == exact[:, None, :]).any(1).mean())
     if n > args.reference_up_to:
         blas.restore_original_limits()
         g.close()
         return out
-    # the in-RAM index, the reference: the lists' recall, each re-ranker's top-10 overlap
-    ram = SearcherSpace(Searcher(read_index(idx)), "trained", {}, "bilinear", cache_dir=wd / "cache")
-    sample = np.sort(np.random.default_rng(2).choice(n, 200, replace=False))
-    if lists is not None:
-        exact = exact_lists(ram, sample, 51)["rows"]
-        got = lists.rows[sample][:, :51]
-        out["list_recall@51"] = float((got[:, :, None] == exact[:, None, :]).any(1).mean())
     for name, p in chosen:
         want = rerank(name, ram, Q, K, params=p | IN_RAM.get(name, {})).rows
         out["rerankers"][name]["top10_overlap"] = float(np.mean(

@@ -59,7 +59,7 @@ def main():
     from core.atomic import write_json, write_text
     from index.backends.search import Searcher
     from index.backends.store import in_memory_index
-    from index.rerankers.neighbours import HNSW, approximate_extremes, approximate_lists, exact_lists, hnsw_index
+    from index.rerankers.neighbours import HNSW, approximate_extremes, approximate_lists, hnsw_index, searched_lists
     from index.space import SearcherSpace
 
     faiss.omp_set_num_threads(args.threads)
@@ -77,7 +77,7 @@ def main():
         index = clocked(lambda: hnsw_index(space, F))
         approx = clocked(lambda: approximate_lists(space, F, args.length, index[0]))
         ext_a = clocked(lambda: approximate_extremes(space, F, index[0]))
-        exact = clocked(lambda: exact_lists(space, np.arange(n), args.length))
+        exact = clocked(lambda: searched_lists(space, np.arange(n), args.length))
         saved, nb.APPROXIMATE_ABOVE = nb.APPROXIMATE_ABOVE, 10**12  # row_extremes' exact scan at any size
         ext_e = clocked(lambda: nb.row_extremes(space))
         nb.APPROXIMATE_ABOVE = saved

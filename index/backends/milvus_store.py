@@ -18,7 +18,6 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import faiss
 import numpy as np
@@ -30,7 +29,9 @@ from core.errors import UserError
 
 from ..metric import QueryMetric
 from ..space import CACHE, Hits, cache_root, key_hash, read_rows
+from . import milvus_found
 from .gallery import NeckGallery, exact_top, neck_digest
+from .milvus_found import Found
 from .search import Searcher
 from .store import IndexData, Items, class_sizes_in
 
@@ -218,9 +219,9 @@ class _Candidates:
             return self._scan(qt, min(k, self.ntotal))
         D = np.full((len(qt), k), -np.inf, dtype=np.float32)
         rows = np.full((len(qt), k), -1, dtype=np.int64)
-        for i, found in enumerate(self.gallery.search_ip(qt, min(k, MAX_TOPK), ["row"])):
-            rows[i, : len(found)] = [h["entity"]["row"] for h in found]
-            D[i, : len(found)] = [h["distance"] for h in found]
+        found = self.gallery.search_ip(qt, min(k, MAX_TOPK), ["row"])
+        kk = min(k, MAX_TOPK)
+        rows[:, :kk], D[:, :kk] = found.padded(found.fields["row"], kk, -1), found.padded(found.scores, kk, -np.inf)
         return D, rows
 
     def _scan(self, qt: np.ndarray, k: int):
@@ -527,16 +528,15 @@ class MilvusGallery(NeckGallery):
         return {"metric_type": METRIC, "params": params}
 
     def search_ip(self, qt: np.ndarray, limit: int, output_fields: list[str], nprobe: int | None = None,
-                  width: int | None = None, collection: str | None = None, field: str = "vector") -> list:
+                  width: int | None = None, collection: str | None = None, field: str = "vector") -> Found:
         """Milvus's top-`limit` hits per row of qt by inner product with the stored φ(x) (or with
-        `field` of one of its artefacts' `collection`, indexed alike); `width`: the candidates an
-        HNSW search keeps while it walks the graph (its ef; default `limit`)."""
+        `field` of one of its artefacts' `collection`, indexed alike), as columns; `width`: the
+        candidates an HNSW search keeps while it walks the graph (its ef; default `limit`)."""
         nprobe = self.nprobe if nprobe is None else nprobe
         collection = collection or self.collection
         try:
-            return self.client.search(collection, data=np.asarray(qt, dtype=np.float32).tolist(), limit=limit,
-                                      anns_field=field, search_params=self.search_params(limit, nprobe, width),
-                                      output_fields=output_fields)
+            return milvus_found.search(self.client, collection, np.asarray(qt, dtype=np.float32).tolist(), limit,
+                                       field, self.search_params(limit, nprobe, width), output_fields)
         except self.pm.exceptions.MilvusException as e:
             raise UserError(f"Milvus search in {collection!r} failed: {e.message}") from None
 
@@ -560,24 +560,28 @@ class MilvusGallery(NeckGallery):
         R = np.full((len(qt), k), -1, dtype=np.int64)
         S = np.full((len(qt), k), -np.inf, dtype=np.float32)
         at = np.full((len(qt), k), -1, dtype=np.int64)
-        # the metadata of every hit kept, in order: Hits.items, `at` points into it
-        found_hits: list[dict[str, Any]] = []
-        for i, found in enumerate(res):
-            by_row = {h["entity"]["row"]: h for h in found}
-            rows = np.fromiter(by_row, dtype=np.int64, count=len(by_row))
+        kept: list[np.ndarray] = []  # each query's kept hits (positions in res): Hits.items, `at` points there
+        for i in range(len(qt)):
+            a, b = int(res.at[i]), int(res.at[i + 1])
+            _, first = np.unique(res.fields["row"][a:b], return_index=True)
+            pos = a + np.sort(first)  # each row once, in Milvus's order
+            rows = res.fields["row"][pos]
             if rerank and len(rows):
-                X = np.asarray([by_row[r]["entity"]["vector"] for r in rows], dtype=np.float32)
+                X = res.fields["vector"][pos]
                 R[i], S[i] = exact_top(qt[i], rows, X, metric.norms(X), k)
+                where = dict(zip(rows.tolist(), pos.tolist(), strict=True))
+                pos = np.array([where[r] for r in R[i].tolist() if r >= 0], dtype=np.int64)
             else:
-                R[i, : len(rows)] = rows
-                S[i, : len(rows)] = [by_row[r]["distance"] for r in rows]
-            for j, r in enumerate(R[i]):
-                if r >= 0:
-                    at[i, j] = len(found_hits)
-                    found_hits.append(by_row[r])
-        items = Items(np.array([h["id"] for h in found_hits], dtype=np.int64),
-                      np.array([h["entity"]["label"] for h in found_hits], dtype=np.int64),
-                      [h["entity"]["path"] for h in found_hits], [h["entity"]["split"] for h in found_hits])
+                pos = pos[:k]
+                R[i, : len(pos)] = rows[: len(pos)]
+                S[i, : len(pos)] = res.scores[pos]
+            offset = sum(len(p) for p in kept)
+            at[i, : len(pos)] = offset + np.arange(len(pos))
+            kept.append(pos)
+        pos = np.concatenate(kept) if kept else np.zeros(0, dtype=np.int64)
+        at_list = pos.tolist()
+        items = Items(res.ids[pos], np.asarray(res.fields["label"], dtype=np.int64)[pos],
+                      [res.fields["path"][p] for p in at_list], [res.fields["split"][p] for p in at_list])
         return Hits(R, S, items, at, self.class_names)
 
     def close(self) -> None:

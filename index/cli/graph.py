@@ -50,8 +50,9 @@ def cmd_graph(args) -> int:
     where = f" in the engine ({lists.rows.table.collection})" if engine else ""  # type: ignore[attr-defined]
     print(f"neighbour lists: {space.n:,} items × {lists.rows.shape[1]} ({lists.digest}){where}")
     if engine:
-        print("row extremes: not built in the engine (k-reciprocal, which reads them, runs on a copy of the "
-              "gallery's vectors and builds them there)")
+        print("row extremes: not built in the engine (k-reciprocal there runs within each query's pool, which "
+              "reads none; its whole-gallery sets, sets=gallery, run on a copy of the gallery's vectors and build "
+              "them there)")
     elif not args.no_extremes:
         row_extremes(space)
         print(f"row extremes: {space.n:,} items ({extremes_digest(space)})")

@@ -88,7 +88,7 @@ def neighbour_lists(space: MetricSpace, L: int, *, progress: bool = False) -> Li
     if F is None:
         if space.holds_gallery:  # an engine's search costs what its index costs
             refuse_exact_scan(space, "neighbour lists")
-        got = space.artefact_in_blocks("knn", params, columns, lambda a, b: exact_lists(space, np.arange(a, b), Ls),
+        got = space.artefact_in_blocks("knn", params, columns, lambda a, b: searched_lists(space, np.arange(a, b), Ls),
                                        block=BLOCK, progress=progress)
     else:
         graph: dict = {}  # built at the first block this call writes (a resumed build builds it again)
@@ -116,13 +116,10 @@ def refuse_exact_scan(space: MetricSpace, what: str) -> None:
                         f"{EXACT_MAX:,} items")
 
 
-def exact_lists(space: MetricSpace, items: np.ndarray, Ls: int) -> dict[str, np.ndarray]:
-    """The top Ls of each of `items` by an exact search of the whole gallery."""
-    rows = np.empty((len(items), Ls), dtype=np.int32)
-    sims = np.empty((len(items), Ls), dtype=np.float32)
-    for s in range(0, len(items), BLOCK):
-        h = space.search(space.gallery_vectors(items[s: s + BLOCK]), Ls)
-        rows[s: s + BLOCK], sims[s: s + BLOCK] = h.rows, h.scores
+def searched_lists(space: MetricSpace, items: np.ndarray, Ls: int) -> dict[str, np.ndarray]:
+    """The top Ls of each of `items` by the space's own search (`item_neighbours`): an exact scan
+    of an array, the engine's index for a gallery it keeps."""
+    rows, sims = space.item_neighbours(items, Ls)
     return {"rows": rows, "sims": sims}
 
 
@@ -192,7 +189,7 @@ def approximate_block(space: MetricSpace, F: np.ndarray, Ls: int, index: faiss.I
     sims = np.take_along_axis(exact, order, 1).astype(np.float32)
     short = np.flatnonzero((rows < 0).any(1))
     if len(short):
-        again = exact_lists(space, idx[short], Ls)
+        again = searched_lists(space, idx[short], Ls)
         rows[short], sims[short] = again["rows"], again["sims"]
     return {"rows": rows, "sims": sims}
 

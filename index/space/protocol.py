@@ -95,6 +95,12 @@ class MetricSpace(Protocol):
         """The top min(k, n) rows per query v under s, best first; `exclude[i]` (a row, −1 none)
         is left out of query i's list."""
 
+    def item_neighbours(self, rows: np.ndarray, L: int) -> tuple[np.ndarray, np.ndarray]:
+        """The top min(L, n) items of each given gallery row (itself included, where its own score
+        puts it), as the neighbour-list pass stores them: (int32 rows, float32 exact scores), best
+        first.  An array is searched exactly; an engine's gallery through its own index, without
+        the hits' metadata."""
+
     def score(self, v: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
         """Exact s(v, x): rows None → every item (n_q × n); 1-D → those for every query;
         2-D (n_q × m) → per query (−inf where a row is −1)."""

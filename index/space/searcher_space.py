@@ -21,6 +21,7 @@ from .store import OfflineStore, build_in_blocks, cache_root, check_outside, fin
 
 GATHER_CELLS = 1 << 24  # keys gathered at once, by a score or a weighted sum (queries × rows × d float32: 64 MB)
 KEYS_SHARE = 2          # every key is kept in RAM only while the keys take at most 1/2 of the memory budget
+ITEM_BLOCK = 2048       # gallery items searched at once by `item_neighbours`
 
 
 class SearcherSpace:
@@ -209,6 +210,16 @@ class SearcherSpace:
         if (ex >= 0).any():
             rows, scores = drop_rows(rows, scores, ex, k)
         return self.hits(rows, scores)
+
+    def item_neighbours(self, rows: np.ndarray, L: int) -> tuple[np.ndarray, np.ndarray]:
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        L = max(1, min(int(L), self.n))
+        out_r = np.empty((len(rows), L), dtype=np.int32)
+        out_s = np.empty((len(rows), L), dtype=np.float32)
+        for a in range(0, len(rows), ITEM_BLOCK):
+            h = self.search(self.gallery_vectors(rows[a: a + ITEM_BLOCK]), L)
+            out_r[a: a + ITEM_BLOCK], out_s[a: a + ITEM_BLOCK] = h.rows, h.scores
+        return out_r, out_s
 
     def score(self, v: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
         t = self.transform(v)

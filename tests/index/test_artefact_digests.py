@@ -170,14 +170,14 @@ def test_the_lists_built_killed_and_resumed_equal_one_built_in_one_go(tmp_path, 
     CACHE.clear()
     space = SearcherSpace(searcher, "trained", {}, "cosine", cache_dir=tmp_path / "b")
     calls, cut = [], [True]
-    exact = nb.exact_lists
+    exact = nb.searched_lists
 
     def cut_after_two(sp, items, Ls):
         calls.append(int(items[0]))
         if cut[0] and len(calls) == 3:
             raise KeyboardInterrupt
         return exact(sp, items, Ls)
-    monkeypatch.setattr(nb, "exact_lists", cut_after_two)
+    monkeypatch.setattr(nb, "searched_lists", cut_after_two)
     with pytest.raises(KeyboardInterrupt):
         nb.neighbour_lists(space, 40)
     assert calls == [0, 64, 128]

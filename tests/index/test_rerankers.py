@@ -1051,7 +1051,7 @@ def test_neighbour_lists_are_memory_mapped_outside_the_memory_budget(gallery, mo
     lists = nb.neighbour_lists(space, 42)
     assert isinstance(lists.rows, np.memmap) and isinstance(lists.sims, np.memmap)
     assert space.held("knn", {"length": 64}) and CACHE.used < 150 * 64 * 8  # not counted: the rest is M′'s
-    np.testing.assert_array_equal(lists.rows, nb.exact_lists(space, np.arange(150), 64)["rows"][:, :42])
+    np.testing.assert_array_equal(lists.rows, nb.searched_lists(space, np.arange(150), 64)["rows"][:, :42])
 
 
 # ---------------------------------------------------------------- approximate neighbour lists
