@@ -91,8 +91,8 @@ def run(args, wd: Path) -> dict:
     serving_threads(1)
     blas = threadpool_limits(1, "blas")
     g = MilvusGallery(args.uri, args.collection)
-    for c in g.client.list_collections():  # lists of an earlier run of this bench
-        if c.startswith(f"{args.collection}__"):
+    for c in g.client.list_collections():  # artefacts of an earlier run of this bench
+        if c.startswith(f"{args.collection}__") and not (args.keep_lists and c.startswith(f"{args.collection}__knn_")):
             g.client.drop_collection(c)
     g.wait_indexed(args.collection, "vector", progress=True)
     out["memory_opened"] = memory_mib()
@@ -102,7 +102,7 @@ def run(args, wd: Path) -> dict:
     if {"dba", "diffusion"} & {name for name, _ in chosen}:  # the re-rankers that read the lists
         t0 = time.perf_counter()
         lists = neighbour_lists(space, L, progress=True)
-        out["lists_s"] = time.perf_counter() - t0
+        out["lists_reused" if lists.rows.table.whole and args.keep_lists else "lists_s"] = time.perf_counter() - t0
         out["memory_lists"] = memory_mib()
     if "dba" in dict(chosen):
         t0 = time.perf_counter()
@@ -148,7 +148,8 @@ def markdown(r: dict, command: str) -> str:
           f"{r['queries']} single queries.", "",
           (f"- export and its index: {r['export_s']:.0f} s; " if "export_s" in r else "- export: reused; ") +
           (f"the neighbour lists (L = {r['L']}) through the server's search: {r['lists_s']:.0f} s"
-           if "lists_s" in r else "no neighbour lists (no re-ranker run reads them)") +
+           if "lists_s" in r else f"the neighbour lists (L = {r['L']}): kept from an earlier run"
+           if "lists_reused" in r else "no neighbour lists (no re-ranker run reads them)") +
           (f", recall@51 of the exact lists {r['list_recall@51']:.4f} (200 items)" if "list_recall@51" in r else "")
           + (f"; αDBA's augmented collection: {r['dba_s']:.0f} s" if "dba_s" in r else ""),
           f"- this process, before the in-RAM reference: peak RSS {r['memory_queries']['peak_rss']:.0f} MiB; private "
@@ -180,6 +181,9 @@ def main():
     ap.add_argument("--reuse", action="store_true",
                     help="keep a collection that holds this gallery already (its lists are built afresh) "
                          "(default: export afresh)")
+    ap.add_argument("--keep-lists", action="store_true",
+                    help="keep the neighbour lists an earlier run built in the engine (their digest matches; "
+                         "their build is then not timed) (default: build them afresh)")
     ap.add_argument("--out", default="bench/results/milvus_graph", help="results folder (default: %(default)s)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="milvus_graph_") as wd:
@@ -187,7 +191,7 @@ def main():
     command = "python bench/milvus_graph.py --uri URI" + (f" --n {args.n}" if args.n != 100_000 else "") + (
         f" --index-type {args.index_type}" if args.index_type != "HNSW" else "") + (
         f" --rerankers {args.rerankers}" if args.rerankers != ap.get_default("rerankers") else "") + (
-        " --reuse" if args.reuse else "")
+        " --reuse" if args.reuse else "") + (" --keep-lists" if args.keep_lists else "")
     write_json(Path(args.out) / "results.json", r)
     write_text(Path(args.out) / "results.md", markdown(r, command))
     print(markdown(r, command))

@@ -290,9 +290,9 @@ class EngineTable:
             values[i] = v
         missing = uniq[~found]
         if len(missing):
-            got = self.gallery.query_rows(missing, ["row", *self.columns], collection=self.collection)
-            fetched = [tuple(np.asarray(got[int(r)][c], dtype=t) for c, (_, t) in self.columns.items())
-                       for r in missing]
+            got = self.gallery.query_rows(missing, list(self.columns), collection=self.collection)
+            fetched = [tuple(np.asarray(got[c][i], dtype=t) for c, (_, t) in self.columns.items())
+                       for i in range(len(missing))]
             self._lru.put(missing, fetched)
             for i, v in zip(np.flatnonzero(~found), fetched, strict=True):
                 values[i] = v

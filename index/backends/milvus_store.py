@@ -18,6 +18,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import faiss
 import numpy as np
@@ -292,33 +293,37 @@ class MilvusGallery(NeckGallery):
             self._searcher = None   # its caches are keyed by the candidate settings
 
     # ------------------------------------------------------------ rows, items, vectors
-    def query_rows(self, uniq: np.ndarray, fields: list[str], collection: str | None = None) -> dict[int, dict]:
-        """The entities of the sorted distinct rows `uniq`, by row, FETCH at a time, from this
-        gallery's collection or one of its artefacts' (`collection`, keyed by row as well)."""
+    def query_rows(self, uniq: np.ndarray, fields: list[str], collection: str | None = None) -> dict[str, Any]:
+        """The given fields of the sorted distinct rows `uniq`, as columns in their order
+        (`milvus_found.query`), FETCH rows at a time, from this gallery's collection or one of its
+        artefacts' (`collection`, keyed by row as well)."""
         collection = collection or self.collection
-        got: dict[int, dict] = {}
+        fields = list(dict.fromkeys(["row", *fields]))
+        parts: list[dict[str, Any]] = []
         for s in range(0, len(uniq), FETCH):
-            part = uniq[s: s + FETCH]
+            part = np.asarray(uniq[s: s + FETCH], dtype=np.int64)
             if len(part) and part[-1] - part[0] + 1 == len(part):
                 expr = f"row >= {int(part[0])} and row <= {int(part[-1])}"
             else:
                 expr = f"row in [{','.join(str(int(r)) for r in part)}]"
             try:
-                res = self.client.query(collection, filter=expr, output_fields=fields, limit=len(part))
+                got = milvus_found.query(self.client, collection, expr, fields, len(part))
             except self.pm.exceptions.MilvusException as e:
                 raise UserError(f"Milvus query in {collection!r} failed: {e.message}") from None
-            got.update({int(h["row"]): h for h in res})
-        missing = [int(r) for r in uniq if int(r) not in got]
-        if missing:
-            raise UserError(f"Milvus collection {collection!r} has no row {missing[0]}")
-        return got
+            found, first = np.unique(np.asarray(got["row"], dtype=np.int64), return_index=True)
+            if not np.array_equal(found, part):
+                raise UserError(f"Milvus collection {collection!r} has no row {np.setdiff1d(part, found)[0]}")
+            parts.append({f: milvus_found.take(got[f], first) for f in fields})
+        if not parts:
+            return {f: np.zeros(0, dtype=np.int64) for f in fields}
+        return {f: milvus_found.concat([p[f] for p in parts]) for f in fields}
 
     def fetch_rows(self, rows: np.ndarray) -> np.ndarray:
         """The vectors of the given rows (any order, repeats allowed), float32, by the `row` field."""
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         uniq, back = np.unique(rows, return_inverse=True)
-        got = self.query_rows(uniq, ["row", "vector"])
-        vecs = np.asarray([got[int(r)]["vector"] for r in uniq], dtype=np.float32).reshape(len(uniq), self.dim)
+        got = self.query_rows(uniq, ["vector"])
+        vecs = np.asarray(got["vector"], dtype=np.float32).reshape(len(uniq), self.dim)
         return vecs[back.reshape(-1)]
 
     def fetch_items(self, rows: np.ndarray) -> Items:
@@ -327,11 +332,10 @@ class MilvusGallery(NeckGallery):
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         uniq, back = np.unique(rows, return_inverse=True)
         got = self.query_rows(uniq, ITEM_FIELDS)
-        hits = [got[int(r)] for r in uniq]
         back = back.reshape(-1)
-        ids = np.array([h["id"] for h in hits], dtype=np.int64)[back]
-        labels = np.array([h["label"] for h in hits], dtype=np.int64)[back]
-        return Items(ids, labels, [hits[i]["path"] for i in back], [hits[i]["split"] for i in back])
+        at = back.tolist()
+        return Items(np.asarray(got["id"], dtype=np.int64)[back], np.asarray(got["label"], dtype=np.int64)[back],
+                     [got["path"][i] for i in at], [got["split"][i] for i in at])
 
     def rows_of_ids(self, ids) -> np.ndarray:
         """The row of each item id (any order, repeats allowed); an id not in the collection is refused."""

@@ -1,6 +1,7 @@
-"""A search's reply read as columns (index/backends/milvus_found.py) holds what pymilvus's own
-hit dicts hold: the same ids, scores and fields, query by query; a query with fewer hits than
-asked is padded; pymilvus's own result is read where no reply is at hand; an error is one line."""
+"""A search's and a query's reply read as columns (index/backends/milvus_found.py) hold what
+pymilvus's own dicts hold: the same ids, scores and fields (numbers, strings, vectors, ARRAY
+cells), query by query; a query with fewer hits than asked is padded; pymilvus's own result is
+read where no reply is at hand; an error is pymilvus's."""
 import numpy as np
 import pytest
 
@@ -26,12 +27,14 @@ def client(tmp_path_factory):
     s.add_field("label", DataType.INT64)
     s.add_field("path", DataType.VARCHAR, max_length=64)
     s.add_field("vector", DataType.FLOAT_VECTOR, dim=DIM)
+    s.add_field("nb", DataType.ARRAY, element_type=DataType.INT64, max_capacity=4)
+    s.add_field("w", DataType.ARRAY, element_type=DataType.FLOAT, max_capacity=4)
     ip = c.prepare_index_params()
     ip.add_index("vector", index_type="FLAT", metric_type="IP")
     c.create_collection("g", schema=s, index_params=ip)
     X = np.random.default_rng(0).standard_normal((N, DIM)).astype(np.float32)
-    c.insert("g", [{"id": 11 * i + 5, "row": i, "label": i % 7, "path": f"img/{i}.png", "vector": X[i].tolist()}
-                   for i in range(N)])
+    c.insert("g", [{"id": 11 * i + 5, "row": i, "label": i % 7, "path": f"img/{i}.png", "vector": X[i].tolist(),
+                    "nb": list(range(i, i + i % 5)), "w": [0.5 * j for j in range(i % 3)]} for i in range(N)])
     yield c, X
     c.close()
 
@@ -104,3 +107,34 @@ def test_a_search_the_server_refuses_raises_pymilvus_error(client):
     c, _ = client
     with pytest.raises(MilvusException):  # a query of another dimension
         milvus_found.search(c, "g", [[0.0] * (DIM + 1)], 3, "vector", PARAMS, ["row"])
+
+
+QUERIED = ["row", "id", "label", "path", "vector", "nb", "w"]
+
+
+def test_a_query_reply_read_as_columns_holds_what_pymilvus_entities_hold(client, monkeypatch):
+    c, X = client
+    expr = "row in [3, 250, 17, 4, 99]"
+    got = milvus_found.query(c, "g", expr, QUERIED, 10)
+    want = c.query("g", filter=expr, output_fields=QUERIED, limit=10)
+    assert got["row"].tolist() == [e["row"] for e in want] and sorted(got["row"].tolist()) == [3, 4, 17, 99, 250]
+    assert got["id"].tolist() == [e["id"] for e in want] == [11 * r + 5 for r in got["row"]]
+    assert got["label"].tolist() == [e["label"] for e in want]
+    assert got["path"] == [e["path"] for e in want]
+    np.testing.assert_array_equal(got["vector"], X[got["row"]])
+    for i, r in enumerate(got["row"].tolist()):  # ARRAY cells of their own lengths, empty ones included
+        assert got["nb"][i].tolist() == list(range(r, r + r % 5))
+        np.testing.assert_allclose(got["w"][i], [0.5 * j for j in range(r % 3)])
+    # pymilvus's own entities, where its request-building calls are not there
+    def gone(*a, **kw):
+        raise AttributeError("_stub")
+    monkeypatch.setattr(milvus_found, "_query_parts", gone)
+    again = milvus_found.query(c, "g", expr, QUERIED, 10)
+    monkeypatch.undo()
+    np.testing.assert_array_equal(again["row"], got["row"])
+    assert again["path"] == got["path"]
+    np.testing.assert_array_equal(np.asarray(again["vector"], dtype=np.float32), got["vector"])
+    assert [a.tolist() for a in again["nb"]] == [a.tolist() for a in got["nb"]]
+    # no entity matches: empty columns
+    none = milvus_found.query(c, "g", "row < 0", ["row", "nb"], 10)
+    assert len(none["row"]) == 0 and len(none["nb"]) == 0
