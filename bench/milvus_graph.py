@@ -20,7 +20,8 @@ one thread, as a serving process runs):
   re-ranker (the same variant) — up to --reference-up-to items: the in-RAM reference computes
   exact lists, N² work;
 - this process's peak RSS (VmHWM) and its private memory after the queries, before the in-RAM
-  reference is loaded into it.
+  reference is loaded into it, under `--cache-memory` (the one budget the by-row reads are kept
+  in: `core.memory`), and what the cache held then.
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ import numpy as np
 from ondisk_bench import draw, model
 
 from core.atomic import write_json, write_text
+from core.flags import CACHE_MEMORY_DEFAULT
+from core.memory import CACHE, set_memory_budget
 from index.backends.milvus_space import MilvusSpace
 from index.backends.milvus_store import MilvusGallery, export_index
 from index.backends.search import Searcher
@@ -82,7 +85,8 @@ def run(args, wd: Path) -> dict:
     idx = write_index(wd / "idx", X, items, W, normalize=True, info={}, factory="Flat")
     del X, items  # what the process holds from here on is the by-row reads alone
     params = {"M": 16, "efConstruction": 100} if args.index_type == "HNSW" else {}
-    out: dict = {"n": n, "d": 128, "queries": args.queries, "index_type": args.index_type, "L": L}
+    out: dict = {"n": n, "d": 128, "queries": args.queries, "index_type": args.index_type, "L": L,
+                 "cache_memory": args.cache_memory}
     if not (args.reuse and reusable(args, idx)):
         t0 = time.perf_counter()  # the rows inserted and indexed by the server
         export_index(idx, args.uri, args.collection, index_type=args.index_type, index_params=params,
@@ -120,6 +124,7 @@ def run(args, wd: Path) -> dict:
         ms = np.array(times) * 1e3
         out["rerankers"][name] = {"p50_ms": float(np.median(ms)), "p95_ms": float(np.percentile(ms, 95))}
     out["memory_queries"] = memory_mib()  # before the in-RAM reference below is loaded
+    out["cache_held_mib"] = {"all": CACHE.used / 2**20, "rows": CACHE.rows_used / 2**20}
     # the in-RAM index, the reference: the lists' recall (200 items scanned exactly, at any size),
     # each re-ranker's top-10 overlap (up to --reference-up-to: its lists are exact, N² work)
     ram = SearcherSpace(Searcher(read_index(idx)), "trained", {}, "bilinear", cache_dir=wd / "cache")
@@ -155,7 +160,9 @@ def markdown(r: dict, command: str) -> str:
           f"- this process, before the in-RAM reference: peak RSS {r['memory_queries']['peak_rss']:.0f} MiB; private "
           f"{r['memory_opened']['private']:.0f} MiB after opening the collection, "
           + (f"{r['memory_lists']['private']:.0f} after the lists, " if "memory_lists" in r else "")
-          + f"{r['memory_queries']['private']:.0f} after the queries", "",
+          + f"{r['memory_queries']['private']:.0f} after the queries (`--cache-memory {r['cache_memory']}`; the cache "
+          f"held {r['cache_held_mib']['all']:.0f} MiB then, {r['cache_held_mib']['rows']:.0f} of them rows read by "
+          f"row)", "",
           "| re-ranker (read by row) | p50 ms | p95 ms | top-10 overlap with the in-RAM index |",
           "|---|---|---|---|"]
     md += [f"| {k} | {v['p50_ms']:.0f} | {v['p95_ms']:.0f} | "
@@ -184,14 +191,18 @@ def main():
     ap.add_argument("--keep-lists", action="store_true",
                     help="keep the neighbour lists an earlier run built in the engine (their digest matches; "
                          "their build is then not timed) (default: build them afresh)")
+    ap.add_argument("--cache-memory", default=CACHE_MEMORY_DEFAULT,
+                    help="the process's memory budget, as on the index commands (default: %(default)s)")
     ap.add_argument("--out", default="bench/results/milvus_graph", help="results folder (default: %(default)s)")
     args = ap.parse_args()
+    set_memory_budget(args.cache_memory)
     with tempfile.TemporaryDirectory(prefix="milvus_graph_") as wd:
         r = run(args, Path(wd))
     command = "python bench/milvus_graph.py --uri URI" + (f" --n {args.n}" if args.n != 100_000 else "") + (
         f" --index-type {args.index_type}" if args.index_type != "HNSW" else "") + (
         f" --rerankers {args.rerankers}" if args.rerankers != ap.get_default("rerankers") else "") + (
-        " --reuse" if args.reuse else "") + (" --keep-lists" if args.keep_lists else "")
+        " --reuse" if args.reuse else "") + (" --keep-lists" if args.keep_lists else "") + (
+        f" --cache-memory {args.cache_memory}" if args.cache_memory != CACHE_MEMORY_DEFAULT else "")
     write_json(Path(args.out) / "results.json", r)
     write_text(Path(args.out) / "results.md", markdown(r, command))
     print(markdown(r, command))

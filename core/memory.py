@@ -1,6 +1,7 @@
 """The process's one in-memory cache: every metric space's state (keys, neighbour lists,
 offline artefacts, re-rankers' look-up tables), each strategy's M′, comparisons and what the app
-draws.  One lock, one byte budget (`--cache-memory`), least recently used entries evicted first,
+draws, and the rows an engine's gallery is read by (its vectors and per-item artefacts, fetched
+by row).  One lock, one byte budget (`--cache-memory`), least recently used entries evicted first,
 and each entry built once however many threads ask for it at once.  Here, at the bottom of the
 layers, so that every package can keep its values in it.  docs/reranking.md ("The metric-space
 layer") describes the policy."""
@@ -42,6 +43,19 @@ def nbytes(value: Any) -> int:
     return 0
 
 
+# rows read by row (an engine's vectors, its per-item artefacts) take at most 1/ROW_SHARE of the budget
+ROW_SHARE = 4
+# what CPython holds around a kept row beyond its arrays' data (its key, the dict's slot, the tuple) and
+# around each of its arrays (header, allocation): measured with tracemalloc on rows of 1 and 2 arrays
+ROW_ENTRY, ARRAY_ENTRY = 160, 168
+
+
+def row_bytes(value: Any) -> int:
+    """The memory a kept row holds: its arrays' data and what the interpreter holds around them."""
+    arrays = value if isinstance(value, tuple) else (value,)
+    return ROW_ENTRY + sum(ARRAY_ENTRY + int(a.nbytes) for a in arrays)
+
+
 class _Build:
     """One build in flight: the threads that wait for it read its value when it is done."""
     __slots__ = ("done", "value", "failed")
@@ -62,14 +76,54 @@ class MemoryCache:
         self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
         self._building: dict[Hashable, _Build] = {}
         self._gone: deque = deque()  # owners whose entries go at the next call (`drop_owner`)
+        self._rows: OrderedDict[tuple[Hashable, int], tuple[Any, int]] = OrderedDict()  # (space, row) → row
+        self._row_bytes = 0
 
     @property
     def used(self) -> int:
+        """The bytes held: the entries and the rows."""
         with self._lock:
             dropped = self._forget_gone()
-            total = sum(s for _, s in self._entries.values())
+            total = sum(s for _, s in self._entries.values()) + self._row_bytes
         del dropped  # outside the lock (see `_evict`)
         return total
+
+    @property
+    def rows_used(self) -> int:
+        with self._lock:
+            return self._row_bytes
+
+    # ------------------------------------------------------------ rows read by row
+    def rows_get(self, space: Hashable, rows: np.ndarray) -> tuple[np.ndarray, list]:
+        """The rows of `space` (an engine's gallery or artefact, named by what made it) held here:
+        (found mask, the found ones' values in order); they become the most recently used."""
+        found, values = np.zeros(len(rows), dtype=bool), []
+        with self._lock:
+            for i, r in enumerate(np.asarray(rows).tolist()):
+                hit = self._rows.get((space, r))
+                if hit is not None:
+                    self._rows.move_to_end((space, r))
+                    found[i] = True
+                    values.append(hit[0])
+        return found, values
+
+    def rows_put(self, space: Hashable, rows: np.ndarray, values: list) -> None:
+        """Keep these rows (each an array or a tuple of arrays, owned: not a view of a larger
+        block), dropping the least recently used rows past the rows' share of the budget, and then
+        entries past the budget."""
+        with self._lock:
+            cap = self.budget // ROW_SHARE
+            for r, v in zip(np.asarray(rows).tolist(), values, strict=True):
+                key = (space, r)
+                size = row_bytes(v)
+                if key in self._rows or size > cap:
+                    continue
+                self._rows[key] = (v, size)
+                self._row_bytes += size
+                while self._row_bytes > cap:
+                    self._row_bytes -= self._rows.popitem(last=False)[1][1]
+            dropped = self._forget_gone() + self._evict(keep=None)
+        del dropped  # outside the lock (see `_evict`)
 
     def peek(self, key: Hashable) -> Any:
         """The entry if held (it becomes the most recently used), else None; never builds."""
@@ -124,7 +178,10 @@ class MemoryCache:
         """Drop least recently used entries until the rest fit; returns them, for the caller to
         release once it has left the lock: the last reference to a value may run a finalizer
         that calls this cache (a searcher's `drop_owner`), and the lock is not reentrant."""
-        total = sum(s for _, s in self._entries.values())
+        cap = self.budget // ROW_SHARE
+        while self._row_bytes > cap:  # a lowered budget: the rows first keep to their share
+            self._row_bytes -= self._rows.popitem(last=False)[1][1]
+        total = sum(s for _, s in self._entries.values()) + self._row_bytes
         dropped = []
         for k in list(self._entries):
             if total <= self.budget:
@@ -133,6 +190,10 @@ class MemoryCache:
                 entry = self._entries.pop(k)
                 dropped.append(entry)
                 total -= entry[1]
+        while total > self.budget and self._rows:  # an entry as large as the budget: the rows give way
+            size = self._rows.popitem(last=False)[1][1]
+            self._row_bytes -= size
+            total -= size
         return dropped
 
     def set_budget(self, budget: int) -> None:
@@ -162,7 +223,8 @@ class MemoryCache:
         with self._lock:
             self._gone.clear()
             dropped, self._entries = self._entries, OrderedDict()
-        del dropped  # outside the lock (see `_evict`)
+            rows, self._rows, self._row_bytes = self._rows, OrderedDict(), 0
+        del dropped, rows  # outside the lock (see `_evict`)
 
 
 def _initial_budget() -> int:

@@ -1,8 +1,9 @@
 """A Milvus gallery as a re-ranker reads it, by row: `MilvusSpace`, the `MetricSpace` whose
 searches are the collection's own, whose vectors and item metadata are fetched by row for the
-items a query touches (a bounded LRU keeps the recent ones), and whose per-item artefacts (the
-neighbour lists) live in collections beside the gallery's (`EngineTable`), built through its
-search a block of items at a time and read by row.  No array of the gallery's size is held in
+items a query touches (the process's memory cache keeps the recent rows, within
+`--cache-memory`), and whose per-item artefacts (the neighbour lists) live in collections
+beside the gallery's (`EngineTable`), built through its search a block of items at a time and
+read by row.  No array of the gallery's size is held in
 the process: what a query costs is bounded by the re-ranker's parameters, not by N.
 
 Every re-ranker at its defaults runs here (registered `by_row`): none, αQE, αDBA (its augmented
@@ -16,7 +17,6 @@ from __future__ import annotations
 import functools
 import json
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from core.arrays import l2_normalize
 from core.errors import UserError
-from core.memory import CACHE, memory_budget
+from core.memory import CACHE
 
 from ..metric import psd_factor
 from ..refinements import strategy_key
@@ -39,53 +39,12 @@ if TYPE_CHECKING:
 BLOCK = 1024            # items per block of an artefact built in the engine (one insert each)
 SEARCH_CELLS = 1 << 16  # queries × candidates asked of the collection at once (re-scored ones come with
 # their vectors: a 64 MiB gRPC message holds about 10⁵ of 128-d)
-ROW_SHARE = 16          # the rows kept by row (vectors, artefacts) take at most 1/16 of the memory budget
 ITEMS_UP_TO = 1024      # a re-scored list this long or shorter comes with its items' metadata
 # the offline list pass searches LIST_WIDTH × L candidates wide (HNSW's ef) for each item's top L
 LIST_WIDTH = 6
 ARRAY_MAX = 4096        # Milvus's largest ARRAY capacity (max_capacity)
 WINDOW = 16384          # Milvus's largest result window: one query's rows at most
 ARTEFACT = "dml.artefact"  # the property naming what an artefact collection holds, and whether it is whole
-
-
-class RowLRU:
-    """Rows fetched by row number, the least recently used dropped past `max_bytes`: `get(rows)`
-    → (found mask, their values for the found ones), `put(rows, values)`.  One lock."""
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max(0, int(max_bytes))
-        self._rows: OrderedDict[int, Any] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def _size(value) -> int:
-        return int(sum(v.nbytes for v in value)) if isinstance(value, tuple) else int(value.nbytes)
-
-    def get(self, rows: np.ndarray) -> tuple[np.ndarray, list]:
-        found, values = np.zeros(len(rows), dtype=bool), []
-        with self._lock:
-            for i, r in enumerate(rows.tolist()):
-                v = self._rows.get(r)
-                if v is not None:
-                    self._rows.move_to_end(r)
-                    found[i] = True
-                    values.append(v)
-        return found, values
-
-    def put(self, rows: np.ndarray, values: list) -> None:
-        with self._lock:
-            for r, v in zip(rows.tolist(), values, strict=True):
-                if r in self._rows:
-                    continue
-                size = self._size(v)
-                if size > self.max_bytes:
-                    continue
-                self._rows[r] = v
-                self._bytes += size
-                while self._bytes > self.max_bytes:
-                    _, old = self._rows.popitem(last=False)
-                    self._bytes -= self._size(old)
 
 
 class EngineColumn:
@@ -135,8 +94,9 @@ class EngineTable:
     never searched).  Built by `fill(start, stop)` a block at a time (inserts: a build cut short
     deletes what it stored past the last block it recorded, and resumes there),
     marked whole last (`dml.artefact`: its digest, columns and row count); read by row, the
-    recent rows kept in a bounded LRU.  A `searched` column is a vector field instead, indexed as
-    the gallery's vectors are and searched by inner product (`nearest`)."""
+    recent rows kept in the memory cache (`CACHE.rows_get`, within the one budget).  A
+    `searched` column is a vector field instead, indexed as the gallery's vectors are and searched
+    by inner product (`nearest`)."""
 
     def __init__(self, gallery: MilvusGallery, name: str, digest: str, columns: dict[str, tuple[int, str]],
                  what: str, searched: str = ""):
@@ -150,7 +110,7 @@ class EngineTable:
         self.searched = searched
         self.collection = f"{gallery.collection}__{name.replace('-', '_')}_{digest[:16]}"
         self.n = len(gallery)
-        self._lru = RowLRU(memory_budget() // ROW_SHARE)
+        self._rows_key = ("milvus-rows", gallery.uri, self.collection)  # its rows in the memory cache
         self.lock = threading.Lock()
         self.whole = False  # known to hold every row (found so, or built here)
 
@@ -284,7 +244,7 @@ class EngineTable:
         if len(rows) and (rows.min() < 0 or rows.max() >= self.n):
             raise IndexError(f"row out of range for a gallery of {self.n}")
         uniq, back = np.unique(rows, return_inverse=True)
-        found, held = self._lru.get(uniq)
+        found, held = CACHE.rows_get(self._rows_key, uniq)
         values: list[Any] = [None] * len(uniq)
         for i, v in zip(np.flatnonzero(found), held, strict=True):
             values[i] = v
@@ -293,7 +253,7 @@ class EngineTable:
             got = self.gallery.query_rows(missing, list(self.columns), collection=self.collection)
             fetched = [tuple(np.asarray(got[c][i], dtype=t) for c, (_, t) in self.columns.items())
                        for i in range(len(missing))]
-            self._lru.put(missing, fetched)
+            CACHE.rows_put(self._rows_key, missing, fetched)
             for i, v in zip(np.flatnonzero(~found), fetched, strict=True):
                 values[i] = v
         out = {}
@@ -318,7 +278,7 @@ class MilvusSpace:
         self._cache_key = key_hash("milvus", gallery.uri, gallery.collection, gallery.content_key, gallery.neck,
                                    gallery.info.get("index_type"), gallery.nprobe, gallery.rerank_factor, LIST_WIDTH,
                                    [name, [[k, v] for k, v in items]], mode)
-        self._vectors = RowLRU(memory_budget() // ROW_SHARE)
+        self._vectors_key = ("milvus-vectors", self._cache_key)  # its keys' rows in the memory cache
         self._tables: dict[str, EngineTable] = {}
         self._tables_lock = threading.Lock()
 
@@ -352,7 +312,7 @@ class MilvusSpace:
                            fill: Callable[[int, int], dict[str, np.ndarray]], *, inputs: tuple[str, ...] = (),
                            block: int = 2048, progress: bool = False, searched: str = "") -> dict[str, Any]:
         digest = self.digest(name, params, inputs)
-        with self._tables_lock:  # one table per artefact: its LRU serves every query after
+        with self._tables_lock:  # one table per artefact, built or found once
             table = self._tables.get(digest)
             if table is None:
                 what = {"knn": "neighbour lists", "dba": "augmented gallery"}.get(name, name)
@@ -391,14 +351,15 @@ class MilvusSpace:
         rows = np.asarray(rows, dtype=np.int64)
         flat = rows.reshape(-1)
         uniq, back = np.unique(flat, return_inverse=True)
-        found, held = self._vectors.get(uniq)
+        found, held = CACHE.rows_get(self._vectors_key, uniq)
         out = np.empty((len(uniq), self.dim), dtype=np.float32)
         if found.any():
             out[found] = np.stack(held)
         if (~found).any():
             keys = self.key(self.gallery.fetch_rows(uniq[~found]))
             out[~found] = keys
-            self._vectors.put(uniq[~found], [row.copy() for row in keys])  # not views that keep the block
+            # copies, not views that would keep the whole block alive
+            CACHE.rows_put(self._vectors_key, uniq[~found], [row.copy() for row in keys])
         return out[back.reshape(-1)].reshape(*rows.shape, self.dim)
 
     # ------------------------------------------------------------ search and scores
@@ -407,8 +368,8 @@ class MilvusSpace:
         excluded row left out.  Where Milvus's scores are exact (bilinear on FLAT, HNSW, IVF_FLAT)
         they are its answer (`MilvusGallery.search_metric`, with each hit's metadata); otherwise
         (cosine mode, quantised indexes) Milvus proposes the candidate rows and they are scored
-        here from their vectors, fetched by row once for all the queries that meet them (the LRU
-        keeps them): a list longer than ITEMS_UP_TO comes without metadata (`hits` fetches it)."""
+        here from their vectors, fetched by row once for all the queries that meet them (the memory
+        cache keeps them): a list longer than ITEMS_UP_TO comes without metadata (`hits` fetches it)."""
         v = np.ascontiguousarray(v, dtype=np.float32)
         k = max(1, min(int(k), self.n))
         ex = as_rows(exclude, len(v), self.n)

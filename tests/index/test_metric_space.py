@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from core.errors import UserError
-from core.memory import MemoryCache
+from core.memory import ARRAY_ENTRY, ROW_ENTRY, ROW_SHARE, MemoryCache, row_bytes
 from index.backends.search import Searcher
 from index.backends.store import in_memory_index
 from index.rerankers import rerank
@@ -48,6 +48,37 @@ def test_entries_are_evicted_least_recently_used_first_by_bytes():
     assert c.peek("f") is None and len(small) == 10
     c.set_budget(400)
     assert c.used <= 400
+
+
+def test_rows_read_by_row_count_against_the_one_budget_and_keep_to_their_share():
+    """The rows an engine's gallery is read by (core.memory.rows_put) are held in the same budget
+    as the entries: together never above it, the rows never above their share, least recently
+    used first, each row's size its data and the interpreter's bytes around it."""
+    c = MemoryCache(budget=40_000)
+    row = lambda r: (np.full(64, r, np.int32), np.full(64, r, np.float32))  # noqa: E731
+    each = row_bytes(row(0))
+    assert each == ROW_ENTRY + 2 * (ARRAY_ENTRY + 256)
+    c.get_or_build("M", lambda: np.zeros(30_000, np.uint8))
+    share = 40_000 // ROW_SHARE
+    c.rows_put("lists", np.arange(5), [row(r) for r in range(5)])
+    assert c.rows_used == 5 * each <= share and c.used == 30_000 + 5 * each
+    # past the share: the oldest rows go, not the entry
+    c.rows_put("lists", np.arange(5, 40), [row(r) for r in range(5, 40)])
+    kept = share // each
+    assert c.rows_used == kept * each and c.peek("M") is not None
+    found, values = c.rows_get("lists", np.arange(40))
+    np.testing.assert_array_equal(np.flatnonzero(found), np.arange(40 - kept, 40))
+    assert [int(v[0][0]) for v in values] == list(range(40 - kept, 40))
+    # another space's row 39 is another row
+    assert not c.rows_get("vectors", np.array([39]))[0].any()
+    # an entry that with the rows would pass the budget evicts the older entry, then the rows
+    c.get_or_build("N", lambda: np.zeros(38_000, np.uint8))
+    assert c.peek("M") is None and c.peek("N") is not None and c.used <= 40_000
+    # a lowered budget: the rows keep to their share of it, and everything to it
+    c.set_budget(20_000)
+    assert c.rows_used <= 20_000 // ROW_SHARE and c.used <= 20_000
+    c.clear()
+    assert c.used == 0 and c.rows_used == 0 and not c.rows_get("lists", np.arange(40))[0].any()
 
 
 def test_an_artefact_is_built_once_under_concurrent_requests():

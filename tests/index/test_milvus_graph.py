@@ -112,7 +112,10 @@ def test_the_lists_built_in_the_engine_killed_and_resumed_equal_one_build_and_th
     CACHE.clear()
     again = neighbour_lists(MilvusSpace(gallery, "trained", {}, mode), L)
     np.testing.assert_array_equal(got[0], again.rows[rows])
-    np.testing.assert_array_equal(got[1], again.sims[rows])
+    if mode == "bilinear":  # Milvus's own scores
+        np.testing.assert_array_equal(got[1], again.sims[rows])
+    else:  # scored here from keys normalised in whichever block first fetched them: BLAS rounds by shape
+        np.testing.assert_allclose(got[1], again.sims[rows], rtol=0, atol=1e-6)
     # and the in-RAM index's exact lists (ties apart: equal similarities)
     want = neighbour_lists(SearcherSpace(s, "trained", {}, mode, cache_dir=engine[0] / f"cache-{mode}"), L)
     np.testing.assert_allclose(got[1], want.sims, rtol=1e-5, atol=1e-6)
