@@ -83,14 +83,14 @@ def rerank_args(p, prefix: str = ""):
                          + RERANKERS.params_help() + " (default: none given)").replace("%", "%%"))
 
 
-def rerank_params_from(values: list[str]) -> dict:
+def rerank_params_from(values: list[str], flag: str = "--rerank-param") -> dict:
     """`k1=20,k2=6` (and repeated flags) → {key: text}: SearchConfig types and checks them."""
     out = {}
     for v in values:
         for item in filter(None, (s.strip() for s in v.split(","))):
             key, eq, val = item.partition("=")
             if not eq or not key.strip():
-                raise UserError(f"--rerank-param wants KEY=VALUE, got {item!r}")
+                raise UserError(f"{flag} wants KEY=VALUE, got {item!r}")
             out[key.strip()] = val.strip()
     return out
 

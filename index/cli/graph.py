@@ -1,7 +1,9 @@
 """`graph`: build a gallery's neighbour graph ahead of the first re-ranked search: every item's
 top-L neighbour lists under a strategy's M′ and mode, and each row's extreme similarities, the
-offline pass that dba, k-reciprocal and diffusion read.  A build cut short resumes from the last
-block it wrote; later searches under the same configuration read what it stored."""
+offline pass that dba, k-reciprocal and diffusion read; on an engine's gallery, also αDBA's
+augmented gallery (a collection the engine indexes and searches), which would otherwise be
+built by the first αDBA query.  A build cut short resumes from the last block it wrote; later
+searches under the same configuration read what it stored."""
 from __future__ import annotations
 
 import sys
@@ -10,11 +12,13 @@ from core.errors import UserError
 from core.flags import add_shared_args
 
 from ..backends.flags import backend_args
+from ..rerankers.dba import augmented
 from ..rerankers.neighbours import MIN_LENGTH, extremes_digest, neighbour_lists, row_extremes
+from ..rerankers.registry import RERANKERS
 from ..search_config import SearchConfig
 from ..space import set_memory_budget
 from ..threads import batch_threads
-from .flags import strategy_args, strategy_params_from, threads_arg
+from .flags import rerank_params_from, strategy_args, strategy_params_from, threads_arg
 from .search import open_gallery
 
 
@@ -25,6 +29,11 @@ def graph_parser(sub) -> None:
                    help="neighbours per item (a re-ranker reads at most k1 + 2, k + 1 or n + 2 of them; "
                         "default: %(default)s, which every re-ranker's defaults fit)")
     s.add_argument("--no-extremes", action="store_true", help="skip the row extremes (only k-reciprocal reads them)")
+    s.add_argument("--no-dba", action="store_true",
+                   help="on an engine's gallery, skip αDBA's augmented gallery (its first αDBA query builds it)")
+    s.add_argument("--dba-param", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                   help="αDBA's parameters for the augmented gallery built in the engine, as `search --rerank dba "
+                        "--rerank-param` takes them (default: none given, dba's defaults)")
     s.add_argument("--no-verify", action="store_true", help="skip the checksum verification at load")
     add_shared_args(s, "progress", "cache_memory")
     threads_arg(s)
@@ -40,6 +49,7 @@ def cmd_graph(args) -> int:
     set_memory_budget(args.cache_memory)
     given = {k: v for k, v in strategy_params_from(args).items() if v is not None}
     cfg = SearchConfig.of(args.strategy, given, args.mode, strict=True)
+    dba_params = RERANKERS.params("dba", rerank_params_from(args.dba_param, "--dba-param"))  # checked first
     gallery = open_gallery(args)
     mode, note = gallery.resolve_mode(cfg.strategy, cfg.params, cfg.mode)
     if note:
@@ -49,6 +59,13 @@ def cmd_graph(args) -> int:
     lists = neighbour_lists(space, args.length, progress=args.progress)
     where = f" in the engine ({lists.rows.table.collection})" if engine else ""  # type: ignore[attr-defined]
     print(f"neighbour lists: {space.n:,} items × {lists.rows.shape[1]} ({lists.digest}){where}")
+    if not engine and args.dba_param:
+        print("note: --dba-param is not used on this backend: αDBA's augmented gallery is held in memory, built "
+              "by the first αDBA search", file=sys.stderr)
+    if engine and not args.no_dba:
+        keys = augmented(space, dba_params, progress=args.progress)["keys"]
+        print(f"αDBA's augmented gallery (n={dba_params.n}, alpha={dba_params.alpha:g}): {space.n:,} items in the "
+              f"engine ({keys.table.collection})")  # type: ignore[attr-defined]
     if engine:
         print("row extremes: not built in the engine (k-reciprocal there runs within each query's pool, which "
               "reads none; its whole-gallery sets, sets=gallery, run on a copy of the gallery's vectors and build "

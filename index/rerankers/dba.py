@@ -54,11 +54,11 @@ def _augment(space: MetricSpace, own: np.ndarray, nb: np.ndarray, s: np.ndarray,
     return weighted_sum(space, space.gallery_vectors(own), nb, s, alpha)
 
 
-def augmented(space: MetricSpace, p: DBAParams) -> dict[str, np.ndarray]:
+def augmented(space: MetricSpace, p: DBAParams, progress: bool = False) -> dict[str, np.ndarray]:
     """The cached augmented keys ("keys", n × d) and the neighbours each used ("nb", n × nDBA); on
     a gallery read by row, the engine's columns of them (searched and read by row)."""
     if not space.holds_gallery:
-        return _in_engine(space, p)
+        return _in_engine(space, p, progress)
     check_fits(f"dba: the augmented gallery ({space.n:,} items × {space.dim})", space.n * (space.dim + p.n) * 4)
     lists = neighbour_lists(space, p.n + 2)
 
@@ -73,17 +73,17 @@ def augmented(space: MetricSpace, p: DBAParams) -> dict[str, np.ndarray]:
     return space.artefact("dba", asdict(p), compute, inputs=(lists.digest,))
 
 
-def _in_engine(space: MetricSpace, p: DBAParams) -> dict:
+def _in_engine(space: MetricSpace, p: DBAParams, progress: bool = False) -> dict:
     """`augmented` on a gallery read by row: built in the engine a block at a time, from each
     block's lists and the vectors of their rows."""
-    lists = neighbour_lists(space, p.n + 2)
+    lists = neighbour_lists(space, p.n + 2, progress=progress)
 
     def fill(a: int, b: int) -> dict[str, np.ndarray]:
         own = np.arange(a, b)
         nb, s = _without_self(lists.rows[own], lists.sims[own], own, np.full(len(own), -1), p.n)
         return {"nb": nb, "keys": _augment(space, own, nb, s, p.alpha)}
     return space.artefact_in_blocks("dba", asdict(p), {"nb": (p.n, "int64"), "keys": (space.dim, "float32")}, fill,
-                                    inputs=(lists.digest,), searched="keys")
+                                    inputs=(lists.digest,), searched="keys", progress=progress)
 
 
 def _reverse(space: MetricSpace, p: DBAParams, aug: dict) -> Callable[[int], np.ndarray]:

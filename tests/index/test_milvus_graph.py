@@ -171,18 +171,34 @@ def test_diffusion_on_a_gallery_read_by_row_cuts_each_query_graph_at_any_size(en
     np.testing.assert_allclose(got.scores, want.scores, rtol=1e-4, atol=1e-6)
 
 
-def test_index_graph_builds_the_lists_in_the_engine_once(engine, gallery, capsys):
-    _, _, uri, _ = engine
+def test_index_graph_builds_the_lists_and_dbas_gallery_in_the_engine_once(engine, gallery, capsys):
+    t, _, uri, _ = engine
     drop_lists(gallery)
-    args = ["graph", "--backend", "milvus", "--uri", uri, "--collection", "g", "--strategy", "trained",
-            "--mode", "bilinear", "--no-progress"]
+    where = ["--backend", "milvus", "--uri", uri, "--collection", "g", "--strategy", "trained", "--mode", "bilinear"]
+    args = ["graph", *where, "--no-progress", "--dba-param", "n=3"]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert f"neighbour lists: {N:,} items × 64" in out and "in the engine" in out
-    made = [c for c in gallery.client.list_collections() if c.startswith("g__knn_")]
-    assert len(made) == 1
+    assert f"αDBA's augmented gallery (n=3, alpha=3): {N:,} items in the engine (g__dba_" in out
+    made = sorted(c for c in gallery.client.list_collections() if c.startswith("g__"))
+    assert [c.split("_")[2] for c in made] == ["dba", "knn"]
     assert main(args) == 0  # found whole: nothing is built again
-    assert [c for c in gallery.client.list_collections() if c.startswith("g__knn_")] == made
+    assert sorted(c for c in gallery.client.list_collections() if c.startswith("g__")) == made
+    # αDBA's search at the same parameters reads that collection: it builds none of its own
+    np.save(t / "graph-q.npy", np.random.default_rng(5).standard_normal((2, DIM)).astype(np.float32))
+    assert main(["search", *where, "--features", str(t / "graph-q.npy"), "--rerank", "dba", "--rerank-param",
+                 "n=3"]) == 0
+    assert sorted(c for c in gallery.client.list_collections() if c.startswith("g__")) == made
+    with pytest.raises(UserError, match=r"^--dba-param wants KEY=VALUE, got 'n'$"):
+        main(["graph", *where, "--dba-param", "n"])
+
+
+def test_index_graph_refuses_a_bad_dba_parameter_before_it_writes(engine, gallery):
+    _, _, uri, _ = engine
+    drop_lists(gallery)
+    with pytest.raises(UserError, match="n"):
+        main(["graph", "--backend", "milvus", "--uri", uri, "--collection", "g", "--dba-param", "n=0"])
+    assert not [c for c in gallery.client.list_collections() if c.startswith("g__")]
 
 
 def test_a_list_wider_than_milvus_arrays_is_refused_before_anything_is_written(gallery):
