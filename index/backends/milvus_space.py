@@ -30,6 +30,7 @@ from core.memory import CACHE
 from ..metric import psd_factor
 from ..refinements import strategy_key
 from ..space import Hits, as_rows, key_hash
+from . import milvus_found
 from .gallery import refined_metric
 from .store import Items
 
@@ -45,6 +46,24 @@ LIST_WIDTH = 6
 ARRAY_MAX = 4096        # Milvus's largest ARRAY capacity (max_capacity)
 WINDOW = 16384          # Milvus's largest result window: one query's rows at most
 ARTEFACT = "dml.artefact"  # the property naming what an artefact collection holds, and whether it is whole
+
+
+def artefacts_of(client, collection: str) -> list[str]:
+    """The artefact collections built beside gallery `collection` (`NAME__…` whose `dml.artefact`
+    names it as their gallery): what replacing the gallery leaves stale.  A collection whose name
+    merely starts so, without that property, is another's and is not listed."""
+    out = []
+    for c in client.list_collections():
+        if not c.startswith(f"{collection}__"):
+            continue
+        props = client.describe_collection(c).get("properties", {})
+        try:
+            owner = json.loads(props[ARTEFACT]).get("gallery") if ARTEFACT in props else None
+        except (ValueError, AttributeError):
+            owner = None
+        if owner == collection:
+            out.append(c)
+    return sorted(out)
 
 
 class EngineColumn:
@@ -216,27 +235,21 @@ class EngineTable:
         if column != self.searched:
             raise ValueError(f"column {column!r} of {self.collection!r} is not searched")
         k = max(1, min(int(k), self.n))
-        scores = np.full((len(t), k), -np.inf, dtype=np.float32)
-        rows = np.full((len(t), k), -1, dtype=np.int64)
         width = self.gallery.search_width(max(k, self.gallery.rerank_factor * k))
-        step = max(1, SEARCH_CELLS // k)
-        for a in range(0, len(t), step):
-            res = self.gallery.search_ip(t[a: a + step], k, ["row"], None, width, self.collection, column)
-            rows[a: a + step], scores[a: a + step] = res.padded(res.fields["row"], k, -1), res.padded(res.scores, k,
-                                                                                                       -np.inf)
+        rows, scores = self.gallery.top_rows(t, k, width, self.collection, column, SEARCH_CELLS)
         return scores, rows
 
     def holding(self, column: str, value: int) -> np.ndarray:
         """The rows whose `column` list holds `value` (the engine scans for them: no index needed)."""
         try:
-            got = self.gallery.client.query(self.collection, filter=f"array_contains({column}, {int(value)})",
-                                            output_fields=["row"], limit=WINDOW)
+            got = milvus_found.query(self.gallery.client, self.collection, f"array_contains({column}, {int(value)})",
+                                     ["row"], WINDOW)["row"]
         except self.gallery.pm.exceptions.MilvusException as e:
             raise UserError(f"Milvus query in {self.collection!r} failed: {e.message}") from None
         if len(got) >= WINDOW:
             raise UserError(f"{WINDOW:,} or more rows of {self.collection!r} hold row {value}: more than one "
                             f"query returns")
-        return np.sort(np.asarray([h["row"] for h in got], dtype=np.int64))
+        return np.sort(np.asarray(got, dtype=np.int64))
 
     def take(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         """{column: len(rows) × width} of the given rows (any order, repeats allowed)."""
@@ -405,15 +418,9 @@ class MilvusSpace:
         if not self.gallery.scores_exact(self._mode):
             h = self.search(V, L)
             return h.rows.astype(np.int32), h.scores.astype(np.float32)
-        out_r = np.full((len(rows), L), -1, dtype=np.int32)
-        out_s = np.full((len(rows), L), -np.inf, dtype=np.float32)
-        width = self.gallery.search_width(LIST_WIDTH * L)
-        step = max(1, SEARCH_CELLS // L)
-        for a in range(0, len(rows), step):
-            res = self.gallery.search_ip(self.transform(V[a: a + step]), L, ["row"], None, width)
-            out_r[a: a + step], out_s[a: a + step] = res.padded(res.fields["row"], L, -1), res.padded(res.scores, L,
-                                                                                                      -np.inf)
-        return out_r, out_s
+        got, scores = self.gallery.top_rows(self.transform(V), L, self.gallery.search_width(LIST_WIDTH * L),
+                                            cells=SEARCH_CELLS)
+        return got.astype(np.int32), scores
 
     def _search_scored(self, v: np.ndarray, k: int, kk: int, ex: np.ndarray) -> Hits:
         """`search` where Milvus's scores are exact: its hits, with their metadata."""

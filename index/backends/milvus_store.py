@@ -33,11 +33,21 @@ from ..space import CACHE, Hits, cache_root, key_hash, read_rows
 from . import milvus_found
 from .gallery import NeckGallery, exact_top, neck_digest
 from .milvus_found import Found
+from .ondisk import default_nlist
 from .search import Searcher
 from .store import IndexData, Items, class_sizes_in
 
 METRIC = "IP"            # never "COSINE": see the module docstring
 EXACT_INDEX = "FLAT"     # exact: bilinear scores come straight from Milvus
+# the build parameters an index type gets unless given (a server asks for them): HNSW as the
+# scale-out measurements ran it; IVF_FLAT's lists as the on-disk IVF's (a power of two near √N)
+HNSW_BUILD = {"M": 16, "efConstruction": 100}
+
+
+def index_build_params(index_type: str, n: int, given: dict | None = None) -> dict:
+    """`given` over the index type's defaults (HNSW_BUILD; IVF_FLAT: nlist `default_nlist(n)`)."""
+    base = {"HNSW": dict(HNSW_BUILD), "IVF_FLAT": {"nlist": default_nlist(n)}}.get(index_type, {})
+    return base | dict(given or {})
 # index types whose scores are the stored float vectors' inner products (no quantisation): their
 # bilinear hits need no re-scoring, only a search as wide as the candidates (HNSW's ef)
 EXACT_SCORES = ("FLAT", "HNSW", "IVF_FLAT")
@@ -125,9 +135,14 @@ def export_features(uri: str, collection: str, features: np.ndarray, items, W: n
         if client.has_collection(collection):
             if not overwrite:
                 raise UserError(f"Milvus collection {collection!r} already exists at {uri} (--overwrite replaces it)")
+            from .milvus_space import artefacts_of
+
+            for stale in artefacts_of(client, collection):  # built from the gallery being replaced
+                client.drop_collection(stale)
             client.drop_collection(collection)
+        index_params = index_build_params(index_type, n, index_params)
         ip = client.prepare_index_params()
-        ip.add_index("vector", index_type=index_type, metric_type=METRIC, params=index_params or {})
+        ip.add_index("vector", index_type=index_type, metric_type=METRIC, params=index_params)
         client.create_collection(collection, schema=_schema(pm, d), index_params=ip)
         content = hashlib.sha256(repr((int(n), int(d))).encode())
         for s in tqdm(range(0, n, batch), desc=f"export to {collection}", unit="batch", disable=not progress):
@@ -543,6 +558,20 @@ class MilvusGallery(NeckGallery):
                                        field, self.search_params(limit, nprobe, width), output_fields)
         except self.pm.exceptions.MilvusException as e:
             raise UserError(f"Milvus search in {collection!r} failed: {e.message}") from None
+
+    def top_rows(self, qt: np.ndarray, k: int, width: int | None, collection: str | None = None, field: str = "vector",
+                 cells: int = 1 << 16) -> tuple[np.ndarray, np.ndarray]:
+        """Each row of qt's top-k `row`s by inner product (`search_ip`, only each hit's row coming
+        back), `cells` queries × k asked at once: (rows int64, scores float32), −1 and −inf where
+        fewer came back."""
+        rows = np.full((len(qt), k), -1, dtype=np.int64)
+        scores = np.full((len(qt), k), -np.inf, dtype=np.float32)
+        step = max(1, cells // k)
+        for a in range(0, len(qt), step):
+            res = self.search_ip(qt[a: a + step], k, ["row"], None, width, collection, field)
+            rows[a: a + step] = res.padded(res.fields["row"], k, -1)
+            scores[a: a + step] = res.padded(res.scores, k, -np.inf)
+        return rows, scores
 
     def search_metric(self, feats: np.ndarray, metric: QueryMetric, k: int = 10, nprobe: int | None = None,
                       rerank_factor: int | None = None, what: str = "query features") -> Hits:

@@ -9,7 +9,7 @@ from core.flags import add_shared_args
 
 from ..backends.flags import milvus_args, milvus_token
 from ..refinements import shared_params
-from .flags import strategy_param_args
+from .flags import rerank_params_from, strategy_param_args
 
 
 # ---------------------------------------------------------------- ivf-build
@@ -112,9 +112,27 @@ def export_parser(sub) -> None:
     x.add_argument("--index-type", choices=("FLAT", "IVF_FLAT", "HNSW"), default="FLAT",
                    help="Milvus index on the vectors; other than FLAT, search re-ranks candidates exactly "
                         "(default: %(default)s)")
+    x.add_argument("--index-param", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                   help="the Milvus index's build parameters, each unset one at its default: HNSW M=16, "
+                        "efConstruction=100; IVF_FLAT nlist = a power of two near √N (default: none given)")
     x.add_argument("--overwrite", action="store_true", help="replace a collection of that name")
     add_shared_args(x, "progress")
     x.set_defaults(func=cmd_export)
+
+
+def _index_params(values: list[str], index_type: str) -> dict:
+    """--index-param's KEY=VALUE pairs as whole numbers, refused in one line otherwise."""
+    out = {}
+    for key, text in rerank_params_from(values, "--index-param").items():
+        if index_type == "FLAT":
+            raise UserError("--index-param: a FLAT index takes no build parameters")
+        try:
+            out[key] = int(text)
+        except ValueError:
+            raise UserError(f"--index-param {key} wants a whole number, got {text!r}") from None
+        if out[key] < 1:
+            raise UserError(f"--index-param {key} must be ≥ 1, got {out[key]}")
+    return out
 
 
 def cmd_export(args) -> int:
@@ -122,8 +140,9 @@ def cmd_export(args) -> int:
 
     if not (args.uri and args.collection):
         raise UserError("export --to milvus needs --uri and --collection")
+    params = _index_params(args.index_param, args.index_type)
     n = export_index(args.index, args.uri, args.collection, token=milvus_token(args), overwrite=args.overwrite,
-                     index_type=args.index_type, progress=args.progress)
+                     index_type=args.index_type, index_params=params, progress=args.progress)
     print(json.dumps({"exported": n, "to": args.to, "uri": args.uri, "collection": args.collection,
                       "metric_type": "IP", "index_type": args.index_type}))
     return 0

@@ -208,3 +208,27 @@ def test_a_list_wider_than_milvus_arrays_is_refused_before_anything_is_written(g
         milvus_space.EngineTable(gallery, "knn", "0" * 64, {"rows": (5000, "int64"), "sims": (5000, "float32")},
                                  "neighbour lists")
     assert sorted(gallery.client.list_collections()) == before
+
+
+def test_replacing_a_gallery_drops_the_artefacts_built_from_it_and_no_other_collection(engine):
+    t, _, uri, _ = engine
+    export_index(t / "idx", uri, "h")
+    h = MilvusGallery(uri, "h")
+    try:
+        neighbour_lists(MilvusSpace(h, "trained", {}, "bilinear"), L)
+        built = [c for c in h.client.list_collections() if c.startswith("h__knn_")]
+        assert len(built) == 1 and milvus_space.artefacts_of(h.client, "h") == built
+        schema = h.client.create_schema(auto_id=False)  # another's collection under a name like an artefact's
+        schema.add_field("pk", h.pm.DataType.INT64, is_primary=True)
+        schema.add_field("v", h.pm.DataType.FLOAT_VECTOR, dim=2)
+        h.client.create_collection("h__theirs", schema=schema)
+        with pytest.raises(UserError, match="already exists"):
+            export_index(t / "idx", uri, "h")
+        assert built[0] in h.client.list_collections()
+        export_index(t / "idx", uri, "h", overwrite=True)
+        left = sorted(c for c in h.client.list_collections() if c.startswith("h"))
+        assert left == ["h", "h__theirs"]
+    finally:
+        for c in [c for c in h.client.list_collections() if c.startswith("h")]:
+            h.client.drop_collection(c)
+        h.close()

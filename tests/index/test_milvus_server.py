@@ -64,3 +64,50 @@ def test_cli_search_through_the_server_reranks_as_the_index(exported, rerank, ca
         assert [r["id"] for r in a["results"]] == [r["id"] for r in b["results"]] and len(a["results"]) == K
         np.testing.assert_allclose([r["score"] for r in a["results"]], [r["score"] for r in b["results"]],
                                    rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("index_type,given,want", [
+    ("HNSW", [], {"M": "16", "efConstruction": "100"}),
+    ("HNSW", ["--index-param", "M=8,efConstruction=40"], {"M": "8", "efConstruction": "40"}),
+    ("IVF_FLAT", [], {"nlist": "3"}),  # a power of two near √120 (8), cut to keep ≥ 39 rows a list
+])
+def test_cli_export_builds_an_approximate_index_with_its_default_or_given_parameters(exported, index_type, given,
+                                                                                      want, capsys):
+    """A server asks for an index's build parameters (HNSW's M and efConstruction, IVF_FLAT's
+    nlist): `export --index-type` gives its defaults, `--index-param` overrides them, and the
+    collection searches as the in-RAM index does."""
+    from pymilvus import MilvusClient
+
+    t, uri, _ = exported
+    name = f"typed_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    client = MilvusClient(uri=uri)
+    try:
+        assert main(["export", "--to", "milvus", "--index", str(t / "idx"), "--uri", uri, "--collection", name,
+                     "--index-type", index_type, "--no-progress", *given]) == 0
+        described = client.describe_index(name, "vector")
+        assert described["index_type"] == index_type
+        assert {k: str(described[k]) for k in want} == want
+        capsys.readouterr()
+        common = ["search", "--features", str(t / "q.npy"), "--k", str(K)]
+        assert main(common + ["--index", str(t / "idx")]) == 0
+        ram = json.loads(capsys.readouterr().out)
+        assert main(common + ["--backend", "milvus", "--uri", uri, "--collection", name, "--nprobe", "2"]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert [[r["id"] for r in q["results"]] for q in got["queries"]] == [
+            [r["id"] for r in q["results"]] for q in ram["queries"]]
+    finally:
+        client.drop_collection(name)
+        client.close()
+
+
+@pytest.mark.parametrize("given,message", [
+    (["--index-type", "HNSW", "--index-param", "M=lots"], "--index-param M wants a whole number, got 'lots'"),
+    (["--index-type", "HNSW", "--index-param", "M=0"], "--index-param M must be ≥ 1, got 0"),
+    (["--index-param", "M=8"], "--index-param: a FLAT index takes no build parameters"),
+])
+def test_cli_export_refuses_bad_index_parameters_before_it_writes(exported, given, message):
+    from core.errors import UserError
+
+    t, uri, _ = exported
+    with pytest.raises(UserError, match=f"^{message}$"):
+        main(["export", "--to", "milvus", "--index", str(t / "idx"), "--uri", uri, "--collection", "never", *given])
