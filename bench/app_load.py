@@ -2,7 +2,8 @@
 
   python bench/app_load.py [--index artifacts/demo/index] [--clients 4] [--queries 50]
                            [--client gradio|gradio-rest|http] [--strategies spectral:cosine]
-                           [--backend faiss|ondisk] [--ivf DIR] [--nprobe N] [--cache-memory SIZE]
+                           [--backend faiss|ondisk|milvus] [--ivf DIR] [--nprobe N] [--cache-memory SIZE]
+                           [--uri URI --collection NAME] [--rerank NAME [--rerank-param K=V]]
 
 Starts the app (`python -m app`) on a free loopback port in its own process, waits until it
 answers and has warmed its default strategies (--settle seconds), runs each client in its own
@@ -13,11 +14,14 @@ its page answers: every index read, the page built) and its resident memory (VmR
 anonymous part RssAnon and its file-backed part RssFile, after start-up and after the load;
 VmHWM, the peak).  Query images are the gallery's items that have one.
 Queries cycle through gallery images and strategies; random and diagonal restraint get a new
-seed on every query (a new M′ each time) unless --no-new-seeds.
+seed on every query (a new M′ each time) unless --no-new-seeds.  With --backend milvus the app
+serves the collection `index export --to milvus` wrote from --index (whose image paths the
+queries are drawn from); with --rerank every query asks that re-ranker (http client only).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import os
 import subprocess
@@ -57,7 +61,7 @@ def client(job) -> tuple[list[tuple[str, float]], list[str], float]:
     ([(strategy, seconds)], errors, the client's CPU seconds)."""
     from gradio_client import Client, handle_file
 
-    url, images, ci, queries, kind, new_seeds, strats = job
+    url, images, ci, queries, kind, new_seeds, strats, rerank = job
     if kind == "gradio":
         c = Client(url, verbose=False)
 
@@ -92,7 +96,7 @@ def client(job) -> tuple[list[tuple[str, float]], list[str], float]:
         def search(path, strat, mode, q):
             r = h.post(url + "api/search", files={"image": Path(path).read_bytes()},
                        data={"strategy": strat, "mode": mode, "k": "10", "r": "0.5", "seed": str(q),
-                             "alpha": "0.5", "p": "0.5"})
+                             "alpha": "0.5", "p": "0.5", **rerank})
             r.raise_for_status()
             return r.json()
     lat, errors = [], []
@@ -135,8 +139,13 @@ def main():
     ap.add_argument("--strategies", default=",".join(f"{s}:{m}" for s, m in STRATS),
                     help="the strategy:mode pairs queries cycle through; random, diagonal, shrink and spectral at "
                          "r = alpha = p = 0.5 (default: %(default)s)")
-    ap.add_argument("--backend", choices=("faiss", "ondisk"), default="faiss", help="the app's --backend "
+    ap.add_argument("--backend", choices=("faiss", "ondisk", "milvus"), default="faiss", help="the app's --backend "
                     "(default: %(default)s)")
+    ap.add_argument("--uri", default=None, help="the app's --uri (milvus)")
+    ap.add_argument("--collection", default=None, help="the app's --collection (milvus)")
+    ap.add_argument("--rerank", default="none", help="the re-ranker every query asks (http client; default: "
+                    "%(default)s)")
+    ap.add_argument("--rerank-param", default="", help="its parameters, KEY=VALUE[,KEY=VALUE] (default: none)")
     ap.add_argument("--ivf", default=None, help="the app's --ivf (ondisk; default: INDEX/ivf_ondisk)")
     ap.add_argument("--nprobe", type=int, default=0, help="the app's --nprobe (default: %(default)s, the app's own)")
     ap.add_argument("--cache-memory", default=None,
@@ -144,13 +153,22 @@ def main():
     ap.add_argument("--out", default="bench/results/app_load.json")
     args = ap.parse_args()
     strats = [tuple(x.split(":")) for x in args.strategies.split(",")]
+    if args.rerank != "none" and args.client != "http":
+        ap.error("--rerank is sent by the http client only")
+    if args.backend == "milvus" and not (args.uri and args.collection):
+        ap.error("--backend milvus needs --uri and --collection")
+    rerank = {} if args.rerank == "none" else {"rerank": args.rerank, "rerank_params": args.rerank_param}
 
     port = free_port()
     # the app in its own process, as users run it: the clients' HTTP work does not share its GIL
     backend = ["--backend", args.backend, *(["--ivf", args.ivf] if args.ivf else []),
                *(["--nprobe", str(args.nprobe)] if args.nprobe else [])]
+    if args.backend == "milvus":  # the collection; the index folder gives only the query images
+        meta0 = json.loads((Path(args.index) / "metadata.json").read_text())
+        backend += ["--uri", args.uri, "--collection", args.collection, "--image-root", str(meta0.get("root", ""))]
     started = time.perf_counter()
-    server = subprocess.Popen([sys.executable, "-m", "app", "--index", args.index, "--port", str(port),
+    index_arg = [] if args.backend == "milvus" else ["--index", args.index]
+    server = subprocess.Popen([sys.executable, "-m", "app", *index_arg, "--port", str(port),
                                "--concurrency", str(args.concurrency), *backend,
                                *([] if args.app_threads is None else ["--threads", str(args.app_threads)]),
                                *([] if args.cache_memory is None else ["--cache-memory", args.cache_memory])], cwd=ROOT,
@@ -169,8 +187,6 @@ def main():
     startup_s = time.perf_counter() - started
     time.sleep(args.settle)
     memory_started = memory_mb(server.pid)
-    import json
-
     meta = json.loads((Path(args.index) / "metadata.json").read_text())  # not the features: only the paths
     root, paths = Path(meta.get("root", "")), meta["paths"]
     pictured = [p for p in paths if p]
@@ -180,7 +196,7 @@ def main():
     # each client in its own process, as separate users are: client threads would share one GIL
     # with each other's HTTP and SSE handling and measure the bench as much as the app
     with ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn")) as pool:
-        runs = list(pool.map(client, [(url, images, ci, args.queries, args.client, args.new_seeds, strats)
+        runs = list(pool.map(client, [(url, images, ci, args.queries, args.client, args.new_seeds, strats, rerank)
                               for ci in range(args.clients)]))
     by_strategy = {}
     for r in runs:
@@ -206,7 +222,7 @@ def main():
            "gallery": len(paths), "concurrency": args.concurrency,
            "client": args.client, "new_seeds": args.new_seeds,
            "app_threads": args.app_threads, "backend": args.backend, "strategies": args.strategies,
-           "cache_memory": args.cache_memory,
+           "cache_memory": args.cache_memory, "rerank": args.rerank, "rerank_param": args.rerank_param,
            "startup_s": round(startup_s, 2), "memory_mb_started": memory_started,
            "memory_mb_after_load": memory_loaded, "loadavg_1_5_15": list(os.getloadavg())}
     write_json(args.out, res)
