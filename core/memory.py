@@ -125,6 +125,21 @@ class MemoryCache:
             dropped = self._forget_gone() + self._evict(keep=None)
         del dropped  # outside the lock (see `_evict`)
 
+    def rows_through(self, space: Hashable, uniq: np.ndarray, fetch: Callable[[np.ndarray], list]) -> list:
+        """The values of the distinct rows `uniq` of `space`, in their order: those held here, and
+        the others from `fetch(missing rows)` (owned values, in that order), which are kept."""
+        found, held = self.rows_get(space, uniq)
+        values: list[Any] = [None] * len(uniq)
+        for i, v in zip(np.flatnonzero(found), held, strict=True):
+            values[i] = v
+        missing = np.asarray(uniq)[~found]
+        if len(missing):
+            fetched = fetch(missing)
+            self.rows_put(space, missing, fetched)
+            for i, v in zip(np.flatnonzero(~found), fetched, strict=True):
+                values[i] = v
+        return values
+
     def peek(self, key: Hashable) -> Any:
         """The entry if held (it becomes the most recently used), else None; never builds."""
         with self._lock:

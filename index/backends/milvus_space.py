@@ -257,18 +257,12 @@ class EngineTable:
         if len(rows) and (rows.min() < 0 or rows.max() >= self.n):
             raise IndexError(f"row out of range for a gallery of {self.n}")
         uniq, back = np.unique(rows, return_inverse=True)
-        found, held = CACHE.rows_get(self._rows_key, uniq)
-        values: list[Any] = [None] * len(uniq)
-        for i, v in zip(np.flatnonzero(found), held, strict=True):
-            values[i] = v
-        missing = uniq[~found]
-        if len(missing):
+
+        def fetch(missing: np.ndarray) -> list:
             got = self.gallery.query_rows(missing, list(self.columns), collection=self.collection)
-            fetched = [tuple(np.asarray(got[c][i], dtype=t) for c, (_, t) in self.columns.items())
-                       for i in range(len(missing))]
-            CACHE.rows_put(self._rows_key, missing, fetched)
-            for i, v in zip(np.flatnonzero(~found), fetched, strict=True):
-                values[i] = v
+            return [tuple(np.asarray(got[c][i], dtype=t) for c, (_, t) in self.columns.items())
+                    for i in range(len(missing))]
+        values = CACHE.rows_through(self._rows_key, uniq, fetch)
         out = {}
         for j, (c, (w, t)) in enumerate(self.columns.items()):
             block = np.stack([v[j] for v in values]) if values else np.zeros((0, w), dtype=t)
@@ -364,15 +358,10 @@ class MilvusSpace:
         rows = np.asarray(rows, dtype=np.int64)
         flat = rows.reshape(-1)
         uniq, back = np.unique(flat, return_inverse=True)
-        found, held = CACHE.rows_get(self._vectors_key, uniq)
-        out = np.empty((len(uniq), self.dim), dtype=np.float32)
-        if found.any():
-            out[found] = np.stack(held)
-        if (~found).any():
-            keys = self.key(self.gallery.fetch_rows(uniq[~found]))
-            out[~found] = keys
-            # copies, not views that would keep the whole block alive
-            CACHE.rows_put(self._vectors_key, uniq[~found], [row.copy() for row in keys])
+        # each row a copy, not a view that would keep the whole fetched block alive
+        values = CACHE.rows_through(self._vectors_key, uniq,
+                                    lambda m: [row.copy() for row in self.key(self.gallery.fetch_rows(m))])
+        out = np.stack(values) if values else np.zeros((0, self.dim), dtype=np.float32)
         return out[back.reshape(-1)].reshape(*rows.shape, self.dim)
 
     # ------------------------------------------------------------ search and scores

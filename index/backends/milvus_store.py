@@ -39,18 +39,12 @@ from .store import IndexData, Items, class_sizes_in
 
 METRIC = "IP"            # never "COSINE": see the module docstring
 EXACT_INDEX = "FLAT"     # exact: bilinear scores come straight from Milvus
-# the build parameters an index type gets unless given (a server asks for them): HNSW as the
-# scale-out measurements ran it; IVF_FLAT's lists as the on-disk IVF's (a power of two near √N)
-HNSW_BUILD = {"M": 16, "efConstruction": 100}
-
-
-def index_build_params(index_type: str, n: int, given: dict | None = None) -> dict:
-    """`given` over the index type's defaults (HNSW_BUILD; IVF_FLAT: nlist `default_nlist(n)`)."""
-    base = {"HNSW": dict(HNSW_BUILD), "IVF_FLAT": {"nlist": default_nlist(n)}}.get(index_type, {})
-    return base | dict(given or {})
 # index types whose scores are the stored float vectors' inner products (no quantisation): their
 # bilinear hits need no re-scoring, only a search as wide as the candidates (HNSW's ef)
 EXACT_SCORES = ("FLAT", "HNSW", "IVF_FLAT")
+# the build parameters an index type gets unless given (a server asks for them): HNSW as the
+# scale-out measurements ran it; IVF_FLAT's lists as the on-disk IVF's (a power of two near √N)
+HNSW_BUILD = {"M": 16, "efConstruction": 100}
 MAX_TOPK = 16384         # Milvus's limit on one search's top-k
 PATH_MAX, SPLIT_MAX = 4096, 256
 OUTPUT = ["row", "label", "path", "split"]
@@ -65,6 +59,12 @@ SAMPLE_ROWS = 64         # rows of a source feature store compared with the coll
 INSTALL = "pip install -r requirements-milvus.txt"
 # index-manifest keys that travel with the gallery: query images are embedded by the same model
 MODEL_FACTS = ("checkpoint", "checkpoint_sha256", "backbone", "transform", "trunk_dim", "dataset", "split")
+
+
+def export_build_params(index_type: str, n: int, given: dict | None = None) -> dict:
+    """`given` over the index type's defaults (HNSW_BUILD; IVF_FLAT: nlist `default_nlist(n)`)."""
+    base = {"HNSW": dict(HNSW_BUILD), "IVF_FLAT": {"nlist": default_nlist(n)}}.get(index_type, {})
+    return base | dict(given or {})
 
 
 def _pymilvus():
@@ -140,7 +140,7 @@ def export_features(uri: str, collection: str, features: np.ndarray, items, W: n
             for stale in artefacts_of(client, collection):  # built from the gallery being replaced
                 client.drop_collection(stale)
             client.drop_collection(collection)
-        index_params = index_build_params(index_type, n, index_params)
+        index_params = export_build_params(index_type, n, index_params)
         ip = client.prepare_index_params()
         ip.add_index("vector", index_type=index_type, metric_type=METRIC, params=index_params)
         client.create_collection(collection, schema=_schema(pm, d), index_params=ip)

@@ -9,7 +9,7 @@ from core.flags import add_shared_args
 
 from ..backends.flags import milvus_args, milvus_token
 from ..refinements import shared_params
-from .flags import rerank_params_from, strategy_param_args
+from .flags import key_values_from, strategy_param_args
 
 
 # ---------------------------------------------------------------- ivf-build
@@ -123,7 +123,7 @@ def export_parser(sub) -> None:
 def _index_params(values: list[str], index_type: str) -> dict:
     """--index-param's KEY=VALUE pairs as whole numbers, refused in one line otherwise."""
     out = {}
-    for key, text in rerank_params_from(values, "--index-param").items():
+    for key, text in key_values_from(values, "--index-param").items():
         if index_type == "FLAT":
             raise UserError("--index-param: a FLAT index takes no build parameters")
         try:

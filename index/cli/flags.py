@@ -83,8 +83,9 @@ def rerank_args(p, prefix: str = ""):
                          + RERANKERS.params_help() + " (default: none given)").replace("%", "%%"))
 
 
-def rerank_params_from(values: list[str], flag: str = "--rerank-param") -> dict:
-    """`k1=20,k2=6` (and repeated flags) → {key: text}: SearchConfig types and checks them."""
+def key_values_from(values: list[str], flag: str = "--rerank-param") -> dict:
+    """`k1=20,k2=6` (and repeated flags) → {key: text}, from any KEY=VALUE[,KEY=VALUE] flag (`flag`
+    names it in a refusal): their owner types and checks them."""
     out = {}
     for v in values:
         for item in filter(None, (s.strip() for s in v.split(","))):

@@ -18,7 +18,7 @@ from ..rerankers.registry import RERANKERS
 from ..search_config import SearchConfig
 from ..space import set_memory_budget
 from ..threads import batch_threads
-from .flags import rerank_params_from, strategy_args, strategy_params_from, threads_arg
+from .flags import key_values_from, strategy_args, strategy_params_from, threads_arg
 from .search import open_gallery
 
 
@@ -49,7 +49,7 @@ def cmd_graph(args) -> int:
     set_memory_budget(args.cache_memory)
     given = {k: v for k, v in strategy_params_from(args).items() if v is not None}
     cfg = SearchConfig.of(args.strategy, given, args.mode, strict=True)
-    dba_params = RERANKERS.params("dba", rerank_params_from(args.dba_param, "--dba-param"))  # checked first
+    dba_params = RERANKERS.params("dba", key_values_from(args.dba_param, "--dba-param"))  # checked first
     gallery = open_gallery(args)
     mode, note = gallery.resolve_mode(cfg.strategy, cfg.params, cfg.mode)
     if note:

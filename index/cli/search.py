@@ -17,7 +17,7 @@ from ..backends.gallery import Gallery
 from ..search_config import NO_RERANK, SearchConfig
 from ..space import set_memory_budget
 from ..threads import batch_threads
-from .flags import rerank_args, rerank_params_from, strategy_args, strategy_params_from, threads_arg
+from .flags import key_values_from, rerank_args, strategy_args, strategy_params_from, threads_arg
 
 
 def search_parser(sub) -> None:
@@ -51,7 +51,7 @@ def cmd_search(args) -> int:
     batch_threads(args.threads, torch=bool(args.image))
     set_memory_budget(args.cache_memory)
     given = {k: v for k, v in strategy_params_from(args).items() if v is not None}
-    cfg = SearchConfig.of(args.strategy, given, args.mode, args.rerank, rerank_params_from(args.rerank_param),
+    cfg = SearchConfig.of(args.strategy, given, args.mode, args.rerank, key_values_from(args.rerank_param),
                           strict=True)  # every setting checked before the index is read
     gallery = open_gallery(args)
     mode, note = gallery.resolve_mode(cfg.strategy, cfg.params, cfg.mode)

@@ -71,6 +71,11 @@ def test_rows_read_by_row_count_against_the_one_budget_and_keep_to_their_share()
     assert [int(v[0][0]) for v in values] == list(range(40 - kept, 40))
     # another space's row 39 is another row
     assert not c.rows_get("vectors", np.array([39]))[0].any()
+    # read through: the held rows come from here, only the others are fetched, and then kept
+    asked: list[list[int]] = []
+    got = c.rows_through("lists", np.array([37, 38, 39, 41]), lambda m: asked.append(m.tolist()) or [row(r) for r in m])
+    assert asked == [[41]] and [int(v[0][0]) for v in got] == [37, 38, 39, 41]
+    assert c.rows_get("lists", np.array([41]))[0].all()
     # an entry that with the rows would pass the budget evicts the older entry, then the rows
     c.get_or_build("N", lambda: np.zeros(38_000, np.uint8))
     assert c.peek("M") is None and c.peek("N") is not None and c.used <= 40_000
