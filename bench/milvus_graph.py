@@ -12,10 +12,12 @@ one thread, as a serving process runs):
   (`index graph`'s pass): wall seconds; their recall of the exact top 51 (the in-RAM index's exact
   scan) on 200 items, at any size;
 - αDBA's augmented gallery built in a collection beside the gallery's (its first query's pass):
-  wall seconds;
+  wall seconds; decoupled diffusion's rows (diffusion_offline, each item's row as wide as the
+  lists: --item-truncation 64) built and written to a collection beside it: wall seconds;
 - single queries through the collection read by row (`MilvusSpace`), each re-ranker at its
   defaults there: none, αQE, αDBA (its augmented collection searched), k-reciprocal (its sets
-  within each query's pool, the top 1,000), diffusion (each query's graph cut to its top 10,000):
+  within each query's pool, the top 1,000), diffusion (each query's graph cut to its top 10,000),
+  diffusion_offline (its top 10 items' rows summed):
   p50 and p95 wall ms, and each one's top-10 agreement with the in-RAM index running the same
   re-ranker (the same variant) — up to --reference-up-to items: the in-RAM reference computes
   exact lists, N² work;
@@ -40,13 +42,14 @@ from index.backends.milvus_space import MilvusSpace
 from index.backends.milvus_store import MilvusGallery, export_index
 from index.backends.search import Searcher
 from index.backends.store import Items, read_index, write_index
-from index.rerankers import rerank
+from index.rerankers import rerank, reranker_params
+from index.rerankers.diffusion_offline import offline_rows
 from index.rerankers.kreciprocal import POOL_BY_ROW
 from index.rerankers.neighbours import neighbour_lists, searched_lists
 from index.space import SearcherSpace
 from index.threads import serving_threads
 
-RERANKERS = [("none", {}), ("aqe", {}), ("dba", {}), ("kreciprocal", {}), ("diffusion", {})]
+RERANKERS = [("none", {}), ("aqe", {}), ("dba", {}), ("kreciprocal", {}), ("diffusion", {}), ("diffusion_offline", {})]
 # the same variants in the in-RAM index, where the defaults read the gallery whole
 IN_RAM = {"kreciprocal": {"sets": "pool", "pool": POOL_BY_ROW}, "diffusion": {"truncation": 10_000}}
 L, K = 64, 10
@@ -86,7 +89,7 @@ def run(args, wd: Path) -> dict:
     del X, items  # what the process holds from here on is the by-row reads alone
     params = {"M": 16, "efConstruction": 100} if args.index_type == "HNSW" else {}
     out: dict = {"n": n, "d": 128, "queries": args.queries, "index_type": args.index_type, "L": L,
-                 "cache_memory": args.cache_memory}
+                 "cache_memory": args.cache_memory, "item_truncation": args.item_truncation}
     if not (args.reuse and reusable(args, idx)):
         t0 = time.perf_counter()  # the rows inserted and indexed by the server
         export_index(idx, args.uri, args.collection, index_type=args.index_type, index_params=params,
@@ -101,9 +104,10 @@ def run(args, wd: Path) -> dict:
     g.wait_indexed(args.collection, "vector", progress=True)
     out["memory_opened"] = memory_mib()
     space = MilvusSpace(g, "trained", {}, "bilinear")
-    chosen = [(name, p) for name, p in RERANKERS if name in args.rerankers.split(",")]
+    chosen = [(name, p | ({"item_truncation": args.item_truncation} if name == "diffusion_offline" else {}))
+              for name, p in RERANKERS if name in args.rerankers.split(",")]
     lists = None
-    if {"dba", "diffusion"} & {name for name, _ in chosen}:  # the re-rankers that read the lists
+    if {"dba", "diffusion", "diffusion_offline"} & {name for name, _ in chosen}:  # the re-rankers that read the lists
         t0 = time.perf_counter()
         lists = neighbour_lists(space, L, progress=True)
         out["lists_reused" if lists.rows.table.whole and args.keep_lists else "lists_s"] = time.perf_counter() - t0
@@ -112,6 +116,11 @@ def run(args, wd: Path) -> dict:
         t0 = time.perf_counter()
         rerank("dba", space, Q[:1], K)  # its augmented gallery, built in the engine
         out["dba_s"] = time.perf_counter() - t0
+    if "diffusion_offline" in dict(chosen):
+        t0 = time.perf_counter()
+        offline_rows(space, reranker_params("diffusion_offline", dict(chosen)["diffusion_offline"]), progress=True)
+        out["diffusion_offline_s"] = time.perf_counter() - t0  # every item's row, written to the engine
+        out["memory_diffusion_offline"] = memory_mib()
     out["rerankers"] = {}
     answers = {}
     for name, p in chosen:
@@ -156,7 +165,9 @@ def markdown(r: dict, command: str) -> str:
            if "lists_s" in r else f"the neighbour lists (L = {r['L']}): kept from an earlier run"
            if "lists_reused" in r else "no neighbour lists (no re-ranker run reads them)") +
           (f", recall@51 of the exact lists {r['list_recall@51']:.4f} (200 items)" if "list_recall@51" in r else "")
-          + (f"; αDBA's augmented collection: {r['dba_s']:.0f} s" if "dba_s" in r else ""),
+          + (f"; αDBA's augmented collection: {r['dba_s']:.0f} s" if "dba_s" in r else "")
+          + (f"; decoupled diffusion's rows (item_truncation = {r['item_truncation']}): "
+             f"{r['diffusion_offline_s']:.0f} s" if "diffusion_offline_s" in r else ""),
           f"- this process, before the in-RAM reference: peak RSS {r['memory_queries']['peak_rss']:.0f} MiB; private "
           f"{r['memory_opened']['private']:.0f} MiB after opening the collection, "
           + (f"{r['memory_lists']['private']:.0f} after the lists, " if "memory_lists" in r else "")
@@ -183,8 +194,11 @@ def main():
                     help="compare with the in-RAM index up to this many rows (its exact lists: N² work) "
                          "(default: %(default)s)")
     ap.add_argument("--rerankers", default=",".join(name for name, _ in RERANKERS),
-                    help="the re-rankers measured, comma-separated (the lists are built only for dba and "
-                         "diffusion) (default: %(default)s)")
+                    help="the re-rankers measured, comma-separated (the lists are built only for dba, "
+                         "diffusion and diffusion_offline) (default: %(default)s)")
+    ap.add_argument("--item-truncation", type=int, default=L,
+                    help="diffusion_offline's item_truncation: each item's row as wide as the lists the graph holds "
+                         "(its default, 1,000, needs lists that wide) (default: %(default)s)")
     ap.add_argument("--reuse", action="store_true",
                     help="keep a collection that holds this gallery already (its lists are built afresh) "
                          "(default: export afresh)")
@@ -201,6 +215,7 @@ def main():
     command = "python bench/milvus_graph.py --uri URI" + (f" --n {args.n}" if args.n != 100_000 else "") + (
         f" --index-type {args.index_type}" if args.index_type != "HNSW" else "") + (
         f" --rerankers {args.rerankers}" if args.rerankers != ap.get_default("rerankers") else "") + (
+        f" --item-truncation {args.item_truncation}" if args.item_truncation != L else "") + (
         " --reuse" if args.reuse else "") + (" --keep-lists" if args.keep_lists else "") + (
         f" --cache-memory {args.cache_memory}" if args.cache_memory != CACHE_MEMORY_DEFAULT else "")
     write_json(Path(args.out) / "results.json", r)

@@ -2,11 +2,13 @@
 top-L neighbour lists under a strategy's M′ and mode, and each row's extreme similarities, the
 offline pass that dba, k-reciprocal and diffusion read; on an engine's gallery, also αDBA's
 augmented gallery (a collection the engine indexes and searches), which would otherwise be
-built by the first αDBA query.  A build cut short resumes from the last block it wrote; later
-searches under the same configuration read what it stored."""
+built by the first αDBA query; with `--rerank NAME`, that re-ranker's own offline part too
+(diffusion_offline: every item's diffusion row).  A build cut short resumes from the last block
+it wrote; later searches under the same configuration read what it stored."""
 from __future__ import annotations
 
 import sys
+from dataclasses import asdict
 
 from core.errors import UserError
 from core.flags import add_shared_args
@@ -14,7 +16,7 @@ from core.flags import add_shared_args
 from ..backends.flags import backend_args
 from ..rerankers.dba import augmented
 from ..rerankers.neighbours import MIN_LENGTH, extremes_digest, neighbour_lists, row_extremes
-from ..rerankers.registry import RERANKERS
+from ..rerankers.registry import RERANKERS, clipped
 from ..search_config import SearchConfig
 from ..space import set_memory_budget
 from ..threads import batch_threads
@@ -34,6 +36,12 @@ def graph_parser(sub) -> None:
     s.add_argument("--dba-param", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                    help="αDBA's parameters for the augmented gallery built in the engine, as `search --rerank dba "
                         "--rerank-param` takes them (default: none given, dba's defaults)")
+    RERANKERS.add_argument(s, "--rerank", default="none",
+                           help="also build this re-ranker's own offline part ahead of its first query, at the "
+                                "parameters `search --rerank NAME --rerank-param …` gives it (dba: its augmented "
+                                "gallery; diffusion_offline: every item's diffusion row; none: the lists alone)")
+    s.add_argument("--rerank-param", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                   help="a parameter of --rerank, as `search --rerank-param` takes it (default: none given)")
     s.add_argument("--no-verify", action="store_true", help="skip the checksum verification at load")
     add_shared_args(s, "progress", "cache_memory")
     threads_arg(s)
@@ -50,6 +58,10 @@ def cmd_graph(args) -> int:
     given = {k: v for k, v in strategy_params_from(args).items() if v is not None}
     cfg = SearchConfig.of(args.strategy, given, args.mode, strict=True)
     dba_params = RERANKERS.params("dba", key_values_from(args.dba_param, "--dba-param"))  # checked first
+    entry = RERANKERS.get(args.rerank)
+    rr_params = RERANKERS.params(args.rerank, key_values_from(args.rerank_param))
+    if args.rerank != "none" and entry.spec.prepare is None:
+        raise UserError(f"re-ranker {args.rerank!r} has no offline part beyond the neighbour lists this builds")
     gallery = open_gallery(args)
     mode, note = gallery.resolve_mode(cfg.strategy, cfg.params, cfg.mode)
     if note:
@@ -66,6 +78,12 @@ def cmd_graph(args) -> int:
         keys = augmented(space, dba_params, progress=args.progress)["keys"]
         print(f"αDBA's augmented gallery (n={dba_params.n}, alpha={dba_params.alpha:g}): {space.n:,} items in the "
               f"engine ({keys.table.collection})")  # type: ignore[attr-defined]
+    if entry.spec.prepare is not None and not (engine and args.rerank == "dba" and not args.no_dba
+                                               and rr_params == dba_params):
+        p = clipped(args.rerank, rr_params, space.n, whole=space.holds_gallery)
+        entry.spec.prepare(space, p, progress=args.progress)
+        print(f"{args.rerank}'s offline part ({', '.join(f'{k}={v}' for k, v in asdict(p).items())}): built"
+              + (" in the engine" if engine else ""))
     if engine:
         print("row extremes: not built in the engine (k-reciprocal there runs within each query's pool, which "
               "reads none; its whole-gallery sets, sets=gallery, run on a copy of the gallery's vectors and build "

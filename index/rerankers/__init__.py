@@ -1,7 +1,7 @@
 """Query-time re-ranking on top of any refined metric M′ and mode.  Adding one: a module with
 `@RERANKERS.register`, one import line below."""
 from ..space import MetricSpace, SearcherSpace
-from . import aqe, dba, diffusion, kreciprocal, none  # noqa: F401  (registration: one line per re-ranker)
+from . import aqe, dba, diffusion, diffusion_offline, kreciprocal, none  # noqa: F401  (registration: one line per re-ranker)
 from .registry import (
     AUTO,
     DEFAULT,

@@ -106,7 +106,7 @@ def _search(keys, t: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @RERANKERS.register("dba", DBAParams, offline=True, reads_first=False, by_row=True,
-                    grid={"n": (1, 2, 3, 5, 10), "alpha": (0.0, 1.0, 3.0, 5.0)})
+                    grid={"n": (1, 2, 3, 5, 10), "alpha": (0.0, 1.0, 3.0, 5.0)}, prepare=augmented)
 def dba(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: int, *, self_ids: np.ndarray,
         params: DBAParams) -> Hits:
     """Database-side augmentation (Radenović et al. TPAMI 2019): search x′ = normalise(x + Σ s(x, yᵢ)^α yᵢ)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -51,6 +52,9 @@ class RerankerSpec(Spec):
         a copy of it in the process; there `auto` means the plain search's top `pool_above`.
     whole_when: {param: values} with which its online part reads the whole gallery after all (a
         by_row re-ranker's paper computation, kept as a choice): it then runs on a space that holds it.
+    prepare: prepare(space, params, progress) builds its offline part ahead of its first query
+        (`index graph --rerank NAME`), the neighbour lists it reads included; None: it has none
+        beyond the lists.
     """
     offline: bool = False
     depth: str = ""
@@ -61,6 +65,7 @@ class RerankerSpec(Spec):
     pool_above: int = 0
     by_row: bool = False
     whole_when: Mapping[str, tuple] = field(default_factory=dict)
+    prepare: Any = None  # a callable (Callable has no check in `conforms`)
 
     def check(self, entry) -> None:
         super().check(entry)
@@ -73,11 +78,14 @@ class RerankerSpec(Spec):
             value = getattr(self, what)
             if value and value not in names:
                 raise ValueError(f"{entry.what}: {what}={value!r} is not one of its parameters {sorted(names)}")
+        if self.prepare is not None and not callable(self.prepare):
+            raise ValueError(f"{entry.what}: prepare must be callable, got {self.prepare!r}")
         if (self.whole_up_to > 0) != (self.pool_above > 0) or (self.pool_above and not self.pool):
             raise ValueError(f"{entry.what}: whole_up_to and pool_above go together, with a pool parameter")
 
     def listing_lines(self) -> list[str]:
-        lines = ["offline part: computed once per index, strategy and mode, cached"] if self.offline else []
+        lines = ["offline part: computed once per index, strategy and mode, cached"
+                 + (" (`index graph --rerank` builds it ahead)" if self.prepare else "")] if self.offline else []
         if self.pool_above and self.whole_up_to >= WHOLE_GALLERY:
             lines.append(f"{self.pool} = auto: every item, and the plain search's top {self.pool_above:,} on a gallery "
                          f"read by row")

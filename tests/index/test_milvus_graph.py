@@ -232,3 +232,39 @@ def test_replacing_a_gallery_drops_the_artefacts_built_from_it_and_no_other_coll
         for c in [c for c in h.client.list_collections() if c.startswith("h")]:
             h.client.drop_collection(c)
         h.close()
+
+
+def test_decoupled_diffusion_stores_its_rows_in_the_engine_and_gives_the_index_answer(engine, gallery, capsys,
+                                                                                       monkeypatch):
+    """diffusion_offline on an engine's gallery: `index graph --rerank diffusion_offline` builds
+    every item's row into a collection beside the gallery's (reading the lists a block at a time,
+    never the whole collection at once), and searches read that collection, by row, to the in-RAM
+    index's answer."""
+    from index.rerankers import diffusion_offline
+
+    t, s, uri, _ = engine
+    drop_lists(gallery)
+    monkeypatch.setattr(milvus_space, "BLOCK", 64)
+    monkeypatch.setattr(diffusion_offline, "COPY_BLOCK", 64)
+    reads: list[int] = []  # by every gallery object, the command's own included
+    query_rows = MilvusGallery.query_rows
+    monkeypatch.setattr(MilvusGallery, "query_rows", lambda g, uniq, *a, **kw: reads.append(len(uniq))
+                        or query_rows(g, uniq, *a, **kw))
+    where = ["--backend", "milvus", "--uri", uri, "--collection", "g", "--strategy", "trained", "--mode", "bilinear"]
+    params = "k=8,kq=4,item_truncation=40"
+    args = ["graph", *where, "--no-progress", "--no-dba", "--rerank", "diffusion_offline", "--rerank-param", params]
+    assert main(args) == 0
+    assert "diffusion_offline's offline part (k=8, kq=4, item_truncation=40" in capsys.readouterr().out
+    made = sorted(c for c in gallery.client.list_collections() if c.startswith("g__"))
+    assert [c.split("__")[1].rsplit("_", 1)[0] for c in made] == ["diffusion_offline", "knn"]
+    assert reads and max(reads) <= 64
+    cfg = SearchConfig.of("trained", {}, "bilinear", "diffusion_offline", {"k": 8, "kq": 4, "item_truncation": 40})
+    rng = np.random.default_rng(4)
+    own = np.array([9, 100])
+    for q, ids in ((rng.standard_normal((4, DIM)).astype(np.float32), None), (np.asarray(s.data.features[own]), own)):
+        got, want = cfg.search(gallery, q, 10, self_ids=ids), cfg.search(s, q, 10, self_ids=ids)
+        np.testing.assert_array_equal(got.rows, want.rows)
+        np.testing.assert_allclose(got.scores, want.scores, rtol=1e-4, atol=1e-6)
+    assert sorted(c for c in gallery.client.list_collections() if c.startswith("g__")) == made  # read, not rebuilt
+    with pytest.raises(UserError, match="has no offline part beyond the neighbour lists"):
+        main(["graph", *where, "--rerank", "aqe"])

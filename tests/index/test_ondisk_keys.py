@@ -23,7 +23,7 @@ SMALL = 2 * KEY_BYTES - 4096  # keys above half of it; the neighbour lists (N ×
 LARGE = 16 << 20
 # each re-ranker at settings small enough for 400 items
 PARAMS = {"none": {}, "aqe": {"n": 3, "alpha": 1.0}, "dba": {"n": 2}, "diffusion": {"k": 8, "kq": 4, "truncation": 60},
-          "kreciprocal": {"k1": 6, "k2": 2}}
+          "diffusion_offline": {"k": 8, "kq": 4, "item_truncation": 60}, "kreciprocal": {"k1": 6, "k2": 2}}
 
 
 @pytest.fixture(scope="module")
