@@ -115,3 +115,23 @@ def blocks_by_label(demo) -> dict:
     for b in demo.blocks.values():
         out.setdefault(getattr(b, "label", None), []).append(b)
     return out
+
+
+# what a rank process of `spawn_ranks` runs: imported once, in the fork server, not in every rank
+RANK_PRELOAD = ["torch", "torch.distributed", "training.trainer", "training.distributed", "test_ddp",
+                "test_ddp_trainer"]
+
+
+def spawn_ranks(fn, args: tuple, nprocs: int = 2) -> None:
+    """torch.multiprocessing.spawn(fn, args, nprocs): `nprocs` fresh processes, each `fn(rank,
+    *args)`, as torchrun's ranks are, joined, a rank's exception raised here.  They are forked
+    from one fork server per test process (multiprocessing's "forkserver"), a single-threaded
+    process started once that has imported torch and the trainer: a rank starts in a fraction of
+    a second instead of importing them again (several seconds each).  The command-line path
+    (torchrun starting `python -m training`) is tested in tests/e2e/test_ddp_resume.py."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(RANK_PRELOAD)
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")

@@ -16,6 +16,7 @@ import socket
 import numpy as np
 import pytest
 import torch
+from support import spawn_ranks
 
 N_CLASSES, PER_CLASS, B, M, STEPS, TRUNK = 8, 8, 16, 4, 5, 128
 
@@ -131,11 +132,9 @@ TRIPLET = {"loss": "triplet", "loss_param": ["miner=semihard"]}
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> dict:
     """{case: [rank 0's result, rank 1's]} from one 2-process gloo group."""
-    import torch.multiprocessing as mp
-
     out = tmp_path_factory.mktemp("ddp")
     specs = CASES | {"determinant": DETERMINANT, "triplet": TRIPLET}
-    mp.spawn(_worker, args=(2, free_port(), specs, str(out)), nprocs=2, join=True)
+    spawn_ranks(_worker, (2, free_port(), specs, str(out)))
     got = [torch.load(out / f"rank{r}.pt") for r in range(2)]
     return {name: [g[name] for g in got] for name in specs}
 

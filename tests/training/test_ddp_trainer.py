@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from support import spawn_ranks
 from test_ddp import free_port
 from tiny_kanji import FONTS
 
@@ -47,8 +48,6 @@ def assert_ddp_then_torn_down(r0, r1, epochs):
 
 
 def test_tail_warmup_and_determinant_under_two_ranks(tmp_path):
-    import torch.multiprocessing as mp
-
     from training.config import TrainConfig
 
     cfg = TrainConfig(dataset="kanji", data_root=str(tmp_path / "kanji"), num_classes=20, image_size=32,
@@ -56,7 +55,7 @@ def test_tail_warmup_and_determinant_under_two_ranks(tmp_path):
                       batch_size=16, m_per_class=4, out=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"),
                       progress=False, lr=1e-3, mode="tail", train_blocks=1, warmup_epochs=1,
                       regularizer=("determinant",), reg_param=("determinant.transforms=2", "determinant.hidden=16"))
-    mp.spawn(_worker, args=(2, free_port(), cfg, str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_worker, (2, free_port(), cfg, str(tmp_path)))
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
     assert_ddp_then_torn_down(r0, r1, cfg.epochs)
     assert r0["metrics"] == r1["metrics"]  # rank 0's test metrics, told to every rank
@@ -84,15 +83,13 @@ def test_tail_warmup_and_determinant_under_two_ranks(tmp_path):
 def test_fine_tuning_from_the_decoded_image_cache_under_two_ranks(tmp_path):
     """Rank 0 decodes the images while rank 1 waits, then both read the cache; each rank cuts its own
     crops (its generator is seeded by the rank) and the replicas stay identical."""
-    import torch.multiprocessing as mp
-
     from training.config import TrainConfig
 
     cfg = TrainConfig(dataset="kanji", data_root=str(tmp_path / "kanji"), num_classes=20, image_size=32,
                       kanji_fonts=FONTS, backbone="small_cnn", weights="none", embed_dim=16, epochs=2,
                       batch_size=16, m_per_class=4, out=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"),
                       progress=False, lr=1e-3, mode="finetune", probe_epochs=0)
-    mp.spawn(_worker, args=(2, free_port(), cfg, str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_worker, (2, free_port(), cfg, str(tmp_path)))
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
     assert_ddp_then_torn_down(r0, r1, cfg.epochs)
     assert r0["metrics"] == r1["metrics"]
