@@ -17,7 +17,7 @@ from index.backends.store import Items, read_index, write_index
 from index.search_config import SearchConfig
 from index.space import CACHE, memory_budget, set_memory_budget
 
-N, DIM, K, THREADS = 240, 16, 8, 6
+N, DIM, K, THREADS = 160, 16, 8, 6
 SHRINK = {"alpha": 0.3}
 REQUESTS = [  # strategy, its parameters, mode, re-ranker, its parameters
     ("trained", {}, "cosine", "kreciprocal", {"k1": 6, "k2": 3}),
