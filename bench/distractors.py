@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-RERANK_ORDER = ("none", "aqe", "dba", "kreciprocal", "diffusion")
+RERANK_ORDER = ("none", "aqe", "dba", "kreciprocal", "diffusion", "diffusion_offline")
 STRATEGIES = ("trained", "identity", "selected")
 
 

@@ -41,7 +41,7 @@ from core.params import param
 from ..space import Hits, MetricSpace
 from ..threads import in_threads
 from .diffusion import _mutual, power
-from .neighbours import neighbour_lists
+from .neighbours import neighbour_lists, reverse_index, without
 from .registry import RERANKERS, candidates
 
 BLOCK = 1024  # items per block of the offline pass (an engine's insert; resumed from the last written)
@@ -98,50 +98,50 @@ def batched_cg(matvec, b: np.ndarray, tol: float, iterations: int) -> np.ndarray
     return x
 
 
-def degrees(rows: np.ndarray, sims: np.ndarray, items: np.ndarray, k: int, gamma: float) -> np.ndarray:
+def degrees(read, items: np.ndarray, k: int, gamma: float) -> np.ndarray:
     """Each item's degree in the whole gallery's mutual k-NN graph (knngraph.m's, as
     fyang93/diffusion builds it): Σ max(s_ij, 0)^γ over the j ≠ i of its top k whose own top k
-    holds i.  `rows`, `sims`: every item's lists (read at random)."""
-    R = np.asarray(rows[items, :k], dtype=np.int64)
-    S = np.asarray(sims[items, :k], dtype=np.float64)
+    holds i.  `read(ids)`: those items' lists (rows, sims)."""
+    R, S = read(items)
+    R, S = R[:, :k], S[:, :k]
     ok = (R >= 0) & (R != items[:, None])
-    back = np.asarray(rows[np.maximum(R, 0).ravel(), :k], dtype=np.int64).reshape(len(items), k, k)
+    back = read(np.maximum(R, 0).ravel())[0][:, :k].reshape(len(items), k, k)
     mutual = ok & (back == items[:, None, None]).any(2)
     return np.where(mutual, power(np.maximum(S, 0.0), gamma), 0.0).sum(1)
 
 
-def truncated(rows: np.ndarray, items: np.ndarray, T: int) -> np.ndarray:
-    """Each item's truncated graph: itself first, then its top items without it, T in all (B × T;
-    −1 where a list runs out).  Under a metric whose item is its own top (cosine) this is its top T."""
-    R = np.asarray(rows[items], dtype=np.int64)
+def truncated(R: np.ndarray, items: np.ndarray, T: int) -> np.ndarray:
+    """Each item's truncated graph from its list R: itself first, then its top items without it,
+    T in all (B × T; −1 where a list runs out).  Under a metric whose item is its own top (cosine)
+    this is its top T."""
     mine = R == items[:, None]
     order = np.argsort(mine, axis=1, kind="stable")  # the item's own entry moved to the end
     rest = np.take_along_axis(R, order, 1)[:, : T - 1]
     return np.concatenate([items[:, None], rest], axis=1)
 
 
-def offline_block(rows: np.ndarray, sims: np.ndarray, deg: np.ndarray, items: np.ndarray,
-                  p: DiffusionOfflineParams, T: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+def offline_block(read, deg_of, items: np.ndarray, p: DiffusionOfflineParams, T: int, k: int,
+                  n: int) -> tuple[np.ndarray, np.ndarray]:
     """Rows `items` of the offline matrix: (B × T item rows, B × T float32 f), each item's
     diffusion on its truncated graph (fyang93/diffusion `get_offline_result`), solved together
-    as one block-diagonal system.  `deg`: every item's degree (`degrees`)."""
-    sub = truncated(rows, items, T)  # B × T
-    B, n = len(items), len(deg)
+    as one block-diagonal system.  `read(ids)`: those items' lists (rows, sims); `deg_of(ids)`:
+    their degrees (`degrees`); n: the gallery's size."""
+    sub = truncated(read(items)[0], items, T)  # B × T
+    B = len(items)
     flat = sub.ravel()
     # each member's k-NN list in its item's graph: its entries' places there (b·T + place), −1 outside
     key = np.arange(B, dtype=np.int64)[:, None] * (n + 1) + (sub + 1)
     order = np.argsort(key.ravel(), kind="stable")
     sorted_key = key.ravel()[order]
-    nb = np.asarray(rows[np.maximum(flat, 0), :k], dtype=np.int64).reshape(B, T, k)
-    ns = np.asarray(sims[np.maximum(flat, 0), :k], dtype=np.float64).reshape(B, T, k)
-    want = np.arange(B, dtype=np.int64)[:, None, None] * (n + 1) + (nb + 1)
-    at = np.minimum(np.searchsorted(sorted_key, want.ravel()), len(sorted_key) - 1)
-    local = np.where(sorted_key[at] == want.ravel(), order[at], -1).reshape(B * T, k)
+    got_r, got_s = read(np.maximum(flat, 0))
+    nb, ns = got_r[:, :k], got_s[:, :k]
+    want = (np.repeat(np.arange(B, dtype=np.int64), T)[:, None] * (n + 1) + (nb + 1)).ravel()
+    at = np.minimum(np.searchsorted(sorted_key, want), len(sorted_key) - 1)
+    local = np.where(sorted_key[at] == want, order[at], -1).reshape(B * T, k)
     own = np.arange(B * T)[:, None]
-    present = (flat >= 0)[:, None] & (nb.reshape(B * T, k) >= 0)
-    keep = present & (local >= 0) & (local != own)
-    A = _mutual(keep.sum(1), local[keep], np.maximum(ns.reshape(B * T, k)[keep], 0.0), B * T, p.gamma)
-    d = np.where(flat >= 0, np.asarray(deg[np.maximum(flat, 0)], dtype=np.float64), 0.0)
+    keep = (flat >= 0)[:, None] & (nb >= 0) & (local >= 0) & (local != own)
+    A = _mutual(keep.sum(1), local[keep], np.maximum(ns[keep], 0.0), B * T, p.gamma)
+    d = np.where(flat >= 0, deg_of(np.maximum(flat, 0)), 0.0)
     inv = np.where(d > 0, 1.0 / np.sqrt(np.maximum(d, 1e-300)), 0.0)
     row = np.repeat(np.arange(B * T), np.diff(A.indptr))
     S = sparse.csr_matrix((A.data * inv[row] * inv[A.indices], A.indices, A.indptr), shape=A.shape)
@@ -152,6 +152,39 @@ def offline_block(rows: np.ndarray, sims: np.ndarray, deg: np.ndarray, items: np
         return P - p.alpha * (S @ P.ravel()).reshape(B, T)
     f = batched_cg(matvec, y, p.tol, p.iterations)
     return sub, np.where(sub >= 0, f, 0.0).astype(np.float32)
+
+
+def reader(rows, sims):
+    """read(ids) → (rows, sims) of those items' lists, int64 and float64, from arrays (or memory
+    maps, or an engine's columns, read by row)."""
+    return lambda ids: (np.asarray(rows[ids], dtype=np.int64), np.asarray(sims[ids], dtype=np.float64))
+
+
+def without_item(read, deg_of, reverse, i: int, k: int, k_without: int, gamma: float):
+    """(read, deg_of) of the gallery without item i: every list with i taken out (and cut one
+    shorter, as a list of that gallery is), and the degrees that change recomputed: those of the
+    items whose top k held i (`reverse(i)`) and of the items that move into their top k.
+    `k_without`: k in the gallery without i (one less where k was clipped to the whole gallery)."""
+    def read_i(ids):
+        R, S = read(ids)
+        return without(R, S, np.full(len(ids), i), R.shape[1] - 1)
+    held = np.asarray(reverse(i), dtype=np.int64)
+    held = held[held != i]
+    if len(held):
+        R = read(held)[0]
+        held = held[(R[:, :k] == i).any(1)]  # an engine's reverse lists hold every entry, not the top k alone
+    # the item that moves into each such top k (none where k shrinks with the gallery)
+    moved = read_i(held)[0][:, k - 1] if len(held) and k_without == k else np.zeros(0, np.int64)
+    changed = np.unique(np.concatenate([held, moved[moved >= 0]]))
+    fresh = (degrees(read_i, changed, k_without, gamma).astype(np.float32) if len(changed)
+             else np.zeros(0, np.float32))
+
+    def deg_i(ids):
+        d = deg_of(ids)
+        at = np.minimum(np.searchsorted(changed, ids), max(len(changed) - 1, 0))
+        hit = (changed[at] == ids) if len(changed) else np.zeros(len(ids), bool)
+        return np.where(hit, fresh[at] if len(changed) else 0.0, d)
+    return read_i, deg_i
 
 
 def _local_copy(lists, folder: Path, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -168,44 +201,77 @@ def _local_copy(lists, folder: Path, n: int) -> tuple[np.ndarray, np.ndarray]:
     return rows, sims
 
 
+def _shape(space: MetricSpace, p: DiffusionOfflineParams) -> tuple[int, int]:
+    """(T, k) clipped to the gallery: a row holds the item and at most n − 1 others."""
+    return max(2, min(p.item_truncation, space.n)), max(2, min(p.k, space.n))
+
+
+def _lists(space: MetricSpace, p: DiffusionOfflineParams, progress: bool = False):
+    """The lists the rows are computed from: T and k entries, and one more for a left-out item."""
+    T, k = _shape(space, p)
+    return neighbour_lists(space, max(T, k) + 1, progress=progress)
+
+
 def offline_rows(space: MetricSpace, p: DiffusionOfflineParams, progress: bool = False) -> dict:
-    """Every item's offline diffusion row: {"rows": n × T item rows (−1: none), "f": n × T}; in
-    the engine on a gallery read by row (a collection beside the gallery's)."""
-    T = max(2, min(p.item_truncation, space.n))
-    k = max(2, min(p.k, space.n))
-    lists = neighbour_lists(space, max(T, k), progress=progress)
+    """Every item's offline diffusion row: {"rows": n × T item rows (−1: none), "f": n × T, "deg":
+    n × 1, its degree in the mutual k-NN graph (float32, as every solve reads it)}; in the engine
+    on a gallery read by row (a collection beside the gallery's)."""
+    T, k = _shape(space, p)
+    lists = _lists(space, p, progress)
     params = asdict(p) | {"item_truncation": T, "k": k}
-    columns = {"rows": (T, "int32"), "f": (T, "float32")}
+    columns = {"rows": (T, "int32"), "f": (T, "float32"), "deg": (1, "float32")}
     state: dict = {}
 
     def fill(a: int, b: int) -> dict[str, np.ndarray]:
         if not state:  # the first block this call writes: the lists at hand and every item's degree
             if space.holds_gallery:
-                rows, sims = lists.rows, lists.sims
+                read = reader(lists.rows, lists.sims)
             else:
                 state["folder"] = tempfile.TemporaryDirectory(prefix="diffusion-offline-")
-                rows, sims = _local_copy(lists, Path(state["folder"].name), space.n)
-            deg = np.empty(space.n)
+                read = reader(*_local_copy(lists, Path(state["folder"].name), space.n))
+            deg = np.empty(space.n, dtype=np.float32)
             for s in range(0, space.n, BLOCK):
-                deg[s: s + BLOCK] = degrees(rows, sims, np.arange(s, min(s + BLOCK, space.n)), k, p.gamma)
-            state.update(rows=rows, sims=sims, deg=deg)
+                deg[s: s + BLOCK] = degrees(read, np.arange(s, min(s + BLOCK, space.n)), k, p.gamma)
+            state.update(read=read, deg=deg)
         out_r = np.empty((b - a, T), dtype=np.int32)
         out_f = np.empty((b - a, T), dtype=np.float32)
-
         step = max(1, PART_CELLS // (T * k))
 
         def part(s: int) -> None:
             e = min(s + step, b)
-            r, f = offline_block(state["rows"], state["sims"], state["deg"], np.arange(s, e), p, T, k)
+            r, f = offline_block(state["read"], lambda ids: state["deg"][ids].astype(np.float64), np.arange(s, e),
+                                 p, T, k, space.n)
             out_r[s - a: e - a], out_f[s - a: e - a] = r, f
         in_threads(part, range(a, b, step))
-        return {"rows": out_r, "f": out_f}
+        return {"rows": out_r, "f": out_f, "deg": state["deg"][a:b, None]}
     try:
         return space.artefact_in_blocks("diffusion-offline", params, columns, fill, inputs=(lists.digest,),
                                         block=BLOCK, progress=progress)
     finally:
         if "folder" in state:
             state["folder"].cleanup()
+
+
+def _left_out_rows(space: MetricSpace, p: DiffusionOfflineParams, F: dict, seeds: np.ndarray, i: int,
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """The seeds' rows as the gallery without item i has them (a leave-one-out query): solved
+    again from the lists with i taken out and the degrees that changes."""
+    T, k = _shape(space, p)
+    lists = _lists(space, p)
+    read = reader(lists.rows, lists.sims)
+
+    def deg_of(ids):
+        return np.asarray(F["deg"][ids], dtype=np.float64).reshape(-1)
+    if space.holds_gallery:
+        ptr, src = reverse_index(space, lists.rows, k, lists.digest)
+
+        def reverse(j: int) -> np.ndarray:
+            return src[ptr[j]: ptr[j + 1]]
+    else:
+        reverse = lists.rows.holding
+    k_without = max(2, min(p.k, space.n - 1))
+    read_i, deg_i = without_item(read, deg_of, reverse, i, k, k_without, p.gamma)
+    return offline_block(read_i, deg_i, seeds, p, max(2, min(T, space.n - 1)), k_without, space.n)
 
 
 def combined(seed_rows: np.ndarray, seed_f: np.ndarray, w: np.ndarray, drop: int, k: int,
@@ -238,17 +304,23 @@ def diffusion_offline(space: MetricSpace, queries: np.ndarray, first: Hits | Non
     out_r = np.full((len(queries), k), -1, dtype=np.int64)
     out_s = np.full((len(queries), k), -np.inf, dtype=np.float32)
     found = seeds >= 0
-    uniq = np.unique(seeds[found])
+    uniq = np.unique(seeds[found & (self_ids[:, None] < 0)])  # a leave-one-out query's are solved again
     got_r, got_f = F["rows"][uniq], F["f"][uniq]  # every seed row once, read together (by row on an engine)
     place = {int(r): i for i, r in enumerate(uniq)}
 
     def one(b: int) -> None:
-        at = [place[int(r)] for r in seeds[b][found[b]]]
-        if not at:
+        mine = seeds[b][found[b]]
+        if not len(mine):
             return
         w = power(np.maximum(s[b][found[b]].astype(np.float64), 0.0), p.gamma)
-        r, v = combined(got_r[at], got_f[at], w, int(self_ids[b]), k)
+        if self_ids[b] >= 0:  # the rows of the gallery without the query's own item
+            r_b, f_b = _left_out_rows(space, p, F, mine, int(self_ids[b]))
+        else:
+            at = [place[int(r)] for r in mine]
+            r_b, f_b = got_r[at], got_f[at]
+        r, v = combined(r_b, f_b, w, int(self_ids[b]), k)
         out_r[b, : len(r)], out_s[b, : len(r)] = r, v
+
     def some(a: int) -> None:
         for b in range(a, min(a + 64, len(queries))):
             one(b)

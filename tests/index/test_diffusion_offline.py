@@ -105,22 +105,6 @@ def test_offline_rows_and_query_scores_equal_the_official_code(tmp_path, n_trunc
         assert len(set(got.rows[b][:10]) & set(order[:10])) >= 9
 
 
-def test_a_leave_one_out_query_leaves_its_item_out_of_the_seeds_and_the_answer(tmp_path):
-    space, G, _ = gallery(tmp_path)
-    p = {"item_truncation": 60, "k": 10, "kq": 5}
-    got = rerank("diffusion_offline", space, G[:4].astype(np.float32), 20, params=p, self_ids=np.arange(4))
-    F = offline_rows(space, reranker_params("diffusion_offline", p))
-    for b in range(4):
-        assert b not in got.rows[b]
-        plain = rerank("none", space, G[b: b + 1].astype(np.float32), 5, self_ids=np.array([b]))
-        seeds, s = plain.rows[0], plain.scores[0].astype(np.float64)
-        score = np.zeros(len(G))
-        for j, sj in zip(seeds, s, strict=True):
-            np.add.at(score, np.asarray(F["rows"][j], dtype=np.int64), sj ** 3 * np.asarray(F["f"][j], np.float64))
-        score[b] = 0
-        np.testing.assert_allclose(got.scores[b], np.sort(score)[::-1][:20], rtol=1e-5)
-
-
 def test_the_graph_command_builds_the_rows_that_searches_read(tmp_path, capsys, monkeypatch):
     """`index graph --rerank diffusion_offline` stores every item's row beside the index (memory-
     mapped blocks); a search at the same parameters reads them, builds nothing, and answers as the

@@ -674,7 +674,7 @@ def test_kreciprocal_sets_when_a_removed_row_lets_an_entry_in(tmp_path):
 # ---------------------------------------------------------------- leave-one-out
 LOO = [("aqe", {"n": 3}), ("kreciprocal", {"k1": 10, "k2": 4, "pool": 40}), ("kreciprocal", {}),
        ("dba", {"n": 3}), ("diffusion", {"k": 8, "kq": 4, "truncation": 60}), ("diffusion", {"k": 8, "kq": 4}),
-       ("none", {})]
+       ("diffusion_offline", {"k": 8, "kq": 4, "item_truncation": 40}), ("diffusion_offline", {"k": 8}), ("none", {})]
 
 
 def assert_as_if_left_out(tmp_path, name, rparams, x, lab, W, own, k, strategy="trained", params=None,
@@ -939,7 +939,7 @@ def test_a_new_reranker_is_one_file_and_one_import(dummy_module, gallery):
 def test_every_reranker_is_listed_with_its_spec():
     assert {"none", "aqe", "dba", "kreciprocal", "diffusion"} <= set(RERANKERS.names())
     offline = {e.name for e in RERANKERS.entries() if e.spec.offline}
-    assert offline == {"dba", "kreciprocal", "diffusion"}
+    assert offline == {"dba", "kreciprocal", "diffusion", "diffusion_offline"}
     assert "offline part" in RERANKERS.listing()
 
 
