@@ -16,17 +16,28 @@ def launch_chromium(p):
         "--disable-sync", "--no-first-run"])
 
 
-@contextmanager
-def browser_page(width: int, height: int):
-    """A page of a fresh headless Chromium, which is closed however the test ends."""
+@pytest.fixture(scope="module")
+def chromium():
+    """One headless Chromium for the module's tests, closed at the module's end: launching it costs
+    seconds, a fresh browser context (no cookies, storage or cache of another test's) far less."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
         browser = launch_chromium(p)
         try:
-            yield browser.new_page(viewport={"width": width, "height": height})
+            yield browser
         finally:
             browser.close()
+
+
+@contextmanager
+def browser_page(browser, width: int, height: int):
+    """A page in a fresh context of `browser`, which is closed however the test ends."""
+    context = browser.new_context(viewport={"width": width, "height": height})
+    try:
+        yield context.new_page()
+    finally:
+        context.close()
 
 
 def wait_for_link(page, item_id: int):
@@ -36,10 +47,10 @@ def wait_for_link(page, item_id: int):
 
 
 @needs_chromium
-def test_shared_link_then_click_a_point(server, tmp_path):
+def test_shared_link_then_click_a_point(server, chromium, tmp_path):
     url, svc, _ = server
     shared = int(svc.data.items.ids[5])
-    with browser_page(1400, 1100) as page:
+    with browser_page(chromium, 1400, 1100) as page:
         page.goto(f"{url}?q={shared}&strategy=spectral&p=0.5&mode=cosine&k=6", wait_until="load")
         page.get_by_text("Right: spectral(p=0.5) · cosine").first.wait_for(timeout=60000)
         page.get_by_text("Left: trained · cosine").first.wait_for(timeout=30000)
@@ -76,10 +87,10 @@ def visible_controls(page, name: str) -> int:
 
 
 @needs_chromium
-def test_two_configurations_and_the_why_panel(server, tmp_path):
+def test_two_configurations_and_the_why_panel(server, chromium, tmp_path):
     url, svc, _ = server
     q = int(svc.data.items.ids[9])
-    with browser_page(1500, 1300) as page:
+    with browser_page(chromium, 1500, 1300) as page:
         # an old link (right side only): trained on the left
         page.goto(f"{url}?q={q}&strategy=spectral&p=0.5&mode=cosine&k=6", wait_until="load")
         page.get_by_text("Left: trained · cosine").first.wait_for(timeout=60000)
@@ -112,7 +123,7 @@ def test_two_configurations_and_the_why_panel(server, tmp_path):
 
 
 @needs_chromium
-def test_a_reranker_per_panel(server, tmp_path, monkeypatch):
+def test_a_reranker_per_panel(server, chromium, tmp_path, monkeypatch):
     """A link's re-ranker opens with its parameters shown; one chosen in the page searches that panel,
     goes into the link, the why panel and the Compare tab."""
     from index.rerankers import RERANKERS
@@ -120,7 +131,7 @@ def test_a_reranker_per_panel(server, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # dba's offline cache: not the user's
     url, svc, _ = server
     q = int(svc.data.items.ids[11])
-    with browser_page(1500, 1400) as page:
+    with browser_page(chromium, 1500, 1400) as page:
         page.goto(f"{url}?q={q}&strategy=identity&mode=cosine&rerank=aqe&rerank_n=3&k=6", wait_until="load")
         page.get_by_text("Right: identity · cosine · aqe(n=3, alpha=3.0)").first.wait_for(timeout=60000)
         wait_for_link(page, q)
@@ -145,7 +156,7 @@ def test_a_reranker_per_panel(server, tmp_path, monkeypatch):
 
 
 @needs_chromium
-def test_above_the_size_the_compare_tab_reads_a_seeded_sample(tiny_index, tmp_path):
+def test_above_the_size_the_compare_tab_reads_a_seeded_sample(tiny_index, chromium, tmp_path):
     """`--compare-all-up-to` below the gallery's size: the Compare tab shows its seed and sample size,
     both settable, and its summary names the sample and the bootstrap intervals."""
     from app_helpers import free_port
@@ -157,7 +168,7 @@ def test_above_the_size_the_compare_tab_reads_a_seeded_sample(tiny_index, tmp_pa
                                                   "--compare-all-up-to", "10", "--compare-sample", "8"]),
                        block=False)
     try:
-        with browser_page(1400, 1100) as page:
+        with browser_page(chromium, 1400, 1100) as page:
             page.goto(f"http://127.0.0.1:{port}/", wait_until="load")
             page.get_by_role("tab", name="Compare").click()
             summary = page.locator("#cmp-summary")
