@@ -25,6 +25,15 @@ def weights(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def frozen(tmp_path_factory, kanji_root, weights):
+    """The frozen-neck run (30 epochs on the weights' untouched trunk) the tail runs below are held
+    against: one run for the module, (metrics, run folder)."""
+    t = tmp_path_factory.mktemp("frozen")
+    out = t / "frozen"
+    return train(tiny(t, kanji_root, weights=weights, epochs=30, out=str(out), device="cpu")), out
+
+
 def read_log(out):
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
 
@@ -40,13 +49,12 @@ def test_tail_and_finetune_from_pretrained_weights_probe_by_default(weights):
     assert TrainConfig().resolved_probe_epochs() == 0  # frozen: the whole run is the probe
 
 
-def test_when_no_tail_epoch_beats_the_probe_the_probe_is_selected(tmp_path, kanji_root, weights):
+def test_when_no_tail_epoch_beats_the_probe_the_probe_is_selected(tmp_path, kanji_root, weights, frozen):
     # a trunk learning rate far too high (100) wrecks the trained stages: every tail epoch is worse than the probe
     cfg = tiny(tmp_path, kanji_root, weights=weights, train_blocks=1, epochs=2, backbone_lr_mult=1e5, device="cpu")
     assert cfg.resolved_probe_epochs() == 30  # the default
     m = train(cfg)
-    frozen = train(tiny(tmp_path, kanji_root, weights=weights, epochs=30, out=str(tmp_path / "frozen"),
-                        device="cpu"))
+    frozen, frozen_out = frozen
     log = read_log(tmp_path / "run")
     assert [h["epoch"] for h in log] == [0, 1, 2]
     assert all(h["val_map@r"] < log[0]["candidate_val_map@r"] for h in log[1:])  # the scenario holds
@@ -55,7 +63,7 @@ def test_when_no_tail_epoch_beats_the_probe_the_probe_is_selected(tmp_path, kanj
     assert m["val"]["map@r"] == log[0]["candidate_val_map@r"] == frozen["val"]["map@r"]
     assert log[0]["candidate_probe_epoch"] == frozen["selected_epoch"]
     best = read_checkpoint(tmp_path / "run" / "best.pt")
-    ref = read_checkpoint(tmp_path / "frozen" / "best.pt")
+    ref = read_checkpoint(frozen_out / "best.pt")
     torch.testing.assert_close(best["state_dict"]["neck.linear.weight"], ref["state_dict"]["neck.linear.weight"],
                                rtol=0, atol=1e-6)
     torch.testing.assert_close(best["extra"]["loss_state"]["loss.proxies"],
@@ -64,9 +72,8 @@ def test_when_no_tail_epoch_beats_the_probe_the_probe_is_selected(tmp_path, kanj
     assert all(torch.equal(best["state_dict"][f"backbone.trunk.{k}"], v) for k, v in init.items())
 
 
-def test_the_default_tail_never_ends_below_the_frozen_neck_on_validation(tmp_path, kanji_root, weights):
-    frozen = train(tiny(tmp_path, kanji_root, weights=weights, epochs=30, out=str(tmp_path / "frozen"),
-                        device="cpu"))
+def test_the_default_tail_never_ends_below_the_frozen_neck_on_validation(tmp_path, kanji_root, weights, frozen):
+    frozen, _ = frozen
     tail = train(tiny(tmp_path, kanji_root, weights=weights, train_blocks=1, epochs=3, device="cpu"))
     assert read_log(tmp_path / "run")[0]["probe_epochs"] == 30
     assert tail["val"]["map@r"] >= frozen["val"]["map@r"]
