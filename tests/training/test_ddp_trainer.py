@@ -47,10 +47,10 @@ def assert_ddp_then_torn_down(r0, r1, epochs):
         assert r["after"] == 0
 
 
-def test_tail_warmup_and_determinant_under_two_ranks(tmp_path):
+def test_tail_warmup_and_determinant_under_two_ranks(tmp_path, kanji_root):
     from training.config import TrainConfig
 
-    cfg = TrainConfig(dataset="kanji", data_root=str(tmp_path / "kanji"), num_classes=20, image_size=32,
+    cfg = TrainConfig(dataset="kanji", data_root=kanji_root, num_classes=20, image_size=32,
                       kanji_fonts=FONTS, backbone="small_cnn", weights="none", embed_dim=16, epochs=2,
                       batch_size=16, m_per_class=4, out=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"),
                       progress=False, lr=1e-3, mode="tail", train_blocks=1, warmup_epochs=1,
@@ -80,12 +80,12 @@ def test_tail_warmup_and_determinant_under_two_ranks(tmp_path):
         "best.pt", "config.toml", "curve.png", "latest.pt", "log.jsonl", "metrics.json"]
 
 
-def test_fine_tuning_from_the_decoded_image_cache_under_two_ranks(tmp_path):
+def test_fine_tuning_from_the_decoded_image_cache_under_two_ranks(tmp_path, kanji_root):
     """Rank 0 decodes the images while rank 1 waits, then both read the cache; each rank cuts its own
     crops (its generator is seeded by the rank) and the replicas stay identical."""
     from training.config import TrainConfig
 
-    cfg = TrainConfig(dataset="kanji", data_root=str(tmp_path / "kanji"), num_classes=20, image_size=32,
+    cfg = TrainConfig(dataset="kanji", data_root=kanji_root, num_classes=20, image_size=32,
                       kanji_fonts=FONTS, backbone="small_cnn", weights="none", embed_dim=16, epochs=2,
                       batch_size=16, m_per_class=4, out=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"),
                       progress=False, lr=1e-3, mode="finetune", probe_epochs=0)
