@@ -13,7 +13,7 @@ one thread, as a serving process runs):
   scan) on 200 items, at any size;
 - αDBA's augmented gallery built in a collection beside the gallery's (its first query's pass):
   wall seconds; decoupled diffusion's rows (diffusion_offline, each item's row as wide as the
-  lists: --item-truncation 64) built and written to a collection beside it: wall seconds;
+  lists allow: --item-truncation 63) built and written to a collection beside it: wall seconds;
 - single queries through the collection read by row (`MilvusSpace`), each re-ranker at its
   defaults there: none, αQE, αDBA (its augmented collection searched), k-reciprocal (its sets
   within each query's pool, the top 1,000), diffusion (each query's graph cut to its top 10,000),
@@ -196,9 +196,10 @@ def main():
     ap.add_argument("--rerankers", default=",".join(name for name, _ in RERANKERS),
                     help="the re-rankers measured, comma-separated (the lists are built only for dba, "
                          "diffusion and diffusion_offline) (default: %(default)s)")
-    ap.add_argument("--item-truncation", type=int, default=L,
-                    help="diffusion_offline's item_truncation: each item's row as wide as the lists the graph holds "
-                         "(its default, 1,000, needs lists that wide) (default: %(default)s)")
+    ap.add_argument("--item-truncation", type=int, default=L - 1,
+                    help="diffusion_offline's item_truncation: each item's row as wide as the graph's lists allow "
+                         "(L − 1: one entry kept for a left-out item; its default, 1,000, needs lists that wide) "
+                         "(default: %(default)s)")
     ap.add_argument("--reuse", action="store_true",
                     help="keep a collection that holds this gallery already (its lists are built afresh) "
                          "(default: export afresh)")
@@ -215,7 +216,7 @@ def main():
     command = "python bench/milvus_graph.py --uri URI" + (f" --n {args.n}" if args.n != 100_000 else "") + (
         f" --index-type {args.index_type}" if args.index_type != "HNSW" else "") + (
         f" --rerankers {args.rerankers}" if args.rerankers != ap.get_default("rerankers") else "") + (
-        f" --item-truncation {args.item_truncation}" if args.item_truncation != L else "") + (
+        f" --item-truncation {args.item_truncation}" if args.item_truncation != L - 1 else "") + (
         " --reuse" if args.reuse else "") + (" --keep-lists" if args.keep_lists else "") + (
         f" --cache-memory {args.cache_memory}" if args.cache_memory != CACHE_MEMORY_DEFAULT else "")
     write_json(Path(args.out) / "results.json", r)

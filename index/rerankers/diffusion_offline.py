@@ -101,11 +101,10 @@ def batched_cg(matvec, b: np.ndarray, tol: float, iterations: int) -> np.ndarray
 def degrees(read, items: np.ndarray, k: int, gamma: float) -> np.ndarray:
     """Each item's degree in the whole gallery's mutual k-NN graph (knngraph.m's, as
     fyang93/diffusion builds it): Σ max(s_ij, 0)^γ over the j ≠ i of its top k whose own top k
-    holds i.  `read(ids)`: those items' lists (rows, sims)."""
-    R, S = read(items)
-    R, S = R[:, :k], S[:, :k]
+    holds i.  `read(ids, w)`: the first w entries of those items' lists (rows, sims)."""
+    R, S = read(items, k)
     ok = (R >= 0) & (R != items[:, None])
-    back = read(np.maximum(R, 0).ravel())[0][:, :k].reshape(len(items), k, k)
+    back = read(np.maximum(R, 0).ravel(), k)[0].reshape(len(items), k, k)
     mutual = ok & (back == items[:, None, None]).any(2)
     return np.where(mutual, power(np.maximum(S, 0.0), gamma), 0.0).sum(1)
 
@@ -124,17 +123,16 @@ def offline_block(read, deg_of, items: np.ndarray, p: DiffusionOfflineParams, T:
                   n: int) -> tuple[np.ndarray, np.ndarray]:
     """Rows `items` of the offline matrix: (B × T item rows, B × T float32 f), each item's
     diffusion on its truncated graph (fyang93/diffusion `get_offline_result`), solved together
-    as one block-diagonal system.  `read(ids)`: those items' lists (rows, sims); `deg_of(ids)`:
+    as one block-diagonal system.  `read(ids, w)`: their lists' first w entries; `deg_of(ids)`:
     their degrees (`degrees`); n: the gallery's size."""
-    sub = truncated(read(items)[0], items, T)  # B × T
+    sub = truncated(read(items, T)[0], items, T)  # B × T
     B = len(items)
     flat = sub.ravel()
     # each member's k-NN list in its item's graph: its entries' places there (b·T + place), −1 outside
     key = np.arange(B, dtype=np.int64)[:, None] * (n + 1) + (sub + 1)
     order = np.argsort(key.ravel(), kind="stable")
     sorted_key = key.ravel()[order]
-    got_r, got_s = read(np.maximum(flat, 0))
-    nb, ns = got_r[:, :k], got_s[:, :k]
+    nb, ns = read(np.maximum(flat, 0), k)
     want = (np.repeat(np.arange(B, dtype=np.int64), T)[:, None] * (n + 1) + (nb + 1)).ravel()
     at = np.minimum(np.searchsorted(sorted_key, want), len(sorted_key) - 1)
     local = np.where(sorted_key[at] == want, order[at], -1).reshape(B * T, k)
@@ -155,9 +153,9 @@ def offline_block(read, deg_of, items: np.ndarray, p: DiffusionOfflineParams, T:
 
 
 def reader(rows, sims):
-    """read(ids) → (rows, sims) of those items' lists, int64 and float64, from arrays (or memory
-    maps, or an engine's columns, read by row)."""
-    return lambda ids: (np.asarray(rows[ids], dtype=np.int64), np.asarray(sims[ids], dtype=np.float64))
+    """read(ids, w) → (rows, sims): the first w entries of those items' lists, int64 and float64,
+    from arrays (or memory maps, or an engine's columns, read by row)."""
+    return lambda ids, w: (np.asarray(rows[:, :w][ids], dtype=np.int64), np.asarray(sims[:, :w][ids], dtype=np.float64))
 
 
 def without_item(read, deg_of, reverse, i: int, k: int, k_without: int, gamma: float):
@@ -165,16 +163,16 @@ def without_item(read, deg_of, reverse, i: int, k: int, k_without: int, gamma: f
     shorter, as a list of that gallery is), and the degrees that change recomputed: those of the
     items whose top k held i (`reverse(i)`) and of the items that move into their top k.
     `k_without`: k in the gallery without i (one less where k was clipped to the whole gallery)."""
-    def read_i(ids):
-        R, S = read(ids)
-        return without(R, S, np.full(len(ids), i), R.shape[1] - 1)
+    def read_i(ids, w):
+        R, S = read(ids, w + 1)
+        return without(R, S, np.full(len(ids), i), w)
     held = np.asarray(reverse(i), dtype=np.int64)
     held = held[held != i]
     if len(held):
-        R = read(held)[0]
-        held = held[(R[:, :k] == i).any(1)]  # an engine's reverse lists hold every entry, not the top k alone
+        R = read(held, k)[0]
+        held = held[(R == i).any(1)]  # an engine's reverse lists hold every entry, not the top k alone
     # the item that moves into each such top k (none where k shrinks with the gallery)
-    moved = read_i(held)[0][:, k - 1] if len(held) and k_without == k else np.zeros(0, np.int64)
+    moved = read_i(held, k)[0][:, k - 1] if len(held) and k_without == k else np.zeros(0, np.int64)
     changed = np.unique(np.concatenate([held, moved[moved >= 0]]))
     fresh = (degrees(read_i, changed, k_without, gamma).astype(np.float32) if len(changed)
              else np.zeros(0, np.float32))

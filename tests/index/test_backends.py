@@ -116,7 +116,7 @@ def cache_home(tmp_path, monkeypatch):
 
 # each re-ranker at settings small enough for 500 items (a pool wider than the candidates read)
 RERANK_FLAGS = {"aqe": ["n=3,alpha=1"], "dba": ["n=2"], "diffusion": ["k=8,kq=4,truncation=60"],
-                "kreciprocal": ["k1=6,k2=2,pool=40"]}
+                "diffusion_offline": ["k=8,kq=4,item_truncation=40"], "kreciprocal": ["k1=6,k2=2,pool=40"]}
 
 
 def test_every_registered_reranker_is_tried_here():
