@@ -331,7 +331,8 @@ class MilvusSpace:
         with self._tables_lock:  # one table per artefact, built or found once
             table = self._tables.get(digest)
             if table is None:
-                what = {"knn": "neighbour lists", "dba": "augmented gallery"}.get(name, name)
+                what = {"knn": "neighbour lists", "dba": "augmented gallery",
+                        "diffusion-offline": "decoupled diffusion rows"}.get(name, name)
                 table = self._tables[digest] = EngineTable(self.gallery, name, digest, columns, what, searched)
         with table.lock:  # built (or found whole) once, whoever asks first
             if not table.whole:
