@@ -290,7 +290,7 @@ def combined(seed_rows: np.ndarray, seed_f: np.ndarray, w: np.ndarray, drop: int
 
 
 @RERANKERS.register("diffusion_offline", DiffusionOfflineParams, offline=True, depth="kq", by_row=True,
-                    grid={"k": (10, 30, 50), "item_truncation": (64, 1000), "gamma": (1.0, 3.0)},
+                    grid={"k": (10, 30, 50), "item_truncation": (63, 1000), "gamma": (1.0, 3.0)},
                     prepare=offline_rows)
 def diffusion_offline(space: MetricSpace, queries: np.ndarray, first: Hits | None, k: int, *,
                       self_ids: np.ndarray, params: DiffusionOfflineParams) -> Hits:
