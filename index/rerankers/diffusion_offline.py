@@ -40,7 +40,7 @@ from core.params import param
 
 from ..space import Hits, MetricSpace
 from ..threads import in_threads
-from .diffusion import _mutual, power
+from .diffusion import _mutual, _ranked, power
 from .neighbours import neighbour_lists, reverse_index, without
 from .registry import RERANKERS, candidates
 
@@ -281,12 +281,7 @@ def combined(seed_rows: np.ndarray, seed_f: np.ndarray, w: np.ndarray, drop: int
     vals = (w[:, None] * seed_f.astype(np.float64)).ravel()
     ok = (ids >= 0) & (ids != drop)
     uniq, back = np.unique(ids[ok], return_inverse=True)
-    score = np.bincount(back, weights=vals[ok], minlength=len(uniq))
-    if len(uniq) > k:  # only those above the k-th score, and every tie with it, are sorted
-        at = np.flatnonzero(score >= np.partition(score, len(score) - k)[len(score) - k])
-        uniq, score = uniq[at], score[at]
-    order = np.lexsort((uniq, -score))[:k]
-    return uniq[order], score[order]
+    return _ranked(np.bincount(back, weights=vals[ok], minlength=len(uniq)), uniq, k)
 
 
 @RERANKERS.register("diffusion_offline", DiffusionOfflineParams, offline=True, depth="kq", by_row=True,
