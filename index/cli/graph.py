@@ -78,8 +78,7 @@ def cmd_graph(args) -> int:
         keys = augmented(space, dba_params, progress=args.progress)["keys"]
         print(f"αDBA's augmented gallery (n={dba_params.n}, alpha={dba_params.alpha:g}): {space.n:,} items in the "
               f"engine ({keys.table.collection})")  # type: ignore[attr-defined]
-    if entry.spec.prepare is not None and not (engine and args.rerank == "dba" and not args.no_dba
-                                               and rr_params == dba_params):
+    if entry.spec.prepare is not None:  # one built above is found whole: nothing is built twice
         p = clipped(args.rerank, rr_params, space.n, whole=space.holds_gallery)
         entry.spec.prepare(space, p, progress=args.progress)
         print(f"{args.rerank}'s offline part ({', '.join(f'{k}={v}' for k, v in asdict(p).items())}): built"
