@@ -48,6 +48,15 @@ WINDOW = 16384          # Milvus's largest result window: one query's rows at mo
 ARTEFACT = "dml.artefact"  # the property naming what an artefact collection holds, and whether it is whole
 
 
+def set_properties(client, collection: str, properties: dict[str, str]) -> None:
+    """Write a collection's properties so that they survive a server restart.  Milvus 2.3.5 (the
+    `milvus` package's server) reloads each collection with the properties it had before its last
+    alter (milvus-io/milvus#30144, fixed in 2.3.6): the same alter a second time makes the first
+    one the one reloaded.  On a fixed server the second is a no-op."""
+    for _ in range(2):
+        client.alter_collection_properties(collection, properties=properties)
+
+
 def artefacts_of(client, collection: str) -> list[str]:
     """The artefact collections built beside gallery `collection` (`NAME__…` whose `dml.artefact`
     names it as their gallery): what replacing the gallery leaves stale.  A collection whose name
@@ -155,7 +164,7 @@ class EngineTable:
     def _mark(self, **state) -> dict:
         """Record the build's state in the collection's properties; returns it."""
         state = self._facts() | state
-        self.gallery.client.alter_collection_properties(self.collection, properties={ARTEFACT: json.dumps(state)})
+        set_properties(self.gallery.client, self.collection, {ARTEFACT: json.dumps(state)})
         return state
 
     # ------------------------------------------------------------ build

@@ -163,7 +163,9 @@ def export_features(uri: str, collection: str, features: np.ndarray, items, W: n
                  "dml.classes": json.dumps({str(k): v for k, v in (class_names or {}).items()})}
         if len(classes) <= CLASS_COUNTS_MAX:   # the app's AP and samples read class sizes without a scan
             props["dml.class_counts"] = json.dumps({"labels": classes.tolist(), "counts": counts.tolist()})
-        client.alter_collection_properties(collection, properties=props)
+        from .milvus_space import set_properties
+
+        set_properties(client, collection, props)
         wait_indexed(client, collection, "vector", progress)
         return n
     except pm.exceptions.MilvusException as e:

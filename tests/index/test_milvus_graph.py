@@ -4,11 +4,15 @@ beside it, a build cut short resumed to the lists built in one go (and to the in
 and the re-rankers that read by row (diffusion on each query's cut graph, αQE, k-reciprocal within
 each query's pool, αDBA searching its augmented gallery in the engine, none) giving the in-RAM
 index's answer while no N-sized read of the collection happens."""
+import json
+
 import numpy as np
 import pytest
 
 pytest.importorskip("pymilvus", reason="the Milvus backend needs pymilvus and milvus-lite: "
                                        "pip install -r requirements-milvus.txt")
+
+import pymilvus  # noqa: E402  (skipped above where it is missing)
 
 from core.errors import UserError
 from index.backends import milvus_space
@@ -230,6 +234,37 @@ def test_replacing_a_gallery_drops_the_artefacts_built_from_it_and_no_other_coll
         assert left == ["h", "h__theirs"]
     finally:
         for c in [c for c in h.client.list_collections() if c.startswith("h")]:
+            h.client.drop_collection(c)
+        h.close()
+
+
+def test_a_restart_of_a_milvus_2_3_5_server_keeps_the_gallery_and_its_lists_whole(engine, monkeypatch):
+    """Milvus 2.3.5 (the `milvus` package's server) reloads each collection, after a restart, with
+    the properties it had before its last alter (milvus-io/milvus#30144): a gallery written with one
+    alter would lose its description, and a build its last mark.  Every alter is recorded here, and
+    the properties that server would reload must be those the collection ends with."""
+    t, _, uri, _ = engine
+    alters: dict[str, list[dict]] = {}
+    real = pymilvus.MilvusClient.alter_collection_properties
+
+    def recorded(self, collection_name, properties, *a, **kw):
+        alters.setdefault(collection_name, []).append(dict(properties))
+        return real(self, collection_name, properties, *a, **kw)
+    monkeypatch.setattr(pymilvus.MilvusClient, "alter_collection_properties", recorded)
+    export_index(t / "idx", uri, "r")
+    h = MilvusGallery(uri, "r")
+    try:
+        neighbour_lists(MilvusSpace(h, "trained", {}, "bilinear"), L)
+        lists = [c for c in h.client.list_collections() if c.startswith("r__knn_")]
+        assert len(lists) == 1 and sorted(alters) == sorted(["r", *lists])
+        for c, seq in alters.items():
+            final = {k: v for a in seq for k, v in a.items()}
+            reloaded = {k: v for a in seq[:-1] for k, v in a.items()}
+            assert reloaded == final == h.client.describe_collection(c)["properties"], c
+        assert json.loads(alters[lists[0]][-1][milvus_space.ARTEFACT])["whole"] is True
+        assert "dml.info" in alters["r"][-1] and "dml.neck" in alters["r"][-1]
+    finally:
+        for c in [c for c in h.client.list_collections() if c.startswith("r")]:
             h.client.drop_collection(c)
         h.close()
 
