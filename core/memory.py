@@ -67,7 +67,9 @@ class _Build:
 class MemoryCache:
     """Entries by key, least recently used first, their sizes summed against `budget` bytes.
     `get_or_build` builds a missing entry outside the lock while any other thread asking for
-    the same key waits for that build: one build per key at a time."""
+    the same key waits for that build: one build per key at a time.  A build that declares its
+    size (`reserve=`) counts against the budget from its start, so that older entries make room
+    before it runs rather than after."""
 
     def __init__(self, budget: int):
         self.budget = int(budget)
@@ -78,15 +80,20 @@ class MemoryCache:
         self._gone: deque = deque()  # owners whose entries go at the next call (`drop_owner`)
         self._rows: OrderedDict[tuple[Hashable, int], tuple[Any, int]] = OrderedDict()  # (space, row) → row
         self._row_bytes = 0
+        self._reserved = 0  # the declared sizes of the builds running now
 
     @property
     def used(self) -> int:
-        """The bytes held: the entries and the rows."""
+        """The bytes counted against the budget: the entries, the rows and the declared sizes of
+        the builds running now."""
         with self._lock:
             dropped = self._forget_gone()
-            total = sum(s for _, s in self._entries.values()) + self._row_bytes
+            total = self._total()
         del dropped  # outside the lock (see `_evict`)
         return total
+
+    def _total(self) -> int:
+        return sum(s for _, s in self._entries.values()) + self._row_bytes + self._reserved
 
     @property
     def rows_used(self) -> int:
@@ -150,10 +157,13 @@ class MemoryCache:
         del dropped  # outside the lock (see `_evict`)
         return None if hit is None else hit[0]
 
-    def get_or_build(self, key: Hashable, build: Callable[[], Any], *, max_bytes: int | None = None) -> Any:
+    def get_or_build(self, key: Hashable, build: Callable[[], Any], *, max_bytes: int | None = None,
+                     reserve: int = 0) -> Any:
         """The entry under `key`, built by `build()` when absent; kept when its
         size is within `max_bytes` (default: the budget), evicting the least recently used.  A
-        thread that finds the same key being built waits for that build and returns its value."""
+        thread that finds the same key being built waits for that build and returns its value.
+        `reserve`: the bytes the build will hold (its value's size, where known beforehand),
+        counted against the budget while it runs."""
         with self._lock:
             while True:
                 hit = self._entries.get(key)
@@ -169,16 +179,22 @@ class MemoryCache:
                     return running.value
                 # the build failed (its thread raised): build here
             mine = self._building[key] = _Build()
+            reserve = max(0, int(reserve))
+            self._reserved += reserve
+            dropped = self._forget_gone() + self._evict(keep=None)
+        del dropped  # outside the lock (see `_evict`)
         try:
             value = build()
         except BaseException:
             with self._lock:
+                self._reserved -= reserve
                 mine.done, mine.failed = True, True
                 del self._building[key]
                 self._changed.notify_all()
             raise
         size = nbytes(value)
         with self._lock:
+            self._reserved -= reserve
             mine.done, mine.value = True, value
             del self._building[key]
             dropped = [self._entries.pop(key, None), *self._forget_gone()]
@@ -196,7 +212,7 @@ class MemoryCache:
         cap = self.budget // ROW_SHARE
         while self._row_bytes > cap:  # a lowered budget: the rows first keep to their share
             self._row_bytes -= self._rows.popitem(last=False)[1][1]
-        total = sum(s for _, s in self._entries.values()) + self._row_bytes
+        total = self._total()
         dropped = []
         for k in list(self._entries):
             if total <= self.budget:

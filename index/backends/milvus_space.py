@@ -329,9 +329,10 @@ class MilvusSpace:
 
     # ------------------------------------------------------------ state
     def artefact(self, name: str, params: dict | None, build: Callable[[], Any], *, inputs: tuple[str, ...] = (),
-                 disk: bool = True, max_bytes: int | None = None) -> Any:
+                 disk: bool = True, max_bytes: int | None = None, reserve: int = 0) -> Any:
         # the process's memory cache only: what grows with N is an EngineTable's
-        return CACHE.get_or_build(("milvus-space", self.digest(name, params, inputs)), build, max_bytes=max_bytes)
+        return CACHE.get_or_build(("milvus-space", self.digest(name, params, inputs)), build, max_bytes=max_bytes,
+                                  reserve=reserve)
 
     def artefact_in_blocks(self, name: str, params: dict | None, columns: dict[str, tuple[int, str]],
                            fill: Callable[[int, int], dict[str, np.ndarray]], *, inputs: tuple[str, ...] = (),

@@ -59,7 +59,8 @@ def augmented(space: MetricSpace, p: DBAParams, progress: bool = False) -> dict[
     a gallery read by row, the engine's columns of them (searched and read by row)."""
     if not space.holds_gallery:
         return _in_engine(space, p, progress)
-    check_fits(f"dba: the augmented gallery ({space.n:,} items × {space.dim})", space.n * (space.dim + p.n) * 4)
+    size = space.n * (space.dim + p.n) * 4
+    check_fits(f"dba: the augmented gallery ({space.n:,} items × {space.dim})", size)
     lists = neighbour_lists(space, p.n + 2)
 
     def compute():
@@ -70,7 +71,7 @@ def augmented(space: MetricSpace, p: DBAParams, progress: bool = False) -> dict[
         for a in range(0, space.n, 8192):
             keys[a: a + 8192] = _augment(space, own[a: a + 8192], nb[a: a + 8192], s[a: a + 8192], p.alpha)
         return {"keys": keys, "nb": nb.astype(np.int32)}
-    return space.artefact("dba", asdict(p), compute, inputs=(lists.digest,))
+    return space.artefact("dba", asdict(p), compute, inputs=(lists.digest,), reserve=size)
 
 
 def _in_engine(space: MetricSpace, p: DBAParams, progress: bool = False) -> dict:

@@ -209,11 +209,13 @@ def whole_graph(space: MetricSpace, p: DiffusionParams) -> dict[str, np.ndarray]
                      np.full(space.n + 1, -1, dtype=np.int32))
         return {"indptr": A.indptr, "indices": A.indices, "data": A.data, "deg": np.asarray(A.sum(1)).ravel()}
     # the graph's lower bound: a mutual k-NN graph keeps at most k entries per row, each a column and a weight
-    check_fits(f"diffusion: the gallery's k-NN graph ({space.n:,} items, k = {p.k})", space.n * (p.k * 12 + 16),
+    size = space.n * (p.k * 12 + 16)
+    check_fits(f"diffusion: the gallery's k-NN graph ({space.n:,} items, k = {p.k})", size,
                "give diffusion a truncation")
     # the lists the leave-one-out corrections read too (k + 1: a left-out row may drop out)
     lists = neighbour_lists(space, p.k + 1)
-    return space.artefact("diffusion-graph", {"k": p.k, "gamma": p.gamma}, compute, inputs=(lists.digest,))
+    return space.artefact("diffusion-graph", {"k": p.k, "gamma": p.gamma}, compute, inputs=(lists.digest,),
+                          reserve=size)
 
 
 def _without_item(lists: np.ndarray, sims: np.ndarray, rev, i: int, k: int, gamma: float):

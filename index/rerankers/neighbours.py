@@ -278,11 +278,12 @@ def row_extremes(space: MetricSpace) -> dict[str, np.ndarray]:
     s(x, y), its row, and the second smallest (the smallest once a leave-one-out query removes
     the first).  Above APPROXIMATE_ABOVE items (PSD M′) from the HNSW index (`approximate_extremes`)."""
     params, F, widen = _extremes_spec(space)
-    check_fits(f"re-ranking: every item's row extremes ({space.n:,} items)", space.n * 20)
+    size = space.n * 20
+    check_fits(f"re-ranking: every item's row extremes ({space.n:,} items)", size)
     if F is not None:
         def from_graph():
             return approximate_extremes(space, graph_basis(space, F), widen=widen)
-        return space.artefact("extremes", params, from_graph)
+        return space.artefact("extremes", params, from_graph, reserve=size)
 
     def compute():
         refuse_exact_scan(space, "row extremes")
@@ -302,7 +303,7 @@ def row_extremes(space: MetricSpace) -> dict[str, np.ndarray]:
             out["min2"][idx] = S.min(1) if n > 1 else np.inf
         in_threads(block, range(0, n, step))
         return out
-    return space.artefact("extremes", None, compute)
+    return space.artefact("extremes", None, compute, reserve=size)
 
 
 def without(rows: np.ndarray, sims: np.ndarray, drop: np.ndarray, L: int):

@@ -54,12 +54,13 @@ class MetricSpace(Protocol):
         from other inputs has another digest, so it is never read in their place."""
 
     def artefact(self, name: str, params: dict | None, build: Callable[[], Any], *, inputs: tuple[str, ...] = (),
-                 disk: bool = True, max_bytes: int | None = None) -> Any:
+                 disk: bool = True, max_bytes: int | None = None, reserve: int = 0) -> Any:
         """This space's artefact `name` under `params`, computed from the artefacts whose digests
         are `inputs`, kept under its `digest`: `build()` runs once however many threads ask at once
         (the others wait for it); the result is kept in the process's memory cache
         (core/memory.py: one budget, least recently used evicted first; not kept above
-        `max_bytes`) and, where `disk`, in the offline store across processes (a dict of arrays)."""
+        `max_bytes`) and, where `disk`, in the offline store across processes (a dict of arrays).
+        `reserve`: its size where known beforehand, counted against the budget while it is built."""
 
     def artefact_in_blocks(self, name: str, params: dict | None, columns: dict[str, tuple[int, str]],
                            fill: Callable[[int, int], dict[str, np.ndarray]], *, inputs: tuple[str, ...] = (),

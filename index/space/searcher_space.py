@@ -147,7 +147,7 @@ class SearcherSpace:
         return (str(self._cache_dir or ""), digest)
 
     def artefact(self, name: str, params: dict | None, build: Callable[[], Any], *, inputs: tuple[str, ...] = (),
-                 disk: bool = True, max_bytes: int | None = None) -> Any:
+                 disk: bool = True, max_bytes: int | None = None, reserve: int = 0) -> Any:
         digest = self.digest(name, params, inputs)
 
         def make():
@@ -159,7 +159,7 @@ class SearcherSpace:
             if disk:
                 self.store.save(name, digest, value)
             return value
-        return CACHE.get_or_build(self._memory_key(digest), make, max_bytes=max_bytes)
+        return CACHE.get_or_build(self._memory_key(digest), make, max_bytes=max_bytes, reserve=reserve)
 
     def artefact_in_blocks(self, name: str, params: dict | None, columns: dict[str, tuple[int, str]],
                            fill: Callable[[int, int], dict[str, np.ndarray]], *, inputs: tuple[str, ...] = (),

@@ -50,6 +50,28 @@ def test_entries_are_evicted_least_recently_used_first_by_bytes():
     assert c.used <= 400
 
 
+def test_a_build_that_declares_its_size_makes_room_before_it_runs():
+    c = MemoryCache(budget=1000)
+    for k in "abc":
+        c.get_or_build(k, lambda: np.zeros(300, np.uint8))
+    during = []
+
+    def build():
+        during.append((c.used, [k for k in "abc" if c.peek(k) is not None]))
+        return np.zeros(500, np.uint8)
+    c.get_or_build("big", build, reserve=500)
+    assert during == [(300 + 500, ["c"])]  # a and b went before the build began, not after
+    assert c.used == 800 and c.peek("big") is not None
+    assert c.get_or_build("big", lambda: 1 / 0, reserve=500) is not None  # found: nothing reserved
+    assert c.used == 800
+
+    def fails():
+        raise RuntimeError("no")
+    with pytest.raises(RuntimeError):
+        c.get_or_build("x", fails, reserve=100)
+    assert c.used == 800  # a failed build's reservation is returned
+
+
 def test_rows_read_by_row_count_against_the_one_budget_and_keep_to_their_share():
     """The rows an engine's gallery is read by (core.memory.rows_put) are held in the same budget
     as the entries: together never above it, the rows never above their share, least recently

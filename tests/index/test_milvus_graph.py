@@ -238,6 +238,7 @@ def test_replacing_a_gallery_drops_the_artefacts_built_from_it_and_no_other_coll
         h.close()
 
 
+@pytest.mark.parametrize("engine", ["lite"], indirect=True)  # what is written: the client's calls, either engine
 def test_a_restart_of_a_milvus_2_3_5_server_keeps_the_gallery_and_its_lists_whole(engine, monkeypatch):
     """Milvus 2.3.5 (the `milvus` package's server) reloads each collection, after a restart, with
     the properties it had before its last alter (milvus-io/milvus#30144): a gallery written with one

@@ -312,8 +312,9 @@ def gallery_sets(space: MetricSpace, lists: Lists, extremes: dict[str, np.ndarra
     −1 where not reciprocal: "r1", "rh") and R*(x, k1) with s(x, ·) of its members (CSR:
     rows[ptr[x]:ptr[x+1]], sims alike)."""
     # at least R(x, k1) and R(x, ½k1) as lists, and each R*(x, k1) member with its similarity
-    check_fits(f"kreciprocal: the gallery's k-reciprocal sets ({space.n:,} items, k1 = {k1})",
-               space.n * (k1 + 1) * 12, "give kreciprocal a smaller k1")
+    size = space.n * (k1 + 1) * 12
+    check_fits(f"kreciprocal: the gallery's k-reciprocal sets ({space.n:,} items, k1 = {k1})", size,
+               "give kreciprocal a smaller k1")
 
     def compute():
         # a batch whose probe enters no list: the gallery alone
@@ -329,7 +330,8 @@ def gallery_sets(space: MetricSpace, lists: Lists, extremes: dict[str, np.ndarra
         r1, rh, rows, sims, count = zip(*in_threads(block, range(0, n, step)), strict=True)
         return {"r1": np.concatenate(r1), "rh": np.concatenate(rh), "rows": np.concatenate(rows),
                 "sims": np.concatenate(sims), "ptr": np.concatenate([[0], np.cumsum(np.concatenate(count))])}
-    return space.artefact("kreciprocal-sets", {"k1": k1}, compute, inputs=(lists.digest, extremes_digest(space)))
+    return space.artefact("kreciprocal-sets", {"k1": k1}, compute, inputs=(lists.digest, extremes_digest(space)),
+                          reserve=size)
 
 
 def reverse_lists(space: MetricSpace, lists: Lists, k1: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
