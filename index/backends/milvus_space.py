@@ -14,10 +14,13 @@ measurements: docs/scale-out.md ("Milvus").
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import json
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -46,6 +49,26 @@ LIST_WIDTH = 6
 ARRAY_MAX = 4096        # Milvus's largest ARRAY capacity (max_capacity)
 WINDOW = 16384          # Milvus's largest result window: one query's rows at most
 ARTEFACT = "dml.artefact"  # the property naming what an artefact collection holds, and whether it is whole
+PART_POLL_S = 5.0       # how often a part that is done looks whether the others are
+PART_WAIT_S: float | None = None  # how long it waits for them (None: as long as they take)
+# (i, n): this process builds part i of n of every artefact it builds in the engine (`building_part`)
+_PART: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("engine_build_part", default=(0, 1))
+
+
+@contextlib.contextmanager
+def building_part(i: int, n: int) -> Iterator[None]:
+    """Within this block, an artefact built in the engine is built by n processes together (on one
+    machine or many, each with its own i): this one stores the rows of its i-th n-th of the blocks,
+    records how far it got under its own property, and waits until every part is stored; then
+    whichever part sees that first seals the collection (flush, index, load, marked whole), and
+    each goes on to the next artefact.  A part cut short resumes from its last block."""
+    if not (n >= 1 and 0 <= i < n):
+        raise UserError(f"--part wants I/N with 0 ≤ I < N, got {i}/{n}")
+    token = _PART.set((int(i), int(n)))
+    try:
+        yield
+    finally:
+        _PART.reset(token)
 
 
 def set_properties(client, collection: str, properties: dict[str, str]) -> None:
@@ -182,9 +205,32 @@ class EngineTable:
             s.add_field(col, pm.DataType.ARRAY, element_type=element, max_capacity=max(1, width))
         return s
 
+    def _part_key(self, i: int, n: int) -> str:
+        return f"{ARTEFACT}.part.{i}.{n}"
+
+    def _part_range(self, i: int, n: int) -> tuple[int, int]:
+        """Part i of n: blocks [lo, hi) of the artefact's ⌈N / BLOCK⌉."""
+        blocks = -(-self.n // BLOCK)
+        return blocks * i // n, blocks * (i + 1) // n
+
+    def _parts_next(self, n: int) -> dict[int, int]:
+        """Each of the n parts' next block to store (its first where it has recorded none)."""
+        props = self.gallery.client.describe_collection(self.collection).get("properties", {})
+        out = {}
+        for i in range(n):
+            got = props.get(self._part_key(i, n))
+            out[i] = int(json.loads(got)["next"]) if got else self._part_range(i, n)[0]
+        return out
+
+    def _sealed(self) -> bool:
+        props = self.gallery.client.describe_collection(self.collection).get("properties", {})
+        return ARTEFACT in props and bool(json.loads(props[ARTEFACT]).get("whole"))
+
     def build(self, fill: Callable[[int, int], dict[str, np.ndarray]], progress: bool = False) -> EngineTable:
-        """Every row's values, from `fill`, stored unless the collection holds them whole already."""
+        """Every row's values, from `fill`, stored unless the collection holds them whole already;
+        within `building_part(i, n)`, the rows of part i alone, then waiting for the other parts."""
         pm, client = self.gallery.pm, self.gallery.client
+        part, parts = _PART.get()
         try:
             state = self._state()
             if state is not None and state.get("whole"):
@@ -213,20 +259,35 @@ class EngineTable:
             # segment, so a pass of upserts slows as the collection grows (at 10⁶ items, 1.5 s a block
             # became 3.7 s halfway)
             starts = range(0, self.n, BLOCK)
-            done = min(int(state.get("done", 0)) // BLOCK, len(starts))
-            if not fresh and done < len(starts):
-                client.delete(self.collection, filter=f"row >= {starts[done]}")
-            with tqdm(total=len(starts), initial=done, desc=f"{self.what} in {self.collection}", unit="block",
-                      disable=not progress) as bar:
-                for a in starts[done:]:
+            lo, hi = self._part_range(part, parts)
+            if parts == 1:
+                done = min(int(state.get("done", 0)) // BLOCK, len(starts))
+            else:  # each part records its own progress: parts never write one another's property
+                done = min(max(lo, self._parts_next(parts)[part]), hi)
+            if not fresh and done < hi:
+                upto = f" and row < {starts[hi]}" if hi < len(starts) else ""
+                client.load_collection(self.collection)  # a server deletes by filter from a loaded collection
+                client.delete(self.collection, filter=f"row >= {starts[done]}{upto}")
+            label = f"{self.what} in {self.collection}" + (f" (part {part}/{parts})" if parts > 1 else "")
+            with tqdm(total=hi - lo, initial=done - lo, desc=label, unit="block", disable=not progress) as bar:
+                for j in range(done, hi):
+                    a = starts[j]
                     b = min(a + BLOCK, self.n)
                     got = fill(a, b)
                     dummy = {} if self.searched else {"_v": [0.0, 0.0]}
                     client.insert(self.collection, [
                         {"row": r, **dummy, **{c: got[c][r - a].tolist() for c in self.columns}}
                         for r in range(a, b)])
-                    self._mark(whole=False, done=b)
+                    if parts == 1:
+                        self._mark(whole=False, done=b)
+                    else:
+                        set_properties(client, self.collection,
+                                       {self._part_key(part, parts): json.dumps({"next": j + 1})})
                     bar.update(1)
+            if parts > 1 and not self._await_parts(parts, progress):
+                client.load_collection(self.collection)  # sealed by another part
+                self.whole = True
+                return self
             client.flush(self.collection)
             if self.searched:  # searched at once: not over rows the server has yet to index
                 self.gallery.wait_indexed(self.collection, self.searched, progress)
@@ -237,6 +298,24 @@ class EngineTable:
             raise UserError(f"building {self.what} in Milvus collection {self.collection!r} failed: "
                             f"{e.message}") from None
         return self
+
+    def _await_parts(self, parts: int, progress: bool) -> bool:
+        """Wait until every part is stored (True: this one seals the collection) or another part
+        has sealed it (False)."""
+        since = time.monotonic()
+        with tqdm(total=parts, desc=f"parts of {self.what} stored", unit="part", disable=not progress) as bar:
+            while True:
+                if self._sealed():
+                    return False
+                nxt = self._parts_next(parts)
+                stored = sum(nxt[i] >= self._part_range(i, parts)[1] for i in range(parts))
+                bar.update(stored - bar.n)
+                if stored == parts:
+                    return True
+                if PART_WAIT_S is not None and time.monotonic() - since > PART_WAIT_S:
+                    raise UserError(f"{parts - stored} of the {parts} parts of {self.what} in {self.collection!r} "
+                                    f"were not stored within {PART_WAIT_S:g} s: run them, then this part again")
+                time.sleep(PART_POLL_S)
 
     # ------------------------------------------------------------ read
     def nearest(self, column: str, t: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -4,9 +4,11 @@ offline pass that dba, k-reciprocal and diffusion read; on an engine's gallery, 
 augmented gallery (a collection the engine indexes and searches), which would otherwise be
 built by the first αDBA query; with `--rerank NAME`, that re-ranker's own offline part too
 (diffusion_offline: every item's diffusion row).  A build cut short resumes from the last block
-it wrote; later searches under the same configuration read what it stored."""
+it wrote; later searches under the same configuration read what it stored.  On an engine, N
+processes (`--part I/N`, one each, on any machines that reach it) build every artefact together."""
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import asdict
 
@@ -14,6 +16,7 @@ from core.errors import UserError
 from core.flags import add_shared_args
 
 from ..backends.flags import backend_args
+from ..backends.milvus_space import building_part
 from ..rerankers.dba import augmented
 from ..rerankers.neighbours import MIN_LENGTH, extremes_digest, neighbour_lists, row_extremes
 from ..rerankers.registry import RERANKERS, clipped
@@ -42,6 +45,10 @@ def graph_parser(sub) -> None:
                                 "gallery; diffusion_offline: every item's diffusion row; none: the lists alone)")
     s.add_argument("--rerank-param", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                    help="a parameter of --rerank, as `search --rerank-param` takes it (default: none given)")
+    s.add_argument("--part", default="0/1", metavar="I/N",
+                   help="on an engine's gallery, build part I of N of each artefact (I from 0): start N processes, "
+                        "one per part, on any machines; each waits for the others before the next artefact "
+                        "(default: %(default)s, the whole build here)")
     s.add_argument("--no-verify", action="store_true", help="skip the checksum verification at load")
     add_shared_args(s, "progress", "cache_memory")
     threads_arg(s)
@@ -50,9 +57,20 @@ def graph_parser(sub) -> None:
     s.set_defaults(func=cmd_graph)
 
 
+def parse_part(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(v) for v in str(text).split("/"))
+    except ValueError:
+        raise UserError(f"--part wants I/N (e.g. 0/4), got {text!r}") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise UserError(f"--part wants I/N with 0 ≤ I < N, got {text!r}")
+    return i, n
+
+
 def cmd_graph(args) -> int:
     if args.length < 1:
         raise UserError(f"--length must be ≥ 1, got {args.length}")
+    part = parse_part(args.part)
     batch_threads(args.threads, torch=False)
     set_memory_budget(args.cache_memory)
     given = {k: v for k, v in strategy_params_from(args).items() if v is not None}
@@ -68,6 +86,16 @@ def cmd_graph(args) -> int:
         print(f"note: {note}", file=sys.stderr)
     space = cfg.with_mode(mode).space(gallery)  # an engine's gallery: read by row, its lists stored there
     engine = not space.holds_gallery
+    if part != (0, 1) and not engine:
+        raise UserError(f"--part splits a build in an engine (--backend milvus); this gallery's artefacts are "
+                        f"built in this process ({args.backend})")
+    if part != (0, 1) and not str(args.uri).startswith(("http://", "https://", "tcp://", "unix:")):
+        raise UserError("--part needs a Milvus server: Milvus Lite (a .db file) is one process's")
+    with building_part(*part) if engine else contextlib.nullcontext():
+        return _build(args, space, engine, dba_params, entry, rr_params)
+
+
+def _build(args, space, engine: bool, dba_params, entry, rr_params) -> int:
     lists = neighbour_lists(space, args.length, progress=args.progress)
     where = f" in the engine ({lists.rows.table.collection})" if engine else ""  # type: ignore[attr-defined]
     print(f"neighbour lists: {space.n:,} items × {lists.rows.shape[1]} ({lists.digest}){where}")

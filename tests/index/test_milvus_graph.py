@@ -5,6 +5,7 @@ and the re-rankers that read by row (diffusion on each query's cut graph, αQE, 
 each query's pool, αDBA searching its augmented gallery in the engine, none) giving the in-RAM
 index's answer while no N-sized read of the collection happens."""
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -126,6 +127,77 @@ def test_the_lists_built_in_the_engine_killed_and_resumed_equal_one_build_and_th
     assert (got[0] == want.rows).mean() > 0.99
     with pytest.raises(UserError, match="read by row"):
         np.asarray(resumed.rows)
+
+
+@pytest.mark.parametrize("engine", ["server"], indirect=True)  # Milvus Lite is one process's
+def test_the_lists_built_by_three_parts_one_cut_short_and_run_again_equal_one_build(engine, gallery, monkeypatch):
+    """`index graph --part I/N`: N processes (threads here, each with its own connection) build one
+    artefact together, each its own blocks; a part cut short resumes from its last block while the
+    others wait for it, and whichever sees every part stored seals the collection."""
+    _, _, uri, _ = engine
+    drop_lists(gallery)
+    monkeypatch.setattr(milvus_space, "BLOCK", 32)  # 5 blocks: parts [0, 1), [1, 3), [3, 5)
+    monkeypatch.setattr(milvus_space, "PART_POLL_S", 0.05)
+    monkeypatch.setattr(milvus_space, "PART_WAIT_S", 60)  # a failure below never leaves a part waiting
+    filled: dict[int, list[int]] = {0: [], 1: [], 2: []}
+
+    def worker(i: int, cut_at: int = 0):
+        g = MilvusGallery(uri, "g")
+        try:
+            space = MilvusSpace(g, "trained", {}, "bilinear")
+            real = space.item_neighbours
+
+            def counted(rows, k):
+                filled[i].append(int(rows[0]))
+                if cut_at and len(filled[i]) == cut_at:
+                    raise KeyboardInterrupt  # Ctrl-C in this part's second block
+                return real(rows, k)
+            space.item_neighbours = counted  # type: ignore[method-assign]
+            with milvus_space.building_part(i, 3):
+                lists = neighbour_lists(space, L)
+                return lists.rows[np.arange(N)], lists.sims[np.arange(N)]
+        except KeyboardInterrupt:
+            return "cut"
+        finally:
+            g.close()
+
+    with ThreadPoolExecutor(3) as pool:
+        first = [pool.submit(worker, 0), pool.submit(worker, 1, 2), pool.submit(worker, 2)]
+        assert first[1].result(timeout=120) == "cut"
+        assert not first[0].done() and not first[2].done()  # waiting for part 1
+        again = pool.submit(worker, 1)
+        got = [first[0].result(timeout=120), again.result(timeout=120), first[2].result(timeout=120)]
+    assert filled == {0: [0], 1: [32, 64, 64], 2: [96, 128]}  # part 1 went on from its second block
+    made = [c for c in gallery.client.list_collections() if c.startswith("g__knn_")]
+    assert len(made) == 1 and json.loads(gallery.client.describe_collection(made[0])["properties"][
+        milvus_space.ARTEFACT])["whole"] is True
+    drop_lists(gallery)
+    CACHE.clear()
+    one = neighbour_lists(MilvusSpace(gallery, "trained", {}, "bilinear"), L)
+    for rows, sims in got:
+        np.testing.assert_array_equal(rows, one.rows[np.arange(N)])
+        np.testing.assert_array_equal(sims, one.sims[np.arange(N)])
+
+
+def test_a_part_is_refused_in_one_line_before_anything_is_written(engine, gallery, tmp_path):
+    t, _, uri, _ = engine
+    drop_lists(gallery)
+    where = ["--backend", "milvus", "--uri", uri, "--collection", "g"]
+    for bad in ("3/3", "1", "a/b", "0/0"):
+        with pytest.raises(UserError, match=r"^--part wants I/N"):
+            main(["graph", *where, "--part", bad])
+    with pytest.raises(UserError, match=r"^--part splits a build in an engine"):
+        main(["graph", "--index", str(t / "idx"), "--part", "0/2"])
+    assert not [c for c in gallery.client.list_collections() if c.startswith("g__")]
+
+
+@pytest.mark.parametrize("engine", ["lite"], indirect=True)
+def test_parts_on_milvus_lite_are_refused(engine, gallery):
+    _, _, uri, _ = engine
+    drop_lists(gallery)
+    with pytest.raises(UserError, match=r"^--part needs a Milvus server: Milvus Lite \(a \.db file\) is one"):
+        main(["graph", "--backend", "milvus", "--uri", uri, "--collection", "g", "--part", "0/2"])
+    assert not [c for c in gallery.client.list_collections() if c.startswith("g__")]
 
 
 # (each by-row re-ranker at its defaults, in both modes: tests/index/test_milvus.py)
