@@ -183,26 +183,24 @@ class MemoryCache:
             self._reserved += reserve
             dropped = self._forget_gone() + self._evict(keep=None)
         del dropped  # outside the lock (see `_evict`)
+        value, size, built = None, 0, False
         try:
             value = build()
-        except BaseException:
+            size = nbytes(value)
+            built = True
+        finally:  # built or not (an error, Ctrl-C): the reservation returned, the waiters woken
             with self._lock:
                 self._reserved -= reserve
-                mine.done, mine.failed = True, True
+                mine.done, mine.failed, mine.value = True, not built, value
                 del self._building[key]
+                dropped = []
+                if built:
+                    dropped = [self._entries.pop(key, None), *self._forget_gone()]
+                    if size <= (self.budget if max_bytes is None else min(self.budget, max_bytes)):
+                        self._entries[key] = (value, size)
+                        dropped += self._evict(keep=key)
                 self._changed.notify_all()
-            raise
-        size = nbytes(value)
-        with self._lock:
-            self._reserved -= reserve
-            mine.done, mine.value = True, value
-            del self._building[key]
-            dropped = [self._entries.pop(key, None), *self._forget_gone()]
-            if size <= (self.budget if max_bytes is None else min(self.budget, max_bytes)):
-                self._entries[key] = (value, size)
-                dropped += self._evict(keep=key)
-            self._changed.notify_all()
-        del dropped  # here, outside the lock (see `_evict`)
+            del dropped  # here, outside the lock (see `_evict`)
         return value
 
     def _evict(self, keep: Hashable | None) -> list:

@@ -51,6 +51,7 @@ WINDOW = 16384          # Milvus's largest result window: one query's rows at mo
 ARTEFACT = "dml.artefact"  # the property naming what an artefact collection holds, and whether it is whole
 PART_POLL_S = 5.0       # how often a part that is done looks whether the others are
 PART_WAIT_S: float | None = None  # how long it waits for them (None: as long as they take)
+CREATOR_MARK_S = 30.0   # how long a builder that found the collection just made waits for its maker's first mark
 # (i, n): this process builds part i of n of every artefact it builds in the engine (`building_part`)
 _PART: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("engine_build_part", default=(0, 1))
 
@@ -59,9 +60,9 @@ _PART: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("engine_
 def building_part(i: int, n: int) -> Iterator[None]:
     """Within this block, an artefact built in the engine is built by n processes together (on one
     machine or many, each with its own i): this one stores the rows of its i-th n-th of the blocks,
-    records how far it got under its own property, and waits until every part is stored; then
-    whichever part sees that first seals the collection (flush, index, load, marked whole), and
-    each goes on to the next artefact.  A part cut short resumes from its last block."""
+    records how far it got under its own property, and waits until every part is stored; then the
+    last part (n − 1) seals the collection (flush, index, load, marked whole) while the others wait
+    for that, and each goes on to the next artefact.  A part cut short resumes from its last block."""
     if not (n >= 1 and 0 <= i < n):
         raise UserError(f"--part wants I/N with 0 ≤ I < N, got {i}/{n}")
     token = _PART.set((int(i), int(n)))
@@ -213,31 +214,37 @@ class EngineTable:
         blocks = -(-self.n // BLOCK)
         return blocks * i // n, blocks * (i + 1) // n
 
-    def _parts_next(self, n: int) -> dict[int, int]:
-        """Each of the n parts' next block to store (its first where it has recorded none)."""
-        props = self.gallery.client.describe_collection(self.collection).get("properties", {})
+    def _props(self) -> dict:
+        return self.gallery.client.describe_collection(self.collection).get("properties", {})
+
+    def _parts_next(self, n: int, epoch: int, props: dict | None = None) -> dict[int, int]:
+        """Each of the n parts' next block to store under layout `epoch` (its first where it has
+        recorded none: a part's record from another layout is not its progress in this one)."""
+        props = self._props() if props is None else props
         out = {}
         for i in range(n):
-            got = props.get(self._part_key(i, n))
-            out[i] = int(json.loads(got)["next"]) if got else self._part_range(i, n)[0]
+            got = json.loads(props.get(self._part_key(i, n), "{}"))
+            ok = got.get("epoch") == epoch and "next" in got
+            out[i] = int(got["next"]) if ok else self._part_range(i, n)[0]
         return out
 
-    def _sealed(self) -> bool:
-        props = self.gallery.client.describe_collection(self.collection).get("properties", {})
-        return ARTEFACT in props and bool(json.loads(props[ARTEFACT]).get("whole"))
+    def _layout(self, props: dict) -> tuple[int, int, bool]:
+        """(parts, epoch, whole) as the collection's mark records them."""
+        got = json.loads(props[ARTEFACT]) if ARTEFACT in props else {}
+        return int(got.get("parts", 1)), int(got.get("epoch", 0)), bool(got.get("whole"))
 
     def build(self, fill: Callable[[int, int], dict[str, np.ndarray]], progress: bool = False) -> EngineTable:
         """Every row's values, from `fill`, stored unless the collection holds them whole already;
-        within `building_part(i, n)`, the rows of part i alone, then waiting for the other parts."""
+        within `building_part(i, n)`, the rows of part i alone, then waiting for the other parts.
+
+        The mark records the layout the progress was recorded under: `parts` (1: one process, its
+        progress `done`; N: each part's under its own property) and an `epoch`, raised whenever a
+        build comes with another layout than the recorded one.  Such a build starts over (its
+        range's rows deleted first): progress recorded under one layout never counts in another."""
         pm, client = self.gallery.pm, self.gallery.client
         part, parts = _PART.get()
         try:
             state = self._state()
-            if state is not None and state.get("whole"):
-                client.load_collection(self.collection)  # as the gallery is (a restarted server releases it)
-                self.whole = True
-                return self
-            fresh = state is None
             if state is None:
                 ip = client.prepare_index_params()
                 if self.searched:  # indexed as the gallery's vectors are (its type and build parameters)
@@ -248,10 +255,31 @@ class EngineTable:
                     ip.add_index("_v", index_type="FLAT", metric_type="IP")
                 try:
                     client.create_collection(self.collection, schema=self._schema(), index_params=ip)
+                    fresh = True
                 except pm.exceptions.MilvusException:
                     if not client.has_collection(self.collection):  # not another builder's, made first
                         raise
-                state = self._mark(whole=False, done=0)
+                    fresh = False
+                # only its creator marks it new: a builder that lost the race to create it reads
+                # what the others have recorded (and may have sealed), once the creator's mark is there
+                if fresh:
+                    state = self._mark(whole=False, done=0, parts=parts, epoch=0)
+            else:
+                fresh = False
+            if not fresh:
+                since = time.monotonic()  # made by another just now: its mark comes next
+                while ARTEFACT not in self._props() and time.monotonic() - since < CREATOR_MARK_S:
+                    time.sleep(0.05)
+                state = self._state()
+            assert state is not None
+            if state.get("whole"):
+                client.load_collection(self.collection)  # as the gallery is (a restarted server releases it)
+                self.whole = True
+                return self
+            recorded, epoch = int(state.get("parts", 1)), int(state.get("epoch", 0))
+            if recorded != parts:  # another layout's progress: start over under a new epoch
+                epoch += 1
+                state = self._mark(whole=False, done=0, parts=parts, epoch=epoch)
             # the blocks are inserted in order, and the rows stored so far recorded after each (in the
             # collection's properties, which every reader sees at once): a build cut short goes on from
             # there, first deleting what it stored past that mark (a block it had begun).  Inserts, not
@@ -263,7 +291,7 @@ class EngineTable:
             if parts == 1:
                 done = min(int(state.get("done", 0)) // BLOCK, len(starts))
             else:  # each part records its own progress: parts never write one another's property
-                done = min(max(lo, self._parts_next(parts)[part]), hi)
+                done = min(max(lo, self._parts_next(parts, epoch)[part]), hi)
             if not fresh and done < hi:
                 upto = f" and row < {starts[hi]}" if hi < len(starts) else ""
                 client.load_collection(self.collection)  # a server deletes by filter from a loaded collection
@@ -279,42 +307,57 @@ class EngineTable:
                         {"row": r, **dummy, **{c: got[c][r - a].tolist() for c in self.columns}}
                         for r in range(a, b)])
                     if parts == 1:
-                        self._mark(whole=False, done=b)
+                        self._mark(whole=False, done=b, parts=1, epoch=epoch)
                     else:
-                        set_properties(client, self.collection,
-                                       {self._part_key(part, parts): json.dumps({"next": j + 1})})
+                        self._mark_part(part, parts, epoch, j + 1)
                     bar.update(1)
-            if parts > 1 and not self._await_parts(parts, progress):
-                client.load_collection(self.collection)  # sealed by another part
+            if parts > 1 and not self._await_parts(part, parts, epoch, progress):
+                client.load_collection(self.collection)  # sealed by the last part
                 self.whole = True
                 return self
             client.flush(self.collection)
             if self.searched:  # searched at once: not over rows the server has yet to index
                 self.gallery.wait_indexed(self.collection, self.searched, progress)
             client.load_collection(self.collection)
-            self._mark(whole=True, done=self.n)
+            self._mark(whole=True, done=self.n, parts=parts, epoch=epoch)
             self.whole = True
         except pm.exceptions.MilvusException as e:
             raise UserError(f"building {self.what} in Milvus collection {self.collection!r} failed: "
                             f"{e.message}") from None
         return self
 
-    def _await_parts(self, parts: int, progress: bool) -> bool:
-        """Wait until every part is stored (True: this one seals the collection) or another part
-        has sealed it (False)."""
-        since = time.monotonic()
+    def _mark_part(self, part: int, parts: int, epoch: int, nxt: int) -> None:
+        set_properties(self.gallery.client, self.collection,
+                       {self._part_key(part, parts): json.dumps({"next": nxt, "epoch": epoch})})
+
+    def _await_parts(self, part: int, parts: int, epoch: int, progress: bool) -> bool:
+        """Wait until every part is stored.  The last part (N − 1, whose range is never empty)
+        seals the collection (True); the others wait for its seal (False)."""
+        since, hi = time.monotonic(), self._part_range(part, parts)[1]
         with tqdm(total=parts, desc=f"parts of {self.what} stored", unit="part", disable=not progress) as bar:
             while True:
-                if self._sealed():
+                props = self._props()
+                layout = self._layout(props)
+                if layout[2]:
                     return False
-                nxt = self._parts_next(parts)
+                if layout[:2] != (parts, epoch):
+                    raise UserError(f"another build of {self.what} in {self.collection!r} started meanwhile "
+                                    f"(--part …/{layout[0]}): run every part of one layout, then this one again")
+                nxt = self._parts_next(parts, epoch, props)
+                if nxt[part] < hi:  # our own record lost to a concurrent write: written again
+                    self._mark_part(part, parts, epoch, hi)
+                    nxt[part] = hi
                 stored = sum(nxt[i] >= self._part_range(i, parts)[1] for i in range(parts))
                 bar.update(stored - bar.n)
-                if stored == parts:
+                if stored == parts and part == parts - 1:
                     return True
                 if PART_WAIT_S is not None and time.monotonic() - since > PART_WAIT_S:
-                    raise UserError(f"{parts - stored} of the {parts} parts of {self.what} in {self.collection!r} "
-                                    f"were not stored within {PART_WAIT_S:g} s: run them, then this part again")
+                    where = f"{self.what} in {self.collection!r}"
+                    if stored < parts:
+                        raise UserError(f"{parts - stored} of the {parts} parts of {where} were not stored within "
+                                        f"{PART_WAIT_S:g} s: run them, then this part again")
+                    raise UserError(f"every part of {where} is stored, but the last part ({parts - 1}), which seals "
+                                    f"them, did not within {PART_WAIT_S:g} s: run it again")
                 time.sleep(PART_POLL_S)
 
     # ------------------------------------------------------------ read

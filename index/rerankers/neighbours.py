@@ -100,7 +100,7 @@ def neighbour_lists(space: MetricSpace, L: int, *, progress: bool = False) -> Li
                 index = hnsw_index(space, G)
                 # the extremes from the same graph while it is at hand (row_extremes reads them)
                 space.artefact("extremes", extremes_params(graph_params(F)[0]),
-                               lambda: approximate_extremes(space, G, index, widen))
+                               lambda: approximate_extremes(space, G, index, widen), reserve=space.n * 20)
                 graph.update(G=G, index=index)
             return approximate_block(space, graph["G"], Ls, graph["index"], widen, np.arange(a, b))
         got = space.artefact_in_blocks("knn", params, columns, from_graph, block=BLOCK, progress=progress)

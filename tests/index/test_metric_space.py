@@ -72,6 +72,31 @@ def test_a_build_that_declares_its_size_makes_room_before_it_runs():
     assert c.used == 800  # a failed build's reservation is returned
 
 
+def test_a_reservation_is_returned_when_a_build_fails_and_its_waiter_builds_again():
+    c = MemoryCache(budget=1000)
+    started, go = threading.Event(), threading.Event()
+    seen = []
+
+    def failing():
+        started.set()
+        go.wait(5)
+        seen.append(c.used)  # the reservation counted while the build runs
+        raise RuntimeError("no")
+
+    def fine():
+        return np.zeros(200, np.uint8)
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(c.get_or_build, "k", failing, reserve=300)
+        assert started.wait(5)
+        second = pool.submit(c.get_or_build, "k", fine, reserve=300)  # waits for the first build
+        time.sleep(0.1)
+        go.set()
+        with pytest.raises(RuntimeError):
+            first.result(5)
+        assert len(second.result(5)) == 200  # the failed build's waiter built it itself
+    assert seen == [300] and c.used == 200 and c.peek("k") is not None
+
+
 def test_rows_read_by_row_count_against_the_one_budget_and_keep_to_their_share():
     """The rows an engine's gallery is read by (core.memory.rows_put) are held in the same budget
     as the entries: together never above it, the rows never above their share, least recently

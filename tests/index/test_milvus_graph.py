@@ -161,6 +161,10 @@ def test_the_lists_built_by_three_parts_one_cut_short_and_run_again_equal_one_bu
         finally:
             g.close()
 
+    flushed: list[str] = []
+    flush = pymilvus.MilvusClient.flush
+    monkeypatch.setattr(pymilvus.MilvusClient, "flush", lambda self, name, *a, **kw: flushed.append(name) or flush(
+        self, name, *a, **kw))
     with ThreadPoolExecutor(3) as pool:
         first = [pool.submit(worker, 0), pool.submit(worker, 1, 2), pool.submit(worker, 2)]
         assert first[1].result(timeout=120) == "cut"
@@ -171,12 +175,52 @@ def test_the_lists_built_by_three_parts_one_cut_short_and_run_again_equal_one_bu
     made = [c for c in gallery.client.list_collections() if c.startswith("g__knn_")]
     assert len(made) == 1 and json.loads(gallery.client.describe_collection(made[0])["properties"][
         milvus_space.ARTEFACT])["whole"] is True
+    assert flushed == made  # sealed once, by the last part
     drop_lists(gallery)
     CACHE.clear()
     one = neighbour_lists(MilvusSpace(gallery, "trained", {}, "bilinear"), L)
     for rows, sims in got:
         np.testing.assert_array_equal(rows, one.rows[np.arange(N)])
         np.testing.assert_array_equal(sims, one.sims[np.arange(N)])
+
+
+@pytest.mark.parametrize("engine", ["server"], indirect=True)
+def test_progress_recorded_by_parts_never_counts_in_one_process_and_back(engine, gallery, monkeypatch):
+    """One process cut short, then part 0 of 2 (which deletes and stores its own blocks) cut short,
+    then one process again: each layout starts over, so no row is lost, and the lists equal one
+    build's; part keys of an earlier layout of the same N do not count either."""
+    drop_lists(gallery)
+    monkeypatch.setattr(milvus_space, "BLOCK", 32)  # 5 blocks
+    space = MilvusSpace(gallery, "trained", {}, "bilinear")
+    real = space.item_neighbours
+    calls: list[int] = []
+
+    def cut_at(n):
+        def f(rows, k):
+            calls.append(int(rows[0]))
+            if n and len(calls) == n:
+                raise KeyboardInterrupt
+            return real(rows, k)
+        return f
+    monkeypatch.setattr(space, "item_neighbours", cut_at(3))
+    with pytest.raises(KeyboardInterrupt):
+        neighbour_lists(space, L)  # blocks 0 and 1 stored
+    calls.clear()
+    monkeypatch.setattr(space, "item_neighbours", cut_at(2))
+    with pytest.raises(KeyboardInterrupt), milvus_space.building_part(0, 2):
+        neighbour_lists(space, L)  # its blocks [0, 2): rows 0–63 deleted, block 0 stored again
+    assert calls == [0, 32]
+    calls.clear()
+    monkeypatch.setattr(space, "item_neighbours", cut_at(0))
+    got = neighbour_lists(space, L)
+    assert calls == [0, 32, 64, 96, 128]  # started over: part 0's block does not count here
+    rows = np.arange(N)
+    got_rows, got_sims = got.rows[rows], got.sims[rows]
+    drop_lists(gallery)
+    CACHE.clear()
+    one = neighbour_lists(MilvusSpace(gallery, "trained", {}, "bilinear"), L)
+    np.testing.assert_array_equal(got_rows, one.rows[rows])
+    np.testing.assert_array_equal(got_sims, one.sims[rows])
 
 
 def test_a_part_is_refused_in_one_line_before_anything_is_written(engine, gallery, tmp_path):
