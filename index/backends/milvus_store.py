@@ -75,11 +75,16 @@ def _pymilvus():
     return pymilvus
 
 
+def is_server_uri(uri: str) -> bool:
+    """Whether `uri` names a Milvus server (or cluster), not a Milvus Lite file."""
+    return str(uri).startswith(("http://", "https://", "tcp://", "unix:"))
+
+
 def connect(uri: str, token: str = ""):
     """A MilvusClient: PATH.db opens Milvus Lite in this process, http(s)://host:port a server."""
     pm = _pymilvus()
     uri = str(uri)
-    if not uri.startswith(("http://", "https://", "tcp://", "unix:")):
+    if not is_server_uri(uri):
         p = Path(uri)
         if p.suffix != ".db":
             raise UserError(f"Milvus URI {uri!r}: give http(s)://host:port for a server, or a file path "

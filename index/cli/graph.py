@@ -17,6 +17,7 @@ from core.flags import add_shared_args
 
 from ..backends.flags import backend_args
 from ..backends.milvus_space import building_part
+from ..backends.milvus_store import is_server_uri
 from ..rerankers.dba import augmented
 from ..rerankers.neighbours import MIN_LENGTH, extremes_digest, neighbour_lists, row_extremes
 from ..rerankers.registry import RERANKERS, clipped
@@ -89,7 +90,7 @@ def cmd_graph(args) -> int:
     if part != (0, 1) and not engine:
         raise UserError(f"--part splits a build in an engine (--backend milvus); this gallery's artefacts are "
                         f"built in this process ({args.backend})")
-    if part != (0, 1) and not str(args.uri).startswith(("http://", "https://", "tcp://", "unix:")):
+    if part != (0, 1) and not is_server_uri(args.uri):
         raise UserError("--part needs a Milvus server: Milvus Lite (a .db file) is one process's")
     with building_part(*part) if engine else contextlib.nullcontext():
         return _build(args, space, engine, dba_params, entry, rr_params)
