@@ -2,10 +2,11 @@
 PY := .venv/bin/python
 DEMO_ARGS ?=
 TEST_ARGS ?=
-# test processes (pytest-xdist), each with one torch/BLAS thread: on 2 cores, 2 × 1 thread finishes the
-# suite in about 0.7× the time of one process with 2 threads
-TEST_WORKERS ?= 2
-PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS)
+# test processes (pytest-xdist), each with one torch/BLAS thread, handed tests as they free up
+# (worksteal).  More processes than the 2 cores: a third of the suite's time is spent waiting on
+# Milvus servers, browsers and started processes, which the other processes fill (docs/development.md)
+TEST_WORKERS ?= 4
+PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 # what `make test-fast` leaves out: a real browser, Milvus (Lite and a server), and tests that start several processes
 SLOW_MARKERS := not browser and not milvus and not multiprocess
 

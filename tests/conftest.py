@@ -60,3 +60,21 @@ def milvus_server(tmp_path_factory):
         pytest.skip(f"the Milvus server cannot run here: {e}")
     yield server
     server.stop()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quick_milvus_polls():
+    """pymilvus waits for an index, a flush and a load by polling the server every 0.5 s (0.2 s
+    for a load); the tests' collections are ready within milliseconds, so they poll every 20 ms."""
+    try:
+        from pymilvus.client import grpc_handler
+    except ImportError:
+        yield
+        return
+    import types
+
+    real = grpc_handler.time
+    grpc_handler.time = types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real) if not k.startswith("__")})
+    grpc_handler.time.sleep = lambda s: real.sleep(min(s, 0.02))
+    yield
+    grpc_handler.time = real
