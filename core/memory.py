@@ -8,6 +8,7 @@ layer") describes the policy."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
@@ -56,6 +57,21 @@ def row_bytes(value: Any) -> int:
     return ROW_ENTRY + sum(ARRAY_ENTRY + int(a.nbytes) for a in arrays)
 
 
+def _arrays_of(value: Any) -> list:
+    """The arrays a value is made of at its top level (a dict's values, a tuple's or a list's
+    items): a reader may keep one of them after letting the value itself go."""
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
+    return [a for a in items if isinstance(a, np.ndarray)]
+
+
+def _in_use(value: Any) -> bool:
+    """Whether anything holds `value`, or one of its arrays, beyond one holder of the value
+    (an entry's tuple, the caller's local) and this call: CPython's reference counts, whose
+    baselines here are 3 for the value (holder, this parameter, getrefcount's argument) and 4
+    for each array (its container, the list, the loop's name, the argument)."""
+    return sys.getrefcount(value) > 3 or any(sys.getrefcount(a) > 4 for a in _arrays_of(value))
+
+
 class _Build:
     """One build in flight: the threads that wait for it read its value when it is done."""
     __slots__ = ("done", "value", "failed")
@@ -69,13 +85,19 @@ class MemoryCache:
     `get_or_build` builds a missing entry outside the lock while any other thread asking for
     the same key waits for that build: one build per key at a time.  A build that declares its
     size (`reserve=`) counts against the budget from its start, so that older entries make room
-    before it runs rather than after."""
+    before it runs rather than after.  An evicted value that a reader still holds (a request
+    that is using it) stays counted until the last reader lets it go, and a thread asking for it
+    meanwhile gets it back rather than a second copy; only a value the cache owns, one that its
+    build made (not an array some other object holds too, such as a gallery's own), is followed
+    so."""
 
     def __init__(self, budget: int):
         self.budget = int(budget)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
+        self._entries: OrderedDict[Hashable, tuple[Any, int, bool]] = OrderedDict()  # (value, size, owned)
+        self._held: dict[Hashable, tuple[Any, int]] = {}  # evicted, still read: (value, size)
+        self._held_bytes = 0
         self._building: dict[Hashable, _Build] = {}
         self._gone: deque = deque()  # owners whose entries go at the next call (`drop_owner`)
         self._rows: OrderedDict[tuple[Hashable, int], tuple[Any, int]] = OrderedDict()  # (space, row) → row
@@ -84,8 +106,8 @@ class MemoryCache:
 
     @property
     def used(self) -> int:
-        """The bytes counted against the budget: the entries, the rows and the declared sizes of
-        the builds running now."""
+        """The bytes counted against the budget: the entries, the rows, the declared sizes of
+        the builds running now, and the evicted values a reader still holds."""
         with self._lock:
             dropped = self._forget_gone()
             total = self._total()
@@ -93,7 +115,16 @@ class MemoryCache:
         return total
 
     def _total(self) -> int:
-        return sum(s for _, s in self._entries.values()) + self._row_bytes + self._reserved
+        return sum(e[1] for e in self._entries.values()) + self._row_bytes + self._reserved + self._held_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """The bytes of the evicted values that readers still hold (counted in `used`)."""
+        with self._lock:
+            dropped = self._forget_gone()
+            held = self._held_bytes
+        del dropped  # outside the lock (see `_evict`)
+        return held
 
     @property
     def rows_used(self) -> int:
@@ -152,6 +183,9 @@ class MemoryCache:
         with self._lock:
             dropped = self._forget_gone()
             hit = self._entries.get(key)
+            if hit is None and key in self._held:
+                hit, back = self._back(key)
+                dropped += back
             if hit is not None:
                 self._entries.move_to_end(key)
         del dropped  # outside the lock (see `_evict`)
@@ -167,6 +201,8 @@ class MemoryCache:
         with self._lock:
             while True:
                 hit = self._entries.get(key)
+                if hit is None and key in self._held:
+                    hit, dropped = self._back(key)  # released as this frame ends, after the lock
                 if hit is not None:
                     self._entries.move_to_end(key)
                     return hit[0]
@@ -183,9 +219,10 @@ class MemoryCache:
             self._reserved += reserve
             dropped = self._forget_gone() + self._evict(keep=None)
         del dropped  # outside the lock (see `_evict`)
-        value, size, built = None, 0, False
+        value, size, built, owned = None, 0, False, False
         try:
             value = build()
+            owned = not _in_use(value)  # made by its build: nothing else holds it or its arrays
             size = nbytes(value)
             built = True
         finally:  # built or not (an error, Ctrl-C): the reservation returned, the waiters woken
@@ -197,7 +234,7 @@ class MemoryCache:
                 if built:
                     dropped = [self._entries.pop(key, None), *self._forget_gone()]
                     if size <= (self.budget if max_bytes is None else min(self.budget, max_bytes)):
-                        self._entries[key] = (value, size)
+                        self._entries[key] = (value, size, owned)
                         dropped += self._evict(keep=key)
                 self._changed.notify_all()
             del dropped  # here, outside the lock (see `_evict`)
@@ -217,8 +254,14 @@ class MemoryCache:
                 break
             if k != keep:
                 entry = self._entries.pop(k)
-                dropped.append(entry)
                 total -= entry[1]
+                # still read elsewhere (beyond `entry` and the call's argument): counted until let go
+                if entry[2] and entry[1] and _in_use(entry[0]):
+                    self._held[k] = (entry[0], entry[1])
+                    self._held_bytes += entry[1]
+                    total += entry[1]
+                else:
+                    dropped.append(entry)
         while total > self.budget and self._rows:  # an entry as large as the budget: the rows give way
             size = self._rows.popitem(last=False)[1][1]
             self._row_bytes -= size
@@ -238,22 +281,44 @@ class MemoryCache:
         the owner (a deque's append takes no lock)."""
         self._gone.append(owner)
 
-    def _forget_gone(self) -> list:
-        """Under the lock: drop the entries of the owners `drop_owner` noted; returns them (to be
-        released outside the lock)."""
+    def _back(self, key: Hashable) -> tuple[tuple[Any, int, bool], list]:
+        """Under the lock: an evicted value that a reader still holds made the most recent entry
+        again, and the others evicted past the budget; returns (its entry, what was evicted)."""
+        held = self._held.pop(key)
+        self._held_bytes -= held[1]
+        self._entries[key] = entry = (held[0], held[1], True)
+        return entry, self._evict(keep=key)
+
+    def _let_go(self) -> list:
+        """Under the lock: forget the evicted values no reader holds any more; returns them, to
+        be released outside the lock."""
         dropped = []
+        for k, held in list(self._held.items()):
+            if not _in_use(held[0]):
+                dropped.append(self._held.pop(k))
+                self._held_bytes -= held[1]
+        return dropped
+
+    def _forget_gone(self) -> list:
+        """Under the lock: drop the entries of the owners `drop_owner` noted, and the evicted
+        values no reader holds any more; returns them (to be released outside the lock)."""
+        dropped = self._let_go()
         while self._gone:
             owner = self._gone.popleft()
             for k in [k for k in self._entries if isinstance(k, tuple) and k and k[0] is owner]:
                 dropped.append(self._entries.pop(k))
+            for k in [k for k in self._held if isinstance(k, tuple) and k and k[0] is owner]:
+                dropped.append(self._held.pop(k))
+                self._held_bytes -= dropped[-1][1]
         return dropped
 
     def clear(self) -> None:
         with self._lock:
             self._gone.clear()
             dropped, self._entries = self._entries, OrderedDict()
+            held, self._held, self._held_bytes = self._held, {}, 0
             rows, self._rows, self._row_bytes = self._rows, OrderedDict(), 0
-        del dropped, rows  # outside the lock (see `_evict`)
+        del dropped, rows, held  # outside the lock (see `_evict`)
 
 
 def _initial_budget() -> int:

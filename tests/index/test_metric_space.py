@@ -50,6 +50,43 @@ def test_entries_are_evicted_least_recently_used_first_by_bytes():
     assert c.used <= 400
 
 
+def test_an_evicted_value_a_reader_holds_stays_counted_until_it_lets_go():
+    c = MemoryCache(budget=1000)
+    a = c.get_or_build("a", lambda: np.zeros(600, np.uint8))  # a request reads it
+    c.get_or_build("b", lambda: np.zeros(600, np.uint8))  # evicts a, which the reader still holds
+    assert c.peek("b") is not None and c.used == 1200 and c.held_bytes == 600
+    c.get_or_build("c", lambda: np.zeros(300, np.uint8))  # b, which nobody reads, makes room for it
+    assert c.peek("b") is None and c.used == 900
+    del a
+    assert c.used == 300 and c.held_bytes == 0
+    # a reader that keeps one array of a value it unpacked holds that value's memory too
+    rows, sims = c.get_or_build("t", lambda: (np.zeros(400, np.uint8), np.zeros(200, np.uint8)))
+    c.get_or_build("u", lambda: np.zeros(900, np.uint8))
+    assert c.held_bytes == 600
+    del rows
+    assert c.held_bytes == 600  # the value is let go when its last array is
+    del sims
+    assert c.held_bytes == 0 and c.used == 900
+
+
+def test_a_held_value_asked_for_again_is_given_back_not_built_twice():
+    c = MemoryCache(budget=1000)
+    a = c.get_or_build("a", lambda: np.zeros(600, np.uint8))
+    c.get_or_build("b", lambda: np.zeros(600, np.uint8))
+    again = c.get_or_build("a", lambda: pytest.fail("built a second copy"))
+    assert again is a and c.peek("b") is None and c.used == 600 and c.held_bytes == 0
+
+
+def test_a_value_another_object_holds_too_is_not_counted_after_its_eviction():
+    """An array the cache did not make (a gallery's own, kept by the gallery for its life) would
+    stay counted for ever: eviction cannot free it, and it would shrink the budget for good."""
+    own = np.zeros(600, np.uint8)
+    c = MemoryCache(budget=1000)
+    c.get_or_build("own", lambda: own)
+    c.get_or_build("b", lambda: np.zeros(600, np.uint8))
+    assert c.peek("own") is None and c.held_bytes == 0 and c.used == 600
+
+
 def test_a_build_that_declares_its_size_makes_room_before_it_runs():
     c = MemoryCache(budget=1000)
     for k in "abc":
