@@ -57,19 +57,23 @@ def row_bytes(value: Any) -> int:
     return ROW_ENTRY + sum(ARRAY_ENTRY + int(a.nbytes) for a in arrays)
 
 
-def _arrays_of(value: Any) -> list:
-    """The arrays a value is made of at its top level (a dict's values, a tuple's or a list's
-    items): a reader may keep one of them after letting the value itself go."""
+_SHARED = (int, float, complex, str, bytes, bool, type(None))  # interned or immutable: held by anyone
+
+
+def _parts_of(value: Any) -> list:
+    """What a value is made of at its top level (a dict's values, a tuple's or a list's items,
+    numbers and strings aside): a reader may keep one of them after letting the value itself go
+    (`M, ops = cached` keeps M)."""
     items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
-    return [a for a in items if isinstance(a, np.ndarray)]
+    return [a for a in items if not isinstance(a, _SHARED)]
 
 
 def _in_use(value: Any) -> bool:
-    """Whether anything holds `value`, or one of its arrays, beyond one holder of the value
-    (an entry's tuple, the caller's local) and this call: CPython's reference counts, whose
+    """Whether anything holds `value`, or one of its parts, beyond one holder of the value (an
+    entry's tuple, the caller's local) and this call: CPython 3.11's reference counts, whose
     baselines here are 3 for the value (holder, this parameter, getrefcount's argument) and 4
-    for each array (its container, the list, the loop's name, the argument)."""
-    return sys.getrefcount(value) > 3 or any(sys.getrefcount(a) > 4 for a in _arrays_of(value))
+    for each part (its container, the list, the loop's name, the argument)."""
+    return sys.getrefcount(value) > 3 or any(sys.getrefcount(a) > 4 for a in _parts_of(value))
 
 
 class _Build:
@@ -199,10 +203,12 @@ class MemoryCache:
         `reserve`: the bytes the build will hold (its value's size, where known beforehand),
         counted against the budget while it runs."""
         with self._lock:
+            dropped = self._forget_gone()  # released as this frame ends, after the lock
             while True:
                 hit = self._entries.get(key)
                 if hit is None and key in self._held:
-                    hit, dropped = self._back(key)  # released as this frame ends, after the lock
+                    hit, back = self._back(key)
+                    dropped += back
                 if hit is not None:
                     self._entries.move_to_end(key)
                     return hit[0]
@@ -217,7 +223,7 @@ class MemoryCache:
             mine = self._building[key] = _Build()
             reserve = max(0, int(reserve))
             self._reserved += reserve
-            dropped = self._forget_gone() + self._evict(keep=None)
+            dropped += self._forget_gone() + self._evict(keep=None)
         del dropped  # outside the lock (see `_evict`)
         value, size, built, owned = None, 0, False, False
         try:

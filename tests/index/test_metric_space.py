@@ -69,12 +69,44 @@ def test_an_evicted_value_a_reader_holds_stays_counted_until_it_lets_go():
     assert c.held_bytes == 0 and c.used == 900
 
 
+def test_a_reader_that_keeps_one_object_of_a_value_holds_the_value():
+    """A strategy's M′ is cached as (metric, [its arrays]) and read as `refined[0]`."""
+    class Metric:
+        pass
+    c = MemoryCache(budget=1000)
+    metric = c.get_or_build("m", lambda: (Metric(), [np.zeros(600, np.uint8)]))[0]
+    c.get_or_build("b", lambda: np.zeros(600, np.uint8))
+    assert c.held_bytes == 600
+    del metric
+    assert c.held_bytes == 0 and c.used == 600
+
+
 def test_a_held_value_asked_for_again_is_given_back_not_built_twice():
     c = MemoryCache(budget=1000)
     a = c.get_or_build("a", lambda: np.zeros(600, np.uint8))
     c.get_or_build("b", lambda: np.zeros(600, np.uint8))
     again = c.get_or_build("a", lambda: pytest.fail("built a second copy"))
     assert again is a and c.peek("b") is None and c.used == 600 and c.held_bytes == 0
+    c.get_or_build("b", lambda: np.zeros(600, np.uint8))  # a evicted, held again
+    assert c.peek("a") is a and c.peek("b") is None and c.used == 600  # peek gives it back too
+    # a give-back first forgets what readers let go: b, held and then let go, evicts nothing
+    b = c.get_or_build("b", lambda: np.zeros(600, np.uint8))
+    c.get_or_build("x", lambda: np.zeros(300, np.uint8))  # evicts a (held) and b (held)
+    assert c.held_bytes == 1200
+    del b
+    assert c.get_or_build("a", lambda: pytest.fail("built a second copy")) is a
+    assert c.peek("x") is not None and c.used == 900
+
+
+def test_a_held_value_of_a_dropped_owner_is_forgotten():
+    c = MemoryCache(budget=1000)
+    owner = object()
+    v = c.get_or_build((owner, "norms"), lambda: np.zeros(600, np.uint8))
+    c.get_or_build("b", lambda: np.zeros(600, np.uint8))
+    assert c.held_bytes == 600
+    c.drop_owner(owner)
+    assert c.held_bytes == 0 and c.used == 600
+    del v
 
 
 def test_a_value_another_object_holds_too_is_not_counted_after_its_eviction():
