@@ -201,7 +201,7 @@ class MemoryCache:
         size is within `max_bytes` (default: the budget), evicting the least recently used.  A
         thread that finds the same key being built waits for that build and returns its value.
         `reserve`: the bytes the build will hold (its value's size, where known beforehand),
-        counted against the budget while it runs."""
+        counted against the budget while it runs (not when the value will be too large to keep)."""
         with self._lock:
             dropped = self._forget_gone()  # released as this frame ends, after the lock
             while True:
@@ -222,6 +222,8 @@ class MemoryCache:
                 # the build failed (its thread raised): build here
             mine = self._building[key] = _Build()
             reserve = max(0, int(reserve))
+            if reserve > (self.budget if max_bytes is None else min(self.budget, max_bytes)):
+                reserve = 0  # it will not be kept: emptying the cache for it would only cost rebuilds
             self._reserved += reserve
             dropped += self._forget_gone() + self._evict(keep=None)
         del dropped  # outside the lock (see `_evict`)

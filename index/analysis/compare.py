@@ -71,13 +71,15 @@ class QuerySweep(GramSweep):
         self.key = key
 
     def gram(self) -> np.ndarray:
-        if self._G is None and self.key is not None:
-            self._G = CACHE.get_or_build(("analysis.compare", key_hash(self.key, "gram")), super().gram)
+        if self._G is None and self.key is not None:  # built as the cache's own, counted from its start
+            self._G = CACHE.get_or_build(("analysis.compare", key_hash(self.key, "gram")), self.new_gram,
+                                         reserve=self.n * self.n * 4)
         return super().gram()
 
     def low_rank(self) -> np.ndarray:
         if self._T is None and self.key is not None:
-            self._T = CACHE.get_or_build(("analysis.compare", key_hash(self.key, "low-rank")), super().low_rank)
+            self._T = CACHE.get_or_build(("analysis.compare", key_hash(self.key, "low-rank")), self.new_low_rank,
+                                         reserve=self.n * self.n * 4)
         return super().low_rank()
 
     def per_query(self, S: torch.Tensor, mode: str, top: int = NEIGHBOURS) -> tuple[np.ndarray, np.ndarray]:

@@ -61,14 +61,22 @@ class GramSweep:
 
     def gram(self) -> np.ndarray:
         if self._G is None:
-            self._G = symmetric_product(self.phi, self.phi)
+            self._G = self.new_gram()
         return self._G
 
     def low_rank(self) -> np.ndarray:
         if self._T is None:
-            E = self.phi @ self.W.T
-            self._T = symmetric_product(E, E)
+            self._T = self.new_low_rank()
         return self._T
+
+    def new_gram(self) -> np.ndarray:
+        """ΦΦᵀ (N × N float32), computed anew."""
+        return symmetric_product(self.phi, self.phi)
+
+    def new_low_rank(self) -> np.ndarray:
+        """EEᵀ with E = ΦWᵀ (N × N float32), computed anew."""
+        E = self.phi @ self.W.T
+        return symmetric_product(E, E)
 
     def _buffer(self, name: str) -> np.ndarray:
         if getattr(self, name) is None:

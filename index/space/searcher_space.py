@@ -36,11 +36,26 @@ class SearcherSpace:
         self.strategy, self.params = strategy, dict(params or {})
         self._mode = mode
         # raises UserError for cosine under an indefinite M′ (resolve the mode first, as for search)
-        self._t, self._index, self._norms = searcher.query_view(strategy, self.params, mode)
+        searcher.query_view(strategy, self.params, mode)
         self._apply = searcher.metric(strategy, self.params).op.apply
         self._cache_dir = Path(cache_dir) if cache_dir is not None else None
         self._store: OfflineStore | None = None
         self._cache_key: str | None = None
+
+    # The query view (transform, index, M′-norms) is asked of the searcher at each use, from the
+    # memory cache: a space kept for later (`gallery_space` keeps a few) holds no norm-scaled copy
+    # of the gallery that the budget has let go.
+    @property
+    def _t(self):
+        return self.searcher.query_view(self.strategy, self.params, self._mode)[0]
+
+    @property
+    def _index(self):
+        return self.searcher.query_view(self.strategy, self.params, self._mode)[1]
+
+    @property
+    def _norms(self):
+        return self.searcher.query_view(self.strategy, self.params, self._mode)[2]
 
     # ------------------------------------------------------------ identity
     holds_gallery = True  # its features are in RAM or memory-mapped

@@ -98,6 +98,40 @@ def test_a_held_value_asked_for_again_is_given_back_not_built_twice():
     assert c.peek("x") is not None and c.used == 900
 
 
+def test_a_build_too_large_to_keep_evicts_nothing_for_its_reservation():
+    c = MemoryCache(budget=1000)
+    c.get_or_build("a", lambda: np.zeros(600, np.uint8))
+    big = c.get_or_build("big", lambda: np.zeros(1500, np.uint8), reserve=1500)
+    assert len(big) == 1500 and c.peek("a") is not None and c.used == 600
+
+
+def test_a_comparisons_gram_counts_from_its_build_and_while_its_sweep_reads_it(monkeypatch):
+    from index.analysis.compare import QuerySweep
+
+    rng = np.random.default_rng(0)
+    n = 60
+    sweep = QuerySweep(rng.normal(size=(n, 8)).astype(np.float32), rng.integers(0, 4, n),
+                       rng.normal(size=(3, 8)).astype(np.float32), key="gallery")
+    before = CACHE.budget
+    try:
+        CACHE.set_budget(n * n * 4 + 1000)
+        CACHE.get_or_build("older", lambda: np.zeros(2000, np.uint8))
+        during = []
+        build = QuerySweep.new_gram
+        monkeypatch.setattr(QuerySweep, "new_gram", lambda self: during.append(CACHE.peek("older") is None)
+                            or build(self))
+        G = sweep.gram()
+        assert during == [True]  # the older entry made room before the Gram was built
+        assert np.allclose(G, sweep.phi @ sweep.phi.T, atol=1e-5)
+        CACHE.get_or_build("newer", lambda: np.zeros(n * n * 4, np.uint8))  # evicts the Gram
+        del G
+        assert CACHE.held_bytes == n * n * 4  # the sweep still reads it
+        del sweep
+        assert CACHE.held_bytes == 0
+    finally:
+        CACHE.set_budget(before)
+
+
 def test_a_held_value_of_a_dropped_owner_is_forgotten():
     c = MemoryCache(budget=1000)
     owner = object()
