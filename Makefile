@@ -3,8 +3,8 @@ PY := .venv/bin/python
 DEMO_ARGS ?=
 TEST_ARGS ?=
 # test processes (pytest-xdist), each with one torch/BLAS thread, handed tests as they free up
-# (worksteal).  More processes than the 2 cores: a third of the suite's time is spent waiting on
-# Milvus servers, browsers and started processes, which the other processes fill (docs/development.md)
+# (worksteal).  More processes than the 2 cores: in 2 the cores sit idle for 22 % of the suite, waiting
+# on Milvus servers, browsers and started processes; in 4 they are 99 % busy (docs/development.md)
 TEST_WORKERS ?= 4
 PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 # what `make test-fast` leaves out: a real browser, Milvus (Lite and a server), and tests that start several processes
