@@ -56,6 +56,12 @@ CREATOR_MARK_S = 30.0   # how long a builder that found the collection just made
 _PART: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("engine_build_part", default=(0, 1))
 
 
+def check_part(i: int, n: int) -> None:
+    """Refuse a part I/N outside 0 ≤ I < N, in one line."""
+    if not (n >= 1 and 0 <= i < n):
+        raise UserError(f"--part wants I/N with 0 ≤ I < N, got {i}/{n}")
+
+
 @contextlib.contextmanager
 def building_part(i: int, n: int) -> Iterator[None]:
     """Within this block, an artefact built in the engine is built by n processes together (on one
@@ -63,8 +69,7 @@ def building_part(i: int, n: int) -> Iterator[None]:
     records how far it got under its own property, and waits until every part is stored; then the
     last part (n − 1) seals the collection (flush, index, load, marked whole) while the others wait
     for that, and each goes on to the next artefact.  A part cut short resumes from its last block."""
-    if not (n >= 1 and 0 <= i < n):
-        raise UserError(f"--part wants I/N with 0 ≤ I < N, got {i}/{n}")
+    check_part(i, n)
     token = _PART.set((int(i), int(n)))
     try:
         yield
@@ -176,7 +181,7 @@ class EngineTable:
         client = self.gallery.client
         if not client.has_collection(self.collection):
             return None
-        props = client.describe_collection(self.collection).get("properties", {})
+        props = self._props()
         if ARTEFACT not in props:  # made, and the build cut short before its first mark: nothing stored
             return self._facts() | {"whole": False, "done": 0}
         got = json.loads(props[ARTEFACT])
@@ -266,8 +271,8 @@ class EngineTable:
                     state = self._mark(whole=False, done=0, parts=parts, epoch=0)
             else:
                 fresh = False
-            if not fresh:
-                since = time.monotonic()  # made by another just now: its mark comes next
+            if not fresh and ARTEFACT not in self._props():  # made by another just now: its mark comes next
+                since = time.monotonic()
                 while ARTEFACT not in self._props() and time.monotonic() - since < CREATOR_MARK_S:
                     time.sleep(0.05)
                 state = self._state()

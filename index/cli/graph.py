@@ -16,7 +16,7 @@ from core.errors import UserError
 from core.flags import add_shared_args
 
 from ..backends.flags import backend_args
-from ..backends.milvus_space import building_part
+from ..backends.milvus_space import building_part, check_part
 from ..backends.milvus_store import is_server_uri
 from ..rerankers.dba import augmented
 from ..rerankers.neighbours import MIN_LENGTH, extremes_digest, neighbour_lists, row_extremes
@@ -63,8 +63,7 @@ def parse_part(text: str) -> tuple[int, int]:
         i, n = (int(v) for v in str(text).split("/"))
     except ValueError:
         raise UserError(f"--part wants I/N (e.g. 0/4), got {text!r}") from None
-    if not (n >= 1 and 0 <= i < n):
-        raise UserError(f"--part wants I/N with 0 ≤ I < N, got {text!r}")
+    check_part(i, n)
     return i, n
 
 

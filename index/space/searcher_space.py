@@ -45,17 +45,9 @@ class SearcherSpace:
     # The query view (transform, index, M′-norms) is asked of the searcher at each use, from the
     # memory cache: a space kept for later (`gallery_space` keeps a few) holds no norm-scaled copy
     # of the gallery that the budget has let go.
-    @property
-    def _t(self):
-        return self.searcher.query_view(self.strategy, self.params, self._mode)[0]
-
-    @property
-    def _index(self):
-        return self.searcher.query_view(self.strategy, self.params, self._mode)[1]
-
-    @property
-    def _norms(self):
-        return self.searcher.query_view(self.strategy, self.params, self._mode)[2]
+    def _view(self):
+        """(transform, index, M′-norms)."""
+        return self.searcher.query_view(self.strategy, self.params, self._mode)
 
     # ------------------------------------------------------------ identity
     holds_gallery = True  # its features are in RAM or memory-mapped
@@ -113,11 +105,11 @@ class SearcherSpace:
         return l2_normalize(v) if self.searcher.normalize else v
 
     def transform(self, v: np.ndarray) -> np.ndarray:
-        return self._t(np.ascontiguousarray(v, dtype=np.float32))
+        return self._view()[0](np.ascontiguousarray(v, dtype=np.float32))
 
     def _inverse_norms(self) -> np.ndarray:
         def build():  # as Searcher's cosine index: an item of zero M′-norm scores 0
-            nrm = self._norms
+            nrm = self._view()[2]
             return np.where(nrm > 0, 1.0 / np.maximum(nrm, 1e-30), 0.0).astype(np.float32)
         return self.artefact("inverse-norms", None, build, disk=False)
 
@@ -217,7 +209,7 @@ class SearcherSpace:
         ex = as_rows(exclude, n_q, self.n)
         kk = min(k + int((ex >= 0).any()), self.n)
         if self.searcher.exact:
-            scores, rows = self._index.search(self.transform(v), kk)
+            scores, rows = self._view()[1].search(self.transform(v), kk)
         else:
             h = self.searcher.search(v, self.strategy, self.params, self._mode, kk)
             scores, rows = h.scores, h.rows
